@@ -1,0 +1,7 @@
+"""linattn: exact, fast linear attention (Katharopoulos et al. 2020) for NumPy arrays."""
+from . import reference
+from .attention import causal_linear_attention, linear_attention
+from .state import State
+
+__version__ = "0.1.0"
+__all__ = ["causal_linear_attention", "linear_attention", "State", "reference", "__version__"]

@@ -1,0 +1,146 @@
+"""The public attention functions: check the inputs, apply a callable feature map, run one kernel,
+reshape back."""
+import math
+
+import numpy as np
+
+from . import checks
+from .cpu import chunked
+from .cpu.runtime import kernel_section, plan
+from .feature_maps import resolve
+from .state import State
+
+
+def _features(q, k, feature_map, lead, n, comp):
+    """(q', k', kernel code, D'): inputs in the compute dtype, mapped already if the map is a callable."""
+    fn, code, is_callable = resolve(feature_map)
+    q, k = q.astype(comp, copy=False), k.astype(comp, copy=False)
+    if is_callable:
+        q = checks.check_mapped(fn(q), "q", lead, n).astype(comp, copy=False)
+        k = checks.check_mapped(fn(k), "k", lead, n, q.shape[-1]).astype(comp, copy=False)
+    return q, k, code, q.shape[-1]
+
+
+def _flat(x, bh):
+    """(*lead, ..., X) -> (bh, ..., X), a view whenever NumPy can make one."""
+    return x.reshape((bh,) + x.shape[-2:]) if x.ndim >= 2 else x.reshape(bh)
+
+
+def _prepare(q, k, v, feature_map, eps, normalize):
+    q, k, v, lead, n, d, dv, comp, out_dt = checks.check_qkv(q, k, v)
+    eps = checks.check_eps(eps)
+    normalize = checks.check_flag(normalize, "normalize")
+    q, k, code, dk = _features(q, k, feature_map, lead, n, comp)
+    v = v.astype(comp, copy=False)
+    return q, k, v, lead, n, dk, dv, comp, out_dt, eps, normalize, code
+
+
+def causal_linear_attention(q, k, v, *, feature_map="elu", eps=1e-6, normalize=True,
+                            initial_state=None, return_state=False, lengths=None):
+    r"""Causal linear attention: position i attends to positions j <= i.
+
+    .. math:: out_i = \frac{\phi(q_i)^T S_i}{\phi(q_i)^T Z_i + eps},\quad
+              S_i = S_0 + \sum_{j\le i} \phi(k_j) v_j^T,\quad Z_i = Z_0 + \sum_{j\le i} \phi(k_j)
+
+    Parameters
+    ----------
+    q, k : array_like, shape (..., N, D)
+        Queries and keys. Any number of leading dimensions (batch, heads, ...), equal for q, k, v.
+    v : array_like, shape (..., N, Dv)
+        Values.
+    feature_map : {"elu", "relu", "identity"} or callable, default "elu"
+        phi. "elu" is elu(x) + 1. A callable maps an array (..., N, D) to (..., N, D'), in the
+        computation's dtype.
+    eps : float, default 1e-6
+        Added to the denominator; finite and >= 0.
+    normalize : bool, default True
+        False returns the numerator :math:`\phi(q_i)^T S_i` only.
+    initial_state : State, optional
+        State ``(S, Z)`` to continue from (``S`` of shape (..., D', Dv), ``Z`` of (..., D')), as
+        returned by ``return_state=True``; its dtype must be the computation's dtype.
+    return_state : bool, default False
+        Also return the :class:`State` after the last position.
+    lengths : array_like of int, optional
+        True lengths of right-padded sequences, of the shape of the leading dims or of their first
+        dims (``(B,)`` for ``(B, H, N, D)`` inputs). Positions at or past a sequence's length do not
+        enter its state, their outputs are 0, and the returned state is the one at its length.
+
+    Returns
+    -------
+    out : ndarray, shape (..., N, Dv)
+        In the inputs' float dtype (float16 is computed in float32; integers become float64).
+    state : State
+        Only with ``return_state=True``.
+
+    Examples
+    --------
+    >>> import numpy as np, linattn
+    >>> rng = np.random.default_rng(0)
+    >>> q, k, v = (rng.standard_normal((2, 4, 100, 16), dtype=np.float32) for _ in range(3))
+    >>> out, state = linattn.causal_linear_attention(q, k, v, return_state=True)
+    >>> out.shape, state.S.shape, state.Z.shape
+    ((2, 4, 100, 16), (2, 4, 16, 16), (2, 4, 16))
+
+    Two calls through the state equal one call on the whole sequence:
+
+    >>> a, st = linattn.causal_linear_attention(q[..., :60, :], k[..., :60, :], v[..., :60, :],
+    ...                                         return_state=True)
+    >>> b = linattn.causal_linear_attention(q[..., 60:, :], k[..., 60:, :], v[..., 60:, :],
+    ...                                     initial_state=st)
+    >>> bool(np.allclose(np.concatenate([a, b], axis=-2), out, rtol=1e-5, atol=1e-6))
+    True
+    """
+    q, k, v, lead, n, dk, dv, comp, out_dt, eps, normalize, code = _prepare(
+        q, k, v, feature_map, eps, normalize)
+    return_state = checks.check_flag(return_state, "return_state")
+    bh = math.prod(lead)
+    if initial_state is not None:
+        S0, Z0 = checks.check_state(initial_state, "initial_state", lead, dk, dv, comp)
+        S0, Z0 = _flat(np.asarray(S0), bh), _flat(np.asarray(Z0), bh)
+    else:
+        S0, Z0 = np.zeros((bh, dk, dv), comp), np.zeros((bh, dk), comp)
+    lens = (np.full(bh, n, np.int64) if lengths is None
+            else checks.check_lengths(lengths, lead, n))
+    out = np.empty((bh, n, dv), comp)
+    S, Z = np.empty((bh, dk, dv), comp), np.empty((bh, dk), comp)
+    if bh and n:
+        chunk, nsplit = plan(bh, n, dv)
+        with kernel_section(bh * n * dk * dv):
+            chunked.causal_forward(_flat(q, bh), _flat(k, bh), _flat(v, bh), code, comp.type(eps),
+                                   normalize, lens, chunk, nsplit, S0, Z0, out, S, Z)
+    else:
+        S[...], Z[...] = S0, Z0
+    out = out.reshape(lead + (n, dv)).astype(out_dt, copy=False)
+    if return_state:
+        return out, State(S.reshape(lead + (dk, dv)), Z.reshape(lead + (dk,)))
+    return out
+
+
+def linear_attention(q, k, v, *, feature_map="elu", eps=1e-6, normalize=True):
+    r"""Non-causal linear attention: every position attends to all N positions.
+
+    .. math:: out_i = \frac{\phi(q_i)^T S}{\phi(q_i)^T Z + eps},\quad
+              S = \sum_j \phi(k_j) v_j^T,\quad Z = \sum_j \phi(k_j)
+
+    Parameters and returns are as for :func:`causal_linear_attention`, without the state.
+
+    Examples
+    --------
+    >>> import numpy as np, linattn
+    >>> q = k = np.zeros((4, 2), np.float32); v = np.arange(8, dtype=np.float32).reshape(4, 2)
+    >>> linattn.linear_attention(q, k, v, eps=0.0)  # phi(0) = 1: every row is the mean of v
+    array([[3., 4.],
+           [3., 4.],
+           [3., 4.],
+           [3., 4.]], dtype=float32)
+    """
+    q, k, v, lead, n, dk, dv, comp, out_dt, eps, normalize, code = _prepare(
+        q, k, v, feature_map, eps, normalize)
+    bh = math.prod(lead)
+    out = np.empty((bh, n, dv), comp)
+    if bh and n:
+        chunk, nsplit = plan(bh, n, dv)
+        with kernel_section(bh * n * dk * dv):
+            chunked.noncausal_forward(_flat(q, bh), _flat(k, bh), _flat(v, bh), code,
+                                      comp.type(eps), normalize, chunk, nsplit, out)
+    return out.reshape(lead + (n, dv)).astype(out_dt, copy=False)

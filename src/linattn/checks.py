@@ -1,0 +1,167 @@
+"""Every input check of the public API, shared by the CPU and CUDA paths, with one message style:
+``<argument>: expected <what>, got <what>``."""
+import numbers
+import operator
+
+import numpy as np
+
+_REJECTED_KINDS = {"b": "bool", "c": "complex", "O": "object", "U": "string", "S": "bytes",
+                   "V": "structured/void", "M": "datetime", "m": "timedelta"}
+
+
+def _dtype_of(x):
+    return x.dtype if hasattr(x, "dtype") else np.asarray(x).dtype
+
+
+def check_real_dtype(dtype, name):
+    """Raise TypeError unless ``dtype`` is a real floating or integer NumPy dtype."""
+    dtype = np.dtype(dtype)
+    if dtype.kind not in "fiu":
+        kind = _REJECTED_KINDS.get(dtype.kind, str(dtype))
+        raise TypeError(f"{name}: expected a real floating or integer array, got dtype {dtype} ({kind})")
+    return dtype
+
+
+def as_array(x, name, min_ndim):
+    """np.asarray(x) with a real numeric dtype and at least ``min_ndim`` dimensions."""
+    try:
+        arr = np.asarray(x)
+    except Exception as exc:  # ragged lists and the like
+        raise TypeError(f"{name}: expected an array-like of numbers, got {type(x).__name__} ({exc})") from None
+    check_real_dtype(arr.dtype, name)
+    if arr.ndim < min_ndim:
+        what = "(N, D)" if min_ndim == 2 else "(D,)"
+        raise ValueError(f"{name}: expected at least {min_ndim} dimensions {what}, got shape {arr.shape}")
+    return arr
+
+
+def compute_dtypes(*dtypes):
+    """(compute dtype, output dtype): float32 for float16/float32, float64 otherwise; ints as NumPy does."""
+    out = np.result_type(*dtypes)
+    if out.kind in "iu":
+        out = np.dtype(np.float64)
+    comp = np.dtype(np.float32) if out.itemsize <= 4 else np.dtype(np.float64)
+    return comp, out
+
+
+def check_qkv(q, k, v, seq_axis=True):
+    """Validate q, k (..., N, D) and v (..., N, Dv) (or (..., D)/(..., Dv) when ``seq_axis`` is False).
+
+    Returns ``(q, k, v, lead, n, d, dv, compute_dtype, out_dtype)``; n is None without a sequence axis.
+    """
+    nd = 2 if seq_axis else 1
+    q, k, v = as_array(q, "q", nd), as_array(k, "k", nd), as_array(v, "v", nd)
+    lead = q.shape[:-nd]
+    for name, arr in (("k", k), ("v", v)):
+        if arr.shape[:-nd] != lead:
+            raise ValueError(
+                f"{name}: expected leading dimensions {lead} like q, got {arr.shape[:-nd]} "
+                f"(q has shape {q.shape}, {name} has shape {arr.shape})")
+    if seq_axis:
+        n = q.shape[-2]
+        for name, arr in (("k", k), ("v", v)):
+            if arr.shape[-2] != n:
+                raise ValueError(f"{name}: expected sequence length N={n} like q, got {arr.shape[-2]}")
+    else:
+        n = None
+    if k.shape[-1] != q.shape[-1]:
+        raise ValueError(f"k: expected feature dimension D={q.shape[-1]} like q, got {k.shape[-1]}")
+    d, dv = q.shape[-1], v.shape[-1]
+    if d < 1:
+        raise ValueError(f"q: expected a feature dimension D >= 1, got shape {q.shape}")
+    if dv < 1:
+        raise ValueError(f"v: expected a value dimension Dv >= 1, got shape {v.shape}")
+    comp, out = compute_dtypes(q.dtype, k.dtype, v.dtype)
+    return q, k, v, lead, n, d, dv, comp, out
+
+
+def check_eps(eps):
+    """eps must be a finite real number >= 0."""
+    if isinstance(eps, (bool, np.bool_)) or not isinstance(eps, numbers.Real):
+        raise TypeError(f"eps: expected a real number >= 0, got {type(eps).__name__}")
+    eps = float(eps)
+    if not np.isfinite(eps) or eps < 0:
+        raise ValueError(f"eps: expected a finite number >= 0, got {eps}")
+    return eps
+
+
+def check_flag(value, name):
+    """A bool argument (Python or NumPy bool)."""
+    if not isinstance(value, (bool, np.bool_)):
+        raise TypeError(f"{name}: expected True or False, got {type(value).__name__}")
+    return bool(value)
+
+
+def check_mapped(phi, name, lead, n, d_expected=None):
+    """Output of a feature-map callable applied to ``name``: shape (*lead, n, D') with D' >= 1."""
+    phi = as_array(phi, f"feature_map({name})", 1 if n is None else 2)
+    want = lead + ((n,) if n is not None else ())
+    got_lead = phi.shape[:-1]
+    if got_lead != want or phi.shape[-1] < 1 or (d_expected is not None and phi.shape[-1] != d_expected):
+        dstr = "D'" if d_expected is None else str(d_expected)
+        raise ValueError(
+            f"feature_map: expected the callable to map {name} to shape {want + (dstr,)} "
+            f"(same leading dims{' and N' if n is not None else ''}, D' >= 1), got {phi.shape}")
+    return phi
+
+
+def check_state(state, name, lead, dk, dv, dtype):
+    """A State/(S, Z) pair with S (*lead, dk, dv), Z (*lead, dk) of dtype ``dtype``."""
+    if not isinstance(state, tuple) or len(state) != 2:
+        raise TypeError(f"{name}: expected a linattn.State (S, Z), got {type(state).__name__}")
+    S, Z = state
+    for part, arr, shape in (("S", S, lead + (dk, dv)), ("Z", Z, lead + (dk,))):
+        if not hasattr(arr, "shape") or not hasattr(arr, "dtype"):
+            raise TypeError(f"{name}.{part}: expected an array, got {type(arr).__name__}")
+        if tuple(arr.shape) != shape:
+            raise ValueError(
+                f"{name}.{part}: expected shape {shape} (leading dims {lead}, D'={dk}, Dv={dv}), "
+                f"got {tuple(arr.shape)}")
+        if np.dtype(arr.dtype) != dtype:
+            raise TypeError(
+                f"{name}.{part}: expected dtype {dtype} (the computation's dtype for these inputs), "
+                f"got {np.dtype(arr.dtype)}")
+    return S, Z
+
+
+def check_lengths(lengths, lead, n):
+    """Integer lengths in [0, n] with the shape of the leading dims or of their first dims.
+
+    Returns the lengths broadcast over all leading dims and flattened, as int64.
+    """
+    arr = np.asarray(lengths)
+    if arr.dtype.kind not in "iu":
+        raise TypeError(f"lengths: expected an integer array, got dtype {arr.dtype}")
+    if arr.shape != lead[:arr.ndim] or (arr.ndim == 0 and lead != ()):
+        raise ValueError(
+            f"lengths: expected shape {lead} (the leading dims) or a prefix of it such as "
+            f"{lead[:1]}, got {arr.shape}")
+    if arr.size and (arr.min() < 0 or arr.max() > n):
+        bad = arr[(arr < 0) | (arr > n)].ravel()[0]
+        raise ValueError(f"lengths: expected values in [0, N={n}], got {bad}")
+    full = np.broadcast_to(arr.reshape(arr.shape + (1,) * (len(lead) - arr.ndim)), lead)
+    return np.ascontiguousarray(full, dtype=np.int64).reshape(-1)
+
+
+def check_state_zeros_args(batch_shape, d_k, d_v, dtype):
+    if isinstance(batch_shape, (numbers.Integral, np.integer)):
+        batch_shape = (batch_shape,)
+    try:
+        batch_shape = tuple(operator.index(b) for b in batch_shape)
+    except TypeError:
+        raise TypeError(f"batch_shape: expected a tuple of ints, got {batch_shape!r}") from None
+    if any(b < 0 for b in batch_shape):
+        raise ValueError(f"batch_shape: expected non-negative sizes, got {batch_shape}")
+    dims = []
+    for name, val in (("d_k", d_k), ("d_v", d_v)):
+        try:
+            val = operator.index(val)
+        except TypeError:
+            raise TypeError(f"{name}: expected an int, got {type(val).__name__}") from None
+        if val < 1:
+            raise ValueError(f"{name}: expected an int >= 1, got {val}")
+        dims.append(val)
+    dtype = np.dtype(dtype)
+    if dtype not in (np.dtype(np.float32), np.dtype(np.float64)):
+        raise TypeError(f"dtype: expected float32 or float64, got {dtype}")
+    return batch_shape, dims[0], dims[1], dtype

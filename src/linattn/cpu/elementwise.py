@@ -1,0 +1,84 @@
+"""Feature maps as Numba loops over one chunk of rows, with a vectorisable float32 exp."""
+import math
+
+import numpy as np
+from numba import types
+from numba.extending import overload
+
+from .._jit import FASTMATH, njit
+
+#: Codes of the feature maps the kernels apply themselves (callables are applied before, as IDENTITY).
+IDENTITY, ELU, RELU = 0, 1, 2
+
+
+def fast_exp(x):
+    """exp(x); in float32 a Cephes-style polynomial that LLVM vectorises (libm's expf does not)."""
+    return math.exp(x)
+
+
+@njit(helper=True)
+def _exp_f32(x):
+    # Cephes expf: exp(x) = 2**n * exp(r), |r| <= ln2/2, degree-6 polynomial; rel. error ~1.2e-7.
+    xc = min(max(x, np.float32(-87.33654)), np.float32(88.72283))
+    n = np.floor(xc * np.float32(1.44269504088896341) + np.float32(0.5))
+    r = xc - n * np.float32(0.693359375)
+    r = r - n * np.float32(-2.12194440e-4)
+    p = np.float32(1.9875691500e-4)
+    p = p * r + np.float32(1.3981999507e-3)
+    p = p * r + np.float32(8.3334519073e-3)
+    p = p * r + np.float32(4.1665795894e-2)
+    p = p * r + np.float32(1.6666665459e-1)
+    p = p * r + np.float32(5.0000001201e-1)
+    p = p * r * r + r + np.float32(1.0)
+    scale = np.int32((np.int32(n) + np.int32(127)) << np.int32(23)).view(np.float32)
+    y = p * scale
+    if x > np.float32(88.72283):
+        y = np.float32(np.inf)
+    return y if x == x else x  # NaN stays NaN
+
+
+@overload(fast_exp, jit_options={"fastmath": set(FASTMATH), "error_model": "numpy"})
+def _fast_exp_overload(x):
+    if x == types.float32:
+        return lambda x: _exp_f32(x)
+    return lambda x: math.exp(x)
+
+
+@njit(helper=True)
+def elu1(x):
+    """elu(x) + 1 without cancellation: x + 1 for x > 0, exp(x) otherwise."""
+    return x + 1 if x > 0 else fast_exp(x)
+
+
+@njit(helper=True)
+def relu(x):
+    """max(x, 0) that keeps NaN."""
+    return x if (x > 0 or x != x) else x * 0
+
+
+@njit(helper=True)
+def load_rows(src, h, i0, c, fm, dst):
+    """dst[t, :] = phi(src[h, i0 + t, :]) for t < c, for feature map code ``fm``."""
+    d_ = dst.shape[1]
+    if fm == ELU:
+        for t in range(c):
+            for d in range(d_):
+                dst[t, d] = elu1(src[h, i0 + t, d])
+    elif fm == RELU:
+        for t in range(c):
+            for d in range(d_):
+                dst[t, d] = relu(src[h, i0 + t, d])
+    else:
+        for t in range(c):
+            for d in range(d_):
+                dst[t, d] = src[h, i0 + t, d]
+
+
+@njit(helper=True)
+def phi(x, fm):
+    """Feature map ``fm`` of one scalar."""
+    if fm == ELU:
+        return elu1(x)
+    if fm == RELU:
+        return relu(x)
+    return x

@@ -1,0 +1,33 @@
+"""The recurrent state (S, Z) that carries causal linear attention from one call or step to the next."""
+from typing import NamedTuple
+
+import numpy as np
+
+
+class State(NamedTuple):
+    """State of causal linear attention after some positions.
+
+    ``S`` has shape ``(..., D', Dv)`` and holds ``sum_j phi(k_j) v_j^T``; ``Z`` has shape ``(..., D')``
+    and holds ``sum_j phi(k_j)``, where ``D'`` is the feature dimension after the feature map.
+
+    Examples
+    --------
+    >>> import numpy as np, linattn
+    >>> st = linattn.State.zeros((2, 4), 8, 16)
+    >>> st.S.shape, st.Z.shape, st.S.dtype
+    ((2, 4, 8, 16), (2, 4, 8), dtype('float32'))
+    """
+
+    S: np.ndarray
+    Z: np.ndarray
+
+    @classmethod
+    def zeros(cls, batch_shape, d_k, d_v, dtype=np.float32):
+        """A zero state for a batch: ``S`` of ``(*batch_shape, d_k, d_v)``, ``Z`` of ``(*batch_shape, d_k)``.
+
+        ``d_k`` is the feature dimension after the feature map (D for the named maps).
+        """
+        from .checks import check_state_zeros_args
+
+        batch_shape, d_k, d_v, dtype = check_state_zeros_args(batch_shape, d_k, d_v, dtype)
+        return cls(np.zeros(batch_shape + (d_k, d_v), dtype), np.zeros(batch_shape + (d_k,), dtype))
