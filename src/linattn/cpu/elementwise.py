@@ -58,8 +58,12 @@ def relu(x):
 
 @njit(helper=True)
 def load_rows(src, h, i0, c, fm, dst):
-    """dst[t, :] = phi(src[h, i0 + t, :]) for t < c, for feature map code ``fm``."""
-    d_ = dst.shape[1]
+    """dst[t, :D] = phi(src[h, i0 + t, :]) for t < c, for feature map code ``fm``.
+
+    ``dst`` may have more than D columns (the rest is left alone); pass a whole C-contiguous array,
+    not a column slice, so that the loops vectorise.
+    """
+    d_ = src.shape[2]
     if fm == ELU:
         for t in range(c):
             for d in range(d_):

@@ -7,7 +7,7 @@ import numba
 
 # Below this many multiply-adds a call is too small for BLAS to thread, and the ~20 us that
 # threadpoolctl needs to switch thread counts would dominate.
-_BLAS_GUARD_MIN_WORK = 1 << 21
+_BLAS_GUARD_MIN_WORK = 1 << 60
 
 _state_lock = threading.Lock()
 _blas_depth = 0
@@ -23,7 +23,7 @@ def plan(bh, n, dv):
     Value columns are split when there are fewer heads than threads (B=H=1 with a long sequence), or
     when the heads do not spread evenly over the threads, as long as a block keeps >= 16 columns.
     """
-    chunk = min(32, max(8, -(-n // 8) * 8))
+    chunk = min(64, max(8, -(-n // 8) * 8))
     threads = numba.get_num_threads()
     s = 1
     while dv // (2 * s) >= 16 and (bh * s < threads or ((bh * s) % threads and bh * s < 4 * threads)):
