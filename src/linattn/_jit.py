@@ -1,33 +1,78 @@
-"""One place that decides how linattn's kernels are compiled: fast-math flags and on-disk caching."""
+"""How linattn's kernels are compiled: fast-math flags, on-disk caching, and explicit signatures so
+that each kernel compiles once per (dtype, memory layout) and never once per call pattern."""
+import threading
+
 import numba
+import numpy as np
+from numba.core import types
 
 # Reassociation and contraction let LLVM vectorise reductions and use FMA; "nnan"/"ninf" are left out
-# on purpose so that NaN and inf propagate exactly as in NumPy.
-FASTMATH = frozenset({"contract", "reassoc", "nsz", "arcp"})
+# on purpose so that NaN and inf propagate exactly as in NumPy. error_model="numpy": x / 0 gives
+# inf or nan as in NumPy instead of raising.
+OPTIONS = dict(fastmath={"contract", "reassoc", "nsz", "arcp"}, error_model="numpy", nogil=True)
+FASTMATH = OPTIONS["fastmath"]
 
-#: Set to the reason when compiled code cannot be cached on disk (e.g. nothing writable), else None.
+#: Set to the reason when compiled code cannot be cached on disk (nothing writable), else None.
 cache_problem = None
 
 
-def njit(*, parallel=False, helper=False):
-    """``numba.njit`` with linattn's flags, caching on disk where a cache directory is writable.
+def njit(*, parallel=False, helper=False, signature=None):
+    """``numba.njit`` with linattn's options, caching on disk where a cache directory is writable.
 
-    ``helper=True`` marks a function only called from other kernels (LLVM inlines it there).
-
-    Numba raises ``RuntimeError: cannot cache function`` at decoration time when neither the package
-    directory nor ``NUMBA_CACHE_DIR``/``~/.cache`` is writable; the kernel then compiles per process.
+    ``helper=True`` marks a function only called from other kernels (compiled into them, and cached
+    with them). Numba raises ``RuntimeError: cannot cache function`` at decoration time when neither
+    the package directory nor ``NUMBA_CACHE_DIR``/``~/.cache`` is writable; the kernel then compiles
+    in every process instead.
     """
 
     def decorate(fn):
         global cache_problem
-        opts = dict(parallel=parallel, fastmath=set(FASTMATH), nogil=True,
-                    error_model="numpy")  # x / 0 gives inf/nan as in NumPy, never raises
-        if helper:  # helpers are compiled into, and cached with, the kernels that call them
-            return numba.njit(**opts)(fn)
+        args = () if signature is None else (signature,)
+        if helper:
+            return numba.njit(*args, **OPTIONS)(fn)
         try:
-            return numba.njit(cache=True, **opts)(fn)
+            return numba.njit(*args, cache=True, parallel=parallel, **OPTIONS)(fn)
         except RuntimeError as exc:
+            if "cannot cache" not in str(exc):
+                raise
             cache_problem = str(exc)  # reported by `python -m linattn info`
-            return numba.njit(cache=False, **opts)(fn)
+            return numba.njit(*args, cache=False, parallel=parallel, **OPTIONS)(fn)
 
     return decorate
+
+
+def array(dtype, ndim, layout="C", readonly=False):
+    """Numba array type; ``readonly=True`` accepts writable and read-only arrays alike."""
+    return types.Array(dtype, ndim, layout, readonly=readonly)
+
+
+class Kernel:
+    """A Python kernel function compiled on first use for one explicit signature per
+    (dtype, layout): layout "C" when all sequence inputs are C-contiguous (the fast path), "A" for
+    any strides (views, negative strides). ``signature(numba_dtype, layout)`` builds the signature.
+    """
+
+    def __init__(self, py_func, signature, parallel=True):
+        self.py_func = py_func
+        self._signature = signature
+        self._parallel = parallel
+        self._compiled = {}
+        self._lock = threading.Lock()
+        self.__doc__ = py_func.__doc__
+        self.__name__ = py_func.__name__
+
+    def get(self, dtype, layout):
+        key = (np.dtype(dtype).name, layout)
+        fn = self._compiled.get(key)
+        if fn is None:
+            with self._lock:
+                fn = self._compiled.get(key)
+                if fn is None:
+                    sig = self._signature(numba.from_dtype(np.dtype(dtype)), layout)
+                    fn = njit(parallel=self._parallel, signature=sig)(self.py_func)
+                    self._compiled[key] = fn
+        return fn
+
+    def dispatcher(self, dtype, layout):
+        """The compiled Numba dispatcher (e.g. to inspect where it is cached)."""
+        return self.get(dtype, layout)

@@ -26,6 +26,12 @@ def _flat(x, bh):
     return x.reshape((bh,) + x.shape[-2:]) if x.ndim >= 2 else x.reshape(bh)
 
 
+def _flat_seq(q, k, v, bh):
+    """q, k, v as (bh, N, X) views and the kernel layout: "C" if all are C-contiguous, else "A"."""
+    arrs = tuple(x.reshape((bh,) + x.shape[-2:]) for x in (q, k, v))
+    return arrs + ("C" if all(a.flags.c_contiguous for a in arrs) else "A",)
+
+
 def _prepare(q, k, v, feature_map, eps, normalize):
     q, k, v, lead, n, d, dv, comp, out_dt = checks.check_qkv(q, k, v)
     eps = checks.check_eps(eps)
@@ -96,7 +102,8 @@ def causal_linear_attention(q, k, v, *, feature_map="elu", eps=1e-6, normalize=T
     bh = math.prod(lead)
     if initial_state is not None:
         S0, Z0 = checks.check_state(initial_state, "initial_state", lead, dk, dv, comp)
-        S0, Z0 = _flat(np.asarray(S0), bh), _flat(np.asarray(Z0), bh)
+        S0 = np.ascontiguousarray(_flat(np.asarray(S0), bh))
+        Z0 = np.ascontiguousarray(_flat(np.asarray(Z0), bh))
     else:
         S0, Z0 = np.zeros((bh, dk, dv), comp), np.zeros((bh, dk), comp)
     lens = (np.full(bh, n, np.int64) if lengths is None
@@ -104,10 +111,11 @@ def causal_linear_attention(q, k, v, *, feature_map="elu", eps=1e-6, normalize=T
     out = np.empty((bh, n, dv), comp)
     S, Z = np.empty((bh, dk, dv), comp), np.empty((bh, dk), comp)
     if bh and n:
-        chunk, nsplit = plan(bh, n, dv)
-        with kernel_section(bh * n * dk * dv):
-            chunked.causal_forward(_flat(q, bh), _flat(k, bh), _flat(v, bh), code, comp.type(eps),
-                                   normalize, lens, chunk, nsplit, S0, Z0, out, S, Z)
+        chunk, frac = plan(bh, n, causal=True)
+        q3, k3, v3, layout = _flat_seq(q, k, v, bh)
+        kernel = chunked.causal_forward.get(comp, layout)
+        with kernel_section(chunk * (dk + chunk) * dv):
+            kernel(q3, k3, v3, code, comp.type(eps), normalize, lens, chunk, frac, S0, Z0, out, S, Z)
     else:
         S[...], Z[...] = S0, Z0
     out = out.reshape(lead + (n, dv)).astype(out_dt, copy=False)
@@ -139,8 +147,9 @@ def linear_attention(q, k, v, *, feature_map="elu", eps=1e-6, normalize=True):
     bh = math.prod(lead)
     out = np.empty((bh, n, dv), comp)
     if bh and n:
-        chunk, nsplit = plan(bh, n, dv)
-        with kernel_section(bh * n * dk * dv):
-            chunked.noncausal_forward(_flat(q, bh), _flat(k, bh), _flat(v, bh), code,
-                                      comp.type(eps), normalize, chunk, nsplit, out)
+        chunk, frac = plan(bh, n, causal=False)
+        q3, k3, v3, layout = _flat_seq(q, k, v, bh)
+        kernel = chunked.noncausal_forward.get(comp, layout)
+        with kernel_section(dk * chunk * dv):
+            kernel(q3, k3, v3, code, comp.type(eps), normalize, chunk, frac, out)
     return out.reshape(lead + (n, dv)).astype(out_dt, copy=False)

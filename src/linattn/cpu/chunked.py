@@ -1,40 +1,59 @@
 """Chunkwise causal and non-causal linear-attention kernels over (batch*heads, N, D) arrays.
 
-Each parallel work item owns one head and one block of value columns and walks its sequence in
-chunks of ``chunk`` positions. Per chunk, with phi(Q), phi(K) (c x D) and V (c x w):
+A work item owns one head, or one segment of a head's sequence when there are fewer heads than
+threads, and walks it in chunks of ``chunk`` positions. Per chunk, with phi(Q), phi(K) (c x D) and
+V (c x Dv):
 
     A   = tril(phi(Q) phi(K)^T)              scores inside the chunk (one GEMM)
     out = [phi(Q) | A] @ [S ; V]             state before the chunk + the chunk itself (one GEMM)
     P  += phi(K)^T V                         pending state update (one GEMM)
 
-and the denominators from Z and the row sums of A. The pending sums P are folded into a float64
-accumulator every few chunks, so float32 results do not drift over millions of positions while the
-per-chunk work stays in float32. Extra memory is O(chunk * (D + Dv) + D * Dv) per work item.
+then each output row is divided by phi(q).Z + (row sum of A) + eps. The pending float32 sums P are
+folded into a float64 accumulator every FOLD_EVERY chunks, so float32 results do not drift over
+millions of positions while the per-chunk work stays in float32.
+
+A segment's item first sums phi(K)^T V over the chunks before its segment (the "prefix": about a
+quarter of a chunk's full cost), so items need no barrier; segment lengths shrink geometrically so
+that every item does the same work. Extra memory is O(chunk * (D + Dv) + D * Dv) per item.
 """
 import numpy as np
-from numba import prange
+from numba import prange, types
 
-from .._jit import njit
+from .._jit import Kernel, array, njit
 from .blas import gemm
 from .elementwise import load_rows
 
-# Chunks between folds of the pending float32 sums into the float64 state.
+#: Chunks between folds of the pending float32 sums into the float64 state.
 FOLD_EVERY = 16
 
 
 @njit(helper=True)
-def _block(item, nsplit, dv):
-    """(head, block, first column, width) of work item ``item``."""
-    h = item // nsplit
-    blk = item - h * nsplit
-    width = (dv + nsplit - 1) // nsplit
-    e0 = blk * width
-    return h, blk, e0, min(dv, e0 + width) - e0
+def _segment(item, nseg, frac, nchunks):
+    """(head, segment, first chunk, end chunk) of work item ``item``."""
+    h = item // nseg
+    s = item - h * nseg
+    return h, s, int(frac[s] * nchunks + 0.5), int(frac[s + 1] * nchunks + 0.5)
 
 
 @njit(helper=True)
-def _load_chunk_kv(k, v, h, i0, c, fm, e0, w, Kf, KT, Pz, SV, r0):
-    """KT[:, :c] = phi(k[h, i0:i0+c])^T, Pz += its row sums, SV[r0:r0+c] = v[h, i0:i0+c, e0:e0+w]."""
+def _add_prefix(k, v, h, i0, c, fm, Kf, V, P, Pz, coef):
+    """P += phi(K)^T V and Pz += phi(K)^T 1 for positions [i0, i0 + c) (no outputs)."""
+    load_rows(k, h, i0, c, fm, Kf)
+    for t in range(c):
+        for a in range(Kf.shape[1]):
+            Pz[a] += Kf[t, a]
+    if v.strides[2] == v.itemsize:  # rows of v can go to BLAS as they are
+        gemm(True, False, Kf[:c], v[h, i0:i0 + c], 1.0, P, coef)
+    else:
+        for t in range(c):
+            for e in range(v.shape[2]):
+                V[t, e] = v[h, i0 + t, e]
+        gemm(True, False, Kf[:c], V[:c], 1.0, P, coef)
+
+
+@njit(helper=True)
+def _load_chunk_kv(k, v, h, i0, c, fm, Kf, KT, Pz, SV, r0):
+    """KT[:, :c] = phi(k[h, i0:i0+c])^T, Pz += its row sums, SV[r0:r0+c] = v[h, i0:i0+c]."""
     load_rows(k, h, i0, c, fm, Kf)
     for t in range(c):
         for a in range(KT.shape[0]):
@@ -42,13 +61,13 @@ def _load_chunk_kv(k, v, h, i0, c, fm, e0, w, Kf, KT, Pz, SV, r0):
     for t in range(c):
         for a in range(KT.shape[0]):
             Pz[a] += Kf[t, a]
-        for e in range(w):
-            SV[r0 + t, e] = v[h, i0 + t, e0 + e]
+        for e in range(v.shape[2]):
+            SV[r0 + t, e] = v[h, i0 + t, e]
 
 
 @njit(helper=True)
 def _refresh(acc, accz, B, Bz, P, Pz, S, Z, fold):
-    """S[:D] = B + P, Z = Bz + Pz; with ``fold`` first move P into the float64 accumulator."""
+    """S[:D] = B + P, Z = Bz + Pz; with ``fold`` first move P, Pz into the float64 accumulators."""
     d_, w = P.shape
     if fold:
         for a in range(d_):
@@ -69,115 +88,137 @@ def _refresh(acc, accz, B, Bz, P, Pz, S, Z, fold):
 
 
 @njit(helper=True)
-def _store(O, QA, Z, c, d_, causal, w, eps, normalize, out, h, i0, e0, one):
-    """out[h, i0+t, e0:e0+w] = O[t] / (phi(q_t).Z + sum_{s<=t} A[t, s] + eps)."""
+def _normalize_rows(out, h, i0, c, QA, Z, d_, causal, eps, one):
+    """Divide out[h, i0+t] by phi(q_t).Z (+ sum_{s<=t} A[t, s] when causal) + eps."""
     for t in range(c):
-        if normalize:
-            den = Z[0] * 0
-            for a in range(d_):
-                den += QA[t, a] * Z[a]
-            if causal:
-                for s in range(t + 1):
-                    den += QA[t, d_ + s]
-            one[1] = one[0] / (den + eps)  # the reciprocal, in the compute dtype
-            inv = one[1]
-            for e in range(w):
-                out[h, i0 + t, e0 + e] = O[t, e] * inv
-        else:
-            for e in range(w):
-                out[h, i0 + t, e0 + e] = O[t, e]
+        den = Z[0] - Z[0]  # zero in the compute dtype
+        for a in range(d_):
+            den += QA[t, a] * Z[a]
+        if causal:
+            for s in range(t + 1):
+                den += QA[t, d_ + s]
+        inv = one[0] / (den + eps)
+        for e in range(out.shape[2]):
+            out[h, i0 + t, e] *= inv
 
 
-@njit(parallel=True)
-def causal_forward(q, k, v, fm, eps, normalize, lengths, chunk, nsplit, S0, Z0, out, S_out, Z_out):
+def _causal_forward(q, k, v, fm, eps, normalize, lengths, chunk, frac, S0, Z0, out, S_out, Z_out):
     """Causal linear attention of every head; head h stops at lengths[h] (later outputs are 0).
 
-    q, k: (BH, N, D); v: (BH, N, Dv); S0, Z0: initial state (BH, D, Dv), (BH, D); results go to
-    out (BH, N, Dv) and the final state to S_out, Z_out. ``nsplit`` blocks of value columns per head.
+    q, k: (BH, N, D); v: (BH, N, Dv); S0, Z0: initial state (BH, D, Dv), (BH, D); outputs go to
+    out (BH, N, Dv), the final state to S_out, Z_out. ``frac`` (nseg + 1 increasing fractions from
+    0 to 1) splits each head's chunks into segments, one work item each.
     """
     bh, n, d_ = q.shape
     dv = v.shape[2]
     dt = out.dtype
-    for item in prange(bh * nsplit):
-        h, blk, e0, w = _block(item, nsplit, dv)
-        length = lengths[h]
+    nseg = frac.shape[0] - 1
+    for item in prange(bh * nseg):
+        length = lengths[item // nseg]
+        h, s, c0, c1 = _segment(item, nseg, frac, (length + chunk - 1) // chunk)
+        last = s == nseg - 1
+        if c0 == c1 and not last:
+            continue
         QA = np.empty((chunk, d_ + chunk), dt)  # [phi(Q) | A]
-        SV = np.empty((d_ + chunk, w), dt)  # [S ; V]
+        SV = np.empty((d_ + chunk, dv), dt)  # [S ; V]
         Kf = np.empty((chunk, d_), dt)
         KT = np.empty((d_, chunk), dt)
-        O = np.empty((chunk, w), dt)
-        P = np.zeros((d_, w), dt)
-        B = np.empty((d_, w), dt)
-        acc = np.empty((d_, w), np.float64)
+        P = np.zeros((d_, dv), dt)
+        B = np.empty((d_, dv), dt)
+        acc = np.empty((d_, dv), np.float64)
         Pz = np.zeros(d_, dt)
         Bz = np.empty(d_, dt)
         Z = np.empty(d_, dt)
         accz = np.empty(d_, np.float64)
-        one = np.ones(2, dt)
+        one = np.ones(1, dt)
         coef = np.empty(2, dt)
         for a in range(d_):
-            for e in range(w):
-                acc[a, e] = S0[h, a, e0 + e]
+            for e in range(dv):
+                acc[a, e] = S0[h, a, e]
             accz[a] = Z0[h, a]
+        for ci in range(c0):  # the state at the start of this segment
+            i0 = ci * chunk
+            _add_prefix(k, v, h, i0, min(chunk, length - i0), fm, Kf, SV, P, Pz, coef)
+            if (ci + 1) % FOLD_EVERY == 0:
+                _refresh(acc, accz, B, Bz, P, Pz, SV, Z, True)
         _refresh(acc, accz, B, Bz, P, Pz, SV, Z, True)
-        nchunks = (length + chunk - 1) // chunk
-        for ci in range(nchunks):
+        for ci in range(c0, c1):
             i0 = ci * chunk
             c = min(chunk, length - i0)
             load_rows(q, h, i0, c, fm, QA)
-            _load_chunk_kv(k, v, h, i0, c, fm, e0, w, Kf, KT, Pz, SV, d_)
-            gemm(False, False, QA[:c, :d_], KT[:, :c], 0.0, QA[:c, d_:d_ + c], coef)
+            _load_chunk_kv(k, v, h, i0, c, fm, Kf, KT, Pz, SV, d_)
+            gemm(False, False, QA[:c, :d_], KT[:, :c], 0.0, QA[:c, d_:d_ + c], coef)  # scores
             for t in range(c):
-                for s in range(t + 1, c):
-                    QA[t, d_ + s] = 0
-            gemm(False, False, QA[:c, :d_ + c], SV[:d_ + c], 0.0, O[:c], coef)
-            _store(O, QA, Z, c, d_, True, w, eps, normalize, out, h, i0, e0, one)
+                for u in range(t + 1, c):
+                    QA[t, d_ + u] = 0
+            gemm(False, False, QA[:c, :d_ + c], SV[:d_ + c], 0.0, out[h, i0:i0 + c], coef)
+            if normalize:
+                _normalize_rows(out, h, i0, c, QA, Z, d_, True, eps, one)
             gemm(False, False, KT[:, :c], SV[d_:d_ + c], 1.0, P, coef)  # pending state update
-            _refresh(acc, accz, B, Bz, P, Pz, SV, Z, (ci + 1) % FOLD_EVERY == 0 or ci == nchunks - 1)
-        for i in range(length, n):
-            for e in range(w):
-                out[h, i, e0 + e] = 0
-        for a in range(d_):
-            for e in range(w):
-                S_out[h, a, e0 + e] = acc[a, e]
-            if blk == 0:
+            _refresh(acc, accz, B, Bz, P, Pz, SV, Z, (ci + 1) % FOLD_EVERY == 0 or ci == c1 - 1)
+        if last:
+            for i in range(length, n):
+                for e in range(dv):
+                    out[h, i, e] = 0
+            for a in range(d_):
+                for e in range(dv):
+                    S_out[h, a, e] = acc[a, e]
                 Z_out[h, a] = accz[a]
 
 
-@njit(parallel=True)
-def noncausal_forward(q, k, v, fm, eps, normalize, chunk, nsplit, out):
-    """Non-causal linear attention: every position attends to all N positions of its head."""
+def _noncausal_forward(q, k, v, fm, eps, normalize, chunk, frac, out):
+    """Non-causal linear attention: every position attends to all N positions of its head.
+
+    Each segment's item sums the whole head's state itself, then writes its segment's outputs.
+    """
     bh, n, d_ = q.shape
     dv = v.shape[2]
     dt = out.dtype
-    for item in prange(bh * nsplit):
-        h, blk, e0, w = _block(item, nsplit, dv)
+    nseg = frac.shape[0] - 1
+    nchunks = (n + chunk - 1) // chunk
+    for item in prange(bh * nseg):
+        h, s, c0, c1 = _segment(item, nseg, frac, nchunks)
+        if c0 == c1:
+            continue
         QA = np.empty((chunk, d_), dt)
         Kf = np.empty((chunk, d_), dt)
-        KT = np.empty((d_, chunk), dt)
-        V = np.empty((chunk, w), dt)
-        O = np.empty((chunk, w), dt)
-        P = np.zeros((d_, w), dt)
-        B = np.empty((d_, w), dt)
-        S = np.empty((d_, w), dt)
-        acc = np.zeros((d_, w), np.float64)
+        V = np.empty((chunk, dv), dt)
+        P = np.zeros((d_, dv), dt)
+        B = np.empty((d_, dv), dt)
+        S = np.empty((d_, dv), dt)
+        acc = np.zeros((d_, dv), np.float64)
         Pz = np.zeros(d_, dt)
         Bz = np.empty(d_, dt)
         Z = np.empty(d_, dt)
         accz = np.zeros(d_, np.float64)
-        one = np.ones(2, dt)
+        one = np.ones(1, dt)
         coef = np.empty(2, dt)
-        nchunks = (n + chunk - 1) // chunk
         for ci in range(nchunks):
             i0 = ci * chunk
-            c = min(chunk, n - i0)
-            _load_chunk_kv(k, v, h, i0, c, fm, e0, w, Kf, KT, Pz, V, 0)
-            gemm(False, False, KT[:, :c], V[:c], 1.0, P, coef)
+            _add_prefix(k, v, h, i0, min(chunk, n - i0), fm, Kf, V, P, Pz, coef)
             if (ci + 1) % FOLD_EVERY == 0 or ci == nchunks - 1:
                 _refresh(acc, accz, B, Bz, P, Pz, S, Z, True)
-        for ci in range(nchunks):
+        for ci in range(c0, c1):
             i0 = ci * chunk
             c = min(chunk, n - i0)
             load_rows(q, h, i0, c, fm, QA)
-            gemm(False, False, QA[:c], S, 0.0, O[:c], coef)
-            _store(O, QA, Z, c, d_, False, w, eps, normalize, out, h, i0, e0, one)
+            gemm(False, False, QA[:c], S, 0.0, out[h, i0:i0 + c], coef)
+            if normalize:
+                _normalize_rows(out, h, i0, c, QA, Z, d_, False, eps, one)
+
+
+def _causal_signature(dt, layout):
+    seq, i64, f64 = array(dt, 3, layout, readonly=True), types.int64, types.float64
+    return types.void(seq, seq, seq, i64, dt, types.boolean, array(i64, 1, readonly=True), i64,
+                      array(f64, 1, readonly=True), array(dt, 3, readonly=True),
+                      array(dt, 2, readonly=True), array(dt, 3), array(dt, 3), array(dt, 2))
+
+
+def _noncausal_signature(dt, layout):
+    seq, i64 = array(dt, 3, layout, readonly=True), types.int64
+    return types.void(seq, seq, seq, i64, dt, types.boolean, i64,
+                      array(types.float64, 1, readonly=True), array(dt, 3))
+
+
+causal_forward = Kernel(_causal_forward, _causal_signature)
+noncausal_forward = Kernel(_noncausal_forward, _noncausal_signature)

@@ -1,4 +1,4 @@
-"""Feature maps as Numba loops over one chunk of rows, with a vectorisable float32 exp."""
+"""Feature maps as Numba loops over one chunk of rows, with a vectorisable float32 elu+1."""
 import math
 
 import numpy as np
@@ -11,17 +11,21 @@ from .._jit import FASTMATH, njit
 IDENTITY, ELU, RELU = 0, 1, 2
 
 
-def fast_exp(x):
-    """exp(x); in float32 a Cephes-style polynomial that LLVM vectorises (libm's expf does not)."""
-    return math.exp(x)
+def elu1(x):
+    """elu(x) + 1 without cancellation: x + 1 for x > 0, exp(x) otherwise (NaN stays NaN).
+
+    In float32 the exp is a Cephes-style polynomial that LLVM vectorises (Numba's np.exp is scalar
+    libm without SVML); relative error ~1.2e-7. Only callable from Numba code.
+    """
+    raise NotImplementedError("runs inside Numba kernels only")
 
 
 @njit(helper=True)
-def _exp_f32(x):
-    # Cephes expf: exp(x) = 2**n * exp(r), |r| <= ln2/2, degree-6 polynomial; rel. error ~1.2e-7.
-    xc = min(max(x, np.float32(-87.33654)), np.float32(88.72283))
-    n = np.floor(xc * np.float32(1.44269504088896341) + np.float32(0.5))
-    r = xc - n * np.float32(0.693359375)
+def _elu1_f32(x):
+    # exp(xn) = 2**n * exp(r), n = round(xn / ln2), |r| <= ln2/2, degree-6 polynomial (Cephes expf).
+    xn = max(min(x, np.float32(0.0)), np.float32(-87.33654))  # exp(-87.34) is the smallest normal
+    n = np.floor(xn * np.float32(1.44269504088896341) + np.float32(0.5))
+    r = xn - n * np.float32(0.693359375)
     r = r - n * np.float32(-2.12194440e-4)
     p = np.float32(1.9875691500e-4)
     p = p * r + np.float32(1.3981999507e-3)
@@ -30,24 +34,21 @@ def _exp_f32(x):
     p = p * r + np.float32(1.6666665459e-1)
     p = p * r + np.float32(5.0000001201e-1)
     p = p * r * r + r + np.float32(1.0)
-    scale = np.int32((np.int32(n) + np.int32(127)) << np.int32(23)).view(np.float32)
-    y = p * scale
-    if x > np.float32(88.72283):
-        y = np.float32(np.inf)
-    return y if x == x else x  # NaN stays NaN
-
-
-@overload(fast_exp, jit_options={"fastmath": set(FASTMATH), "error_model": "numpy"})
-def _fast_exp_overload(x):
-    if x == types.float32:
-        return lambda x: _exp_f32(x)
-    return lambda x: math.exp(x)
+    e = p * np.int32((np.int32(n) + np.int32(127)) << np.int32(23)).view(np.float32)
+    y = x + np.float32(1.0) if x > np.float32(0.0) else e
+    return y if x == x else x
 
 
 @njit(helper=True)
-def elu1(x):
-    """elu(x) + 1 without cancellation: x + 1 for x > 0, exp(x) otherwise."""
-    return x + 1 if x > 0 else fast_exp(x)
+def _elu1_any(x):
+    return x + 1 if x > 0 else math.exp(x)
+
+
+@overload(elu1, jit_options={"fastmath": set(FASTMATH), "error_model": "numpy"})
+def _elu1_overload(x):
+    if x == types.float32:
+        return lambda x: _elu1_f32(x)
+    return lambda x: _elu1_any(x)
 
 
 @njit(helper=True)

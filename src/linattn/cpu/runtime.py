@@ -4,10 +4,14 @@ import threading
 from contextlib import contextmanager
 
 import numba
+import numpy as np
 
-# Below this many multiply-adds a call is too small for BLAS to thread, and the ~20 us that
-# threadpoolctl needs to switch thread counts would dominate.
-_BLAS_GUARD_MIN_WORK = 1 << 60
+# Below this many multiply-adds per chunk product BLAS does not thread (OpenBLAS: 64**3), and the
+# ~20 us threadpoolctl needs to switch thread counts (and the wake-ups it causes) are not worth it.
+_BLAS_THREADING_MIN = 64 ** 3
+
+#: Cost of the prefix of one chunk (phi(K), phi(K)^T V) relative to a chunk's full work.
+PREFIX_COST = 0.28
 
 _state_lock = threading.Lock()
 _blas_depth = 0
@@ -17,24 +21,44 @@ _layer = None
 _layer_lock = threading.Lock()
 
 
-def plan(bh, n, dv):
-    """(chunk, nsplit): positions per chunk and blocks of value columns per head.
+def chunk_size(n):
+    """Positions per chunk: 32 (measured best for D in 16..128), fewer for short sequences."""
+    return min(32, max(8, -(-n // 8) * 8))
 
-    Value columns are split when there are fewer heads than threads (B=H=1 with a long sequence), or
-    when the heads do not spread evenly over the threads, as long as a block keeps >= 16 columns.
+
+def _segment_fractions(nseg, causal):
+    """Cumulative fractions of a head's chunks where its segments start (nseg + 1 values).
+
+    Causal: segment i also sums the prefix before it, so lengths shrink by (1 - PREFIX_COST) each
+    to give every item the same work. Non-causal: every item sums the whole head; equal segments.
     """
-    chunk = min(64, max(8, -(-n // 8) * 8))
+    w = (1 - PREFIX_COST) ** np.arange(nseg) if causal else np.ones(nseg)
+    return np.concatenate([[0.0], np.cumsum(w) / w.sum()])
+
+
+def plan(bh, n, causal=True):
+    """(chunk, frac): chunk size and segment fractions minimising the estimated time on this many
+    threads (heads are split into segments only when there are too few to keep threads busy)."""
+    chunk = chunk_size(n)
     threads = numba.get_num_threads()
-    s = 1
-    while dv // (2 * s) >= 16 and (bh * s < threads or ((bh * s) % threads and bh * s < 4 * threads)):
-        s *= 2
-    return chunk, s
+    nchunks = -(-n // chunk)
+    best, best_nseg = None, 1
+    for nseg in range(1, min(8 * threads, nchunks) + 1):
+        if causal:
+            a = PREFIX_COST
+            per_item = a / (1 - (1 - a) ** nseg)
+        else:
+            per_item = 0.25 + 0.75 / nseg
+        t = -(-bh * nseg // threads) * per_item
+        if best is None or t < best * 0.97:
+            best, best_nseg = t, nseg
+    return chunk, _segment_fractions(best_nseg, causal)
 
 
 def _get_controller():
     global _controller
     if _controller is None:
-        import scipy.linalg.cython_blas  # noqa: F401  (the BLAS that np.dot in Numba calls)
+        import scipy.linalg.cython_blas  # noqa: F401  (the BLAS that the kernels call)
         from threadpoolctl import ThreadpoolController
 
         _controller = ThreadpoolController()
@@ -75,10 +99,11 @@ def _threading_layer_guard():
 
 
 @contextmanager
-def kernel_section(work):
-    """Context for running a parallel kernel doing ``work`` multiply-adds."""
+def kernel_section(largest_product):
+    """Context for running a parallel kernel whose largest BLAS product does ``largest_product``
+    multiply-adds: BLAS is kept to one thread only when it could otherwise start threading."""
     with _threading_layer_guard():
-        if work >= _BLAS_GUARD_MIN_WORK:
+        if largest_product > _BLAS_THREADING_MIN:
             with _blas_single_thread():
                 yield
         else:

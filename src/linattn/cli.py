@@ -1,0 +1,174 @@
+"""Command line: ``python -m linattn info`` and ``python -m linattn bench``."""
+import argparse
+import json
+import os
+import platform
+import sys
+import time
+
+import numpy as np
+
+#: (B, H, N, D) cases of the default benchmark; Dv = D.
+BENCH_CASES = [(1, 8, 1024, 64), (4, 8, 512, 64), (1, 1, 8192, 64), (1, 8, 2048, 128)]
+QUICK_CASES = [(1, 4, 256, 32), (2, 2, 512, 16)]
+
+
+def _versions():
+    import numba
+    import scipy
+
+    from . import __version__
+
+    out = {"linattn": __version__, "python": platform.python_version(), "numpy": np.__version__,
+           "numba": numba.__version__, "scipy": scipy.__version__}
+    try:
+        import llvmlite
+
+        out["llvmlite"] = llvmlite.__version__
+    except ImportError:  # pragma: no cover - numba requires it
+        pass
+    return out
+
+
+def info():
+    """Facts about this installation, as a dict."""
+    import numba
+
+    from . import _jit
+    from .attention import causal_linear_attention
+    from .cpu import chunked
+
+    causal_linear_attention(np.ones((2, 2, 8, 2), np.float32), np.ones((2, 2, 8, 2), np.float32),
+                            np.ones((2, 2, 8, 2), np.float32))  # runs a parallel kernel
+    try:
+        layer = numba.threading_layer()
+    except ValueError:
+        layer = "none yet"
+    disp = chunked.causal_forward.dispatcher(np.float32, "C")
+    cache = getattr(getattr(disp, "_cache", None), "cache_path", None)
+    facts = _versions()
+    facts.update({
+        "threads": numba.get_num_threads(),
+        "NUMBA_NUM_THREADS": numba.config.NUMBA_NUM_THREADS,
+        "threading_layer": layer,
+        "cache_dir": cache if _jit.cache_problem is None else None,
+        "cache_problem": _jit.cache_problem,
+        "cuda": _cuda_status(),
+    })
+    return facts
+
+
+def _cuda_status():
+    try:
+        from .cuda import availability
+    except ImportError:
+        return "not built in"
+    return availability()
+
+
+def _time(fn, repeat=5, budget=1.0):
+    """Best wall time of ``fn()`` over up to ``repeat`` calls (at least 2) within ``budget`` seconds."""
+    best, start = float("inf"), time.perf_counter()
+    for i in range(repeat):
+        t = time.perf_counter()
+        fn()
+        best = min(best, time.perf_counter() - t)
+        if i >= 1 and time.perf_counter() - start > budget:
+            break
+    return best
+
+
+def bench(cases=None, quick=False, progress=True, stream=sys.stdout):
+    """Time linattn against the NumPy reference forms and a same-FLOP GEMM; returns the rows."""
+    from . import reference
+    from .attention import causal_linear_attention
+
+    cases = cases or (QUICK_CASES if quick else BENCH_CASES)
+    rows = []
+    try:
+        from tqdm import tqdm
+    except ImportError:  # pragma: no cover - tqdm is a dependency
+        tqdm = None
+    steps = [(case, what) for case in cases for what in ("inputs", "linattn", "gemm", "masked", "loop")]
+    bar = tqdm(total=len(steps), desc="linattn bench", file=sys.stderr, disable=not progress) if tqdm else None
+    t_first = time.perf_counter()
+    causal_linear_attention(*(np.ones((1, 4, 2), np.float32),) * 3)
+    first_call = time.perf_counter() - t_first
+    for (b, h, n, d) in cases:
+        row = {"case": f"B={b} H={h} N={n} D={d}"}
+        rng = np.random.default_rng(0)
+        q, k, v = ((rng.standard_normal((b, h, n, d)) * 0.5).astype(np.float32) for _ in range(3))
+        bar and bar.update()
+        out = causal_linear_attention(q, k, v)
+        t_lin = _time(lambda: causal_linear_attention(q, k, v))
+        row["linattn_ms"] = t_lin * 1e3
+        bar and bar.update()
+        a = rng.standard_normal((b * h * n, d)).astype(np.float32)
+        w = rng.standard_normal((d, d)).astype(np.float32)
+        c = np.empty((b * h * n, d), np.float32)
+        row["gemm_ms"] = _time(lambda: (np.matmul(a, w, out=c), np.matmul(a, w, out=c))) * 1e3
+        bar and bar.update()
+        # The references are O(N^2) in memory / per-token Python: time them on one head and scale.
+        q1, k1, v1 = q[:1, :1], k[:1, :1], v[:1, :1]
+        ref = reference.masked(q1, k1, v1)
+        row["max_rel_err"] = float(np.max(np.abs(out[:1, :1] - ref)) / np.max(np.abs(ref)))
+        row["masked_ms"] = _time(lambda: reference.masked(q1, k1, v1), repeat=2) * 1e3 * b * h
+        bar and bar.update()
+        nl = min(n, 512)
+        row["loop_ms"] = _time(lambda: reference.loop(q1[..., :nl, :], k1[..., :nl, :], v1[..., :nl, :]),
+                               repeat=1) * 1e3 * b * h * n / nl
+        bar and bar.update()
+        rows.append(row)
+    bar and bar.close()
+    _print_table(rows, first_call, stream)
+    return rows
+
+
+def _print_table(rows, first_call, stream):
+    head = f"{'case':24s} {'linattn ms':>11s} {'x GEMM':>7s} {'masked ms':>10s} {'speed-up':>9s} " \
+           f"{'loop ms':>10s} {'speed-up':>9s} {'max rel err':>12s}"
+    print(head, file=stream)
+    print("-" * len(head), file=stream)
+    for r in rows:
+        print(f"{r['case']:24s} {r['linattn_ms']:11.3f} {r['linattn_ms'] / r['gemm_ms']:7.2f} "
+              f"{r['masked_ms']:10.1f} {r['masked_ms'] / r['linattn_ms']:8.0f}x "
+              f"{r['loop_ms']:10.1f} {r['loop_ms'] / r['linattn_ms']:8.0f}x {r['max_rel_err']:12.2e}",
+              file=stream)
+    print(f"\nfloat32, causal, elu+1; 'x GEMM': time over a same-FLOP BLAS GEMM (4*N*D*Dv per head). "
+          f"masked = reference.masked (O(N^2), float64), loop = reference.loop (per-token, float64), "
+          f"both timed on one head (loop on <= 512 positions) and scaled. First call in this process "
+          f"(compile or cache load): {first_call:.2f} s.", file=stream)
+
+
+def main(argv=None):
+    parser = argparse.ArgumentParser(prog="python -m linattn", description=__doc__)
+    sub = parser.add_subparsers(dest="command", required=True)
+    p_info = sub.add_parser("info", help="versions, threads, threading layer, cache, CUDA")
+    p_info.add_argument("--json", action="store_true", help="print JSON")
+    p_bench = sub.add_parser("bench", help="time linattn against the NumPy reference forms")
+    p_bench.add_argument("--quick", action="store_true", help="two small cases (a few seconds)")
+    p_bench.add_argument("--case", action="append", metavar="B,H,N,D",
+                         help="a case to run instead of the defaults (repeatable)")
+    p_bench.add_argument("--no-progress", action="store_true", help="no progress bar")
+    p_bench.add_argument("--json", action="store_true", help="also print the rows as JSON")
+    args = parser.parse_args(argv)
+    if args.command == "info":
+        facts = info()
+        if args.json:
+            print(json.dumps(facts, indent=2))
+        else:
+            for key, val in facts.items():
+                print(f"{key:18s} {val}")
+        return 0
+    cases = None
+    if args.case:
+        try:
+            cases = [tuple(int(x) for x in c.split(",")) for c in args.case]
+            if any(len(c) != 4 or min(c) < 1 for c in cases):
+                raise ValueError
+        except ValueError:
+            parser.error("--case: expected four positive integers B,H,N,D, e.g. --case 1,8,1024,64")
+    rows = bench(cases, quick=args.quick, progress=not args.no_progress and not os.environ.get("CI"))
+    if args.json:
+        print(json.dumps(rows))
+    return 0
