@@ -21,14 +21,14 @@ def _features(q, k, feature_map, lead, n, comp):
     return q, k, code, q.shape[-1]
 
 
-def _flat(x, bh):
-    """(*lead, ..., X) -> (bh, ..., X), a view whenever NumPy can make one."""
-    return x.reshape((bh,) + x.shape[-2:]) if x.ndim >= 2 else x.reshape(bh)
+def _flat(x, bh, tail):
+    """(*lead, *tail_dims) -> (bh, *tail_dims) for the last ``tail`` dims, a view when possible."""
+    return x.reshape((bh,) + x.shape[x.ndim - tail:])
 
 
 def _flat_seq(q, k, v, bh):
     """q, k, v as (bh, N, X) views and the kernel layout: "C" if all are C-contiguous, else "A"."""
-    arrs = tuple(x.reshape((bh,) + x.shape[-2:]) for x in (q, k, v))
+    arrs = tuple(_flat(x, bh, 2) for x in (q, k, v))
     return arrs + ("C" if all(a.flags.c_contiguous for a in arrs) else "A",)
 
 
@@ -102,22 +102,24 @@ def causal_linear_attention(q, k, v, *, feature_map="elu", eps=1e-6, normalize=T
     bh = math.prod(lead)
     if initial_state is not None:
         S0, Z0 = checks.check_state(initial_state, "initial_state", lead, dk, dv, comp)
-        S0 = np.ascontiguousarray(_flat(np.asarray(S0), bh))
-        Z0 = np.ascontiguousarray(_flat(np.asarray(Z0), bh))
-    else:
-        S0, Z0 = np.zeros((bh, dk, dv), comp), np.zeros((bh, dk), comp)
+        S0 = np.ascontiguousarray(_flat(np.asarray(S0), bh, 2))
+        Z0 = np.ascontiguousarray(_flat(np.asarray(Z0), bh, 1))
+    else:  # no rows: the kernel starts from zero
+        S0, Z0 = np.zeros((0, dk, dv), comp), np.zeros((0, dk), comp)
     lens = (np.full(bh, n, np.int64) if lengths is None
             else checks.check_lengths(lengths, lead, n))
     out = np.empty((bh, n, dv), comp)
-    S, Z = np.empty((bh, dk, dv), comp), np.empty((bh, dk), comp)
+    rows = bh if return_state else 0  # no rows: the kernel skips writing the state
+    S, Z = np.empty((rows, dk, dv), comp), np.empty((rows, dk), comp)
     if bh and n:
         chunk, frac = plan(bh, n, causal=True)
         q3, k3, v3, layout = _flat_seq(q, k, v, bh)
         kernel = chunked.causal_forward.get(comp, layout)
         with kernel_section(chunk * (dk + chunk) * dv):
             kernel(q3, k3, v3, code, comp.type(eps), normalize, lens, chunk, frac, S0, Z0, out, S, Z)
-    else:
-        S[...], Z[...] = S0, Z0
+    elif return_state:
+        S[...] = S0 if len(S0) else 0
+        Z[...] = Z0 if len(Z0) else 0
     out = out.reshape(lead + (n, dv)).astype(out_dt, copy=False)
     if return_state:
         return out, State(S.reshape(lead + (dk, dv)), Z.reshape(lead + (dk,)))

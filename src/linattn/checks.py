@@ -99,8 +99,9 @@ def check_mapped(phi, name, lead, n, d_expected=None):
     got_lead = phi.shape[:-1]
     if got_lead != want or phi.shape[-1] < 1 or (d_expected is not None and phi.shape[-1] != d_expected):
         dstr = "D'" if d_expected is None else str(d_expected)
+        shape = "(" + ", ".join([str(x) for x in want] + [dstr]) + ")"
         raise ValueError(
-            f"feature_map: expected the callable to map {name} to shape {want + (dstr,)} "
+            f"feature_map: expected the callable to map {name} to shape {shape} "
             f"(same leading dims{' and N' if n is not None else ''}, D' >= 1), got {phi.shape}")
     return phi
 

@@ -66,25 +66,60 @@ def _load_chunk_kv(k, v, h, i0, c, fm, Kf, KT, Pz, SV, r0):
 
 
 @njit(helper=True)
-def _refresh(acc, accz, B, Bz, P, Pz, S, Z, fold):
-    """S[:D] = B + P, Z = Bz + Pz; with ``fold`` first move P, Pz into the float64 accumulators."""
-    d_, w = P.shape
-    if fold:
-        for a in range(d_):
-            for e in range(w):
-                acc[a, e] += P[a, e]
-                P[a, e] = 0
-                B[a, e] = acc[a, e]
-                S[a, e] = B[a, e]
-            accz[a] += Pz[a]
-            Pz[a] = 0
-            Bz[a] = accz[a]
-            Z[a] = Bz[a]
-    else:
-        for a in range(d_):
-            for e in range(w):
-                S[a, e] = B[a, e] + P[a, e]
-            Z[a] = Bz[a] + Pz[a]
+def _init_state(S0, Z0, h, acc, accz, B, Bz):
+    """acc, B = S0[h] (or 0 when S0 is empty: no initial state); likewise accz, Bz from Z0."""
+    if S0.shape[0] == 0:
+        acc[:] = 0
+        accz[:] = 0
+        B[:] = 0
+        Bz[:] = 0
+        return
+    for a in range(acc.shape[0]):
+        for e in range(acc.shape[1]):
+            acc[a, e] = S0[h, a, e]
+        for e in range(acc.shape[1]):
+            B[a, e] = S0[h, a, e]
+    for a in range(acc.shape[0]):
+        accz[a] = Z0[h, a]
+        Bz[a] = Z0[h, a]
+
+
+@njit(helper=True)
+def _fold(acc, accz, B, Bz, P, Pz):
+    """Move the pending sums P, Pz into the float64 accumulators; B, Bz = their rounded values."""
+    for a in range(P.shape[0]):
+        for e in range(P.shape[1]):
+            acc[a, e] += P[a, e]
+        for e in range(P.shape[1]):
+            B[a, e] = acc[a, e]
+    P[:] = 0
+    for a in range(P.shape[0]):
+        accz[a] += Pz[a]
+        Bz[a] = accz[a]
+    Pz[:] = 0
+
+
+@njit(helper=True)
+def _current(B, Bz, P, Pz, S, Z):
+    """S[:D] = B + P and Z = Bz + Pz: the state the next chunk reads.
+
+    (Loops touch at most three arrays: LLVM leaves loops over more arrays unvectorised.)
+    """
+    for a in range(P.shape[0]):
+        for e in range(P.shape[1]):
+            S[a, e] = B[a, e] + P[a, e]
+    for a in range(P.shape[0]):
+        Z[a] = Bz[a] + Pz[a]
+
+
+@njit(helper=True)
+def _write_state(acc, accz, P, Pz, h, S_out, Z_out):
+    """S_out[h] = acc + P, Z_out[h] = accz + Pz (in float64, then rounded once)."""
+    for a in range(P.shape[0]):
+        for e in range(P.shape[1]):
+            S_out[h, a, e] = acc[a, e] + P[a, e]
+    for a in range(P.shape[0]):
+        Z_out[h, a] = accz[a] + Pz[a]
 
 
 @njit(helper=True)
@@ -105,9 +140,10 @@ def _normalize_rows(out, h, i0, c, QA, Z, d_, causal, eps, one):
 def _causal_forward(q, k, v, fm, eps, normalize, lengths, chunk, frac, S0, Z0, out, S_out, Z_out):
     """Causal linear attention of every head; head h stops at lengths[h] (later outputs are 0).
 
-    q, k: (BH, N, D); v: (BH, N, Dv); S0, Z0: initial state (BH, D, Dv), (BH, D); outputs go to
-    out (BH, N, Dv), the final state to S_out, Z_out. ``frac`` (nseg + 1 increasing fractions from
-    0 to 1) splits each head's chunks into segments, one work item each.
+    q, k: (BH, N, D); v: (BH, N, Dv); S0, Z0: initial state (BH, D, Dv), (BH, D), or arrays with
+    no rows for a zero state; outputs go to out (BH, N, Dv), the final state to S_out, Z_out (unless
+    they have no rows). ``frac`` (nseg + 1 increasing fractions from 0 to 1) splits each head's
+    chunks into segments, one work item each.
     """
     bh, n, d_ = q.shape
     dv = v.shape[2]
@@ -123,8 +159,8 @@ def _causal_forward(q, k, v, fm, eps, normalize, lengths, chunk, frac, S0, Z0, o
         SV = np.empty((d_ + chunk, dv), dt)  # [S ; V]
         Kf = np.empty((chunk, d_), dt)
         KT = np.empty((d_, chunk), dt)
-        P = np.zeros((d_, dv), dt)
-        B = np.empty((d_, dv), dt)
+        P = np.zeros((d_, dv), dt)  # pending sums since the last fold
+        B = np.empty((d_, dv), dt)  # the accumulator rounded to the compute dtype
         acc = np.empty((d_, dv), np.float64)
         Pz = np.zeros(d_, dt)
         Bz = np.empty(d_, dt)
@@ -132,16 +168,13 @@ def _causal_forward(q, k, v, fm, eps, normalize, lengths, chunk, frac, S0, Z0, o
         accz = np.empty(d_, np.float64)
         one = np.ones(1, dt)
         coef = np.empty(2, dt)
-        for a in range(d_):
-            for e in range(dv):
-                acc[a, e] = S0[h, a, e]
-            accz[a] = Z0[h, a]
+        _init_state(S0, Z0, h, acc, accz, B, Bz)
         for ci in range(c0):  # the state at the start of this segment
             i0 = ci * chunk
             _add_prefix(k, v, h, i0, min(chunk, length - i0), fm, Kf, SV, P, Pz, coef)
             if (ci + 1) % FOLD_EVERY == 0:
-                _refresh(acc, accz, B, Bz, P, Pz, SV, Z, True)
-        _refresh(acc, accz, B, Bz, P, Pz, SV, Z, True)
+                _fold(acc, accz, B, Bz, P, Pz)
+        _current(B, Bz, P, Pz, SV, Z)
         for ci in range(c0, c1):
             i0 = ci * chunk
             c = min(chunk, length - i0)
@@ -155,15 +188,16 @@ def _causal_forward(q, k, v, fm, eps, normalize, lengths, chunk, frac, S0, Z0, o
             if normalize:
                 _normalize_rows(out, h, i0, c, QA, Z, d_, True, eps, one)
             gemm(False, False, KT[:, :c], SV[d_:d_ + c], 1.0, P, coef)  # pending state update
-            _refresh(acc, accz, B, Bz, P, Pz, SV, Z, (ci + 1) % FOLD_EVERY == 0 or ci == c1 - 1)
+            if ci < c1 - 1:
+                if (ci + 1) % FOLD_EVERY == 0:
+                    _fold(acc, accz, B, Bz, P, Pz)
+                _current(B, Bz, P, Pz, SV, Z)
         if last:
             for i in range(length, n):
                 for e in range(dv):
                     out[h, i, e] = 0
-            for a in range(d_):
-                for e in range(dv):
-                    S_out[h, a, e] = acc[a, e]
-                Z_out[h, a] = accz[a]
+            if S_out.shape[0] > 0:
+                _write_state(acc, accz, P, Pz, h, S_out, Z_out)
 
 
 def _noncausal_forward(q, k, v, fm, eps, normalize, chunk, frac, out):
@@ -184,11 +218,11 @@ def _noncausal_forward(q, k, v, fm, eps, normalize, chunk, frac, out):
         Kf = np.empty((chunk, d_), dt)
         V = np.empty((chunk, dv), dt)
         P = np.zeros((d_, dv), dt)
-        B = np.empty((d_, dv), dt)
+        B = np.zeros((d_, dv), dt)
         S = np.empty((d_, dv), dt)
         acc = np.zeros((d_, dv), np.float64)
         Pz = np.zeros(d_, dt)
-        Bz = np.empty(d_, dt)
+        Bz = np.zeros(d_, dt)
         Z = np.empty(d_, dt)
         accz = np.zeros(d_, np.float64)
         one = np.ones(1, dt)
@@ -196,8 +230,10 @@ def _noncausal_forward(q, k, v, fm, eps, normalize, chunk, frac, out):
         for ci in range(nchunks):
             i0 = ci * chunk
             _add_prefix(k, v, h, i0, min(chunk, n - i0), fm, Kf, V, P, Pz, coef)
-            if (ci + 1) % FOLD_EVERY == 0 or ci == nchunks - 1:
-                _refresh(acc, accz, B, Bz, P, Pz, S, Z, True)
+            if (ci + 1) % FOLD_EVERY == 0:
+                _fold(acc, accz, B, Bz, P, Pz)
+        _fold(acc, accz, B, Bz, P, Pz)
+        _current(B, Bz, P, Pz, S, Z)
         for ci in range(c0, c1):
             i0 = ci * chunk
             c = min(chunk, n - i0)

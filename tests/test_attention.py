@@ -1,0 +1,237 @@
+"""causal_linear_attention and linear_attention against the float64 O(N^2) reference."""
+from concurrent.futures import ThreadPoolExecutor
+
+import numpy as np
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+import linattn
+from linattn import reference
+from linattn.cpu import chunked
+from linattn.cpu.runtime import chunk_size
+
+from conftest import TOL, assert_close, make_qkv, rel_err
+
+LEADS = [(), (1,), (2, 3)]
+SIZES = [1, 63, 65, 1000]
+DIMS = [(1, 1), (16, 8), (5, 33)]
+DTYPES = [np.float32, np.float64]
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("d,dv", DIMS)
+@pytest.mark.parametrize("n", SIZES)
+@pytest.mark.parametrize("lead", LEADS)
+def test_against_reference(rng, lead, n, d, dv, dtype):
+    q, k, v = make_qkv(rng, lead, n, d, dv, dtype)
+    out = linattn.causal_linear_attention(q, k, v)
+    assert out.shape == lead + (n, dv) and out.dtype == dtype
+    assert_close(out, reference.masked(q, k, v), dtype)
+    out = linattn.linear_attention(q, k, v)
+    assert out.shape == lead + (n, dv) and out.dtype == dtype
+    assert_close(out, reference.masked(q, k, v, causal=False), dtype)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_textbook_loop(rng, dtype):
+    q, k, v = make_qkv(rng, (2, 2), 70, 6, 4, dtype)
+    assert_close(linattn.causal_linear_attention(q, k, v), reference.loop(q, k, v), dtype)
+
+
+def _doubled_elu(x):
+    """A feature map with D' = 2D: [elu(x)+1, elu(-x)+1]."""
+    return np.concatenate([np.where(x > 0, x + 1, np.exp(np.minimum(x, 0))),
+                           np.where(x < 0, 1 - x, np.exp(np.minimum(-x, 0)))], axis=-1)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("feature_map", ["relu", "identity", _doubled_elu, np.abs])
+def test_feature_maps(rng, feature_map, dtype):
+    q, k, v = make_qkv(rng, (3,), 100, 7, 5, dtype)
+    if feature_map == "identity":  # positive inputs keep the denominators away from zero
+        q, k = np.abs(q) + 0.1, np.abs(k) + 0.1
+    for normalize in (True, False):
+        kw = dict(feature_map=feature_map, normalize=normalize)
+        assert_close(linattn.causal_linear_attention(q, k, v, **kw), reference.masked(q, k, v, **kw), dtype)
+        assert_close(linattn.linear_attention(q, k, v, **kw),
+                     reference.masked(q, k, v, causal=False, **kw), dtype)
+
+
+def test_relu_all_negative_gives_zero_not_nan(rng):
+    q, k, v = make_qkv(rng, (), 40, 4, 3)
+    out = linattn.causal_linear_attention(-np.abs(q), -np.abs(k), v, feature_map="relu")
+    np.testing.assert_array_equal(out, 0)
+
+
+def test_elu_extremes():
+    x = np.array([[-1e4, -100.0, -87.0, -20.0, -1e-30, 0.0, 1e-30, 30.0, 1e30]], np.float32).T
+    for dtype in DTYPES:
+        q = np.zeros((x.shape[0], 1), dtype)  # phi(0) = 1
+        out = linattn.causal_linear_attention(q, x.astype(dtype), np.ones_like(q), normalize=False)
+        phi = np.where(x > 0, x.astype(np.float64) + 1, np.exp(np.minimum(x, 0).astype(np.float64)))
+        np.testing.assert_allclose(out[:, 0], np.cumsum(phi[:, 0]), rtol=3e-7, atol=1e-37)
+
+
+def test_normalize_and_eps(rng):
+    q, k, v = make_qkv(rng, (2,), 50, 4, 4, np.float64)
+    for eps in (0.0, 1e-6, 3.5):
+        assert_close(linattn.causal_linear_attention(q, k, v, eps=eps),
+                     reference.masked(q, k, v, eps=eps), np.float64)
+
+
+@pytest.mark.parametrize("causal", [True, False])
+def test_views_and_strides(rng, causal):
+    fn = linattn.causal_linear_attention if causal else linattn.linear_attention
+    base = rng.standard_normal((2, 90, 3, 40)).astype(np.float32)  # (B, N, H, 40)
+    q = base[..., :16].transpose(0, 2, 1, 3)  # (B, H, N, 16), heads and a column slice
+    k = base[:, ::-1, :, 16:32].transpose(0, 2, 1, 3)  # negative stride along N
+    v = np.asfortranarray(base[..., 32:].transpose(0, 2, 1, 3))  # Fortran order
+    ref = fn(*(np.ascontiguousarray(x) for x in (q, k, v)))
+    out = fn(q, k, v)
+    np.testing.assert_allclose(out, ref, rtol=1e-5, atol=1e-6)
+    ro = [np.ascontiguousarray(x) for x in (q, k, v)]
+    for x in ro:
+        x.setflags(write=False)
+    np.testing.assert_allclose(fn(*ro), ref, rtol=1e-5, atol=1e-6)
+    bq = np.broadcast_to(q[:1], q.shape)  # zero strides along the batch
+    np.testing.assert_allclose(fn(bq, k, v), fn(np.ascontiguousarray(bq), k, v), rtol=1e-5, atol=1e-6)
+
+
+def test_dtypes(rng):
+    q, k, v = make_qkv(rng, (2,), 40, 4, 3, np.float64)
+    for dtype, comp in ((np.float16, np.float32), (np.float32, np.float32)):
+        out = linattn.causal_linear_attention(q.astype(dtype), k.astype(dtype), v.astype(dtype))
+        assert out.dtype == dtype
+        ref = reference.masked(*(x.astype(dtype) for x in (q, k, v)))
+        assert rel_err(out, ref) < (2e-3 if dtype == np.float16 else 2e-5)
+    qi, ki, vi = (np.round(x * 3).astype(np.int32) for x in (q, k, v))
+    out = linattn.causal_linear_attention(qi, ki, vi)
+    assert out.dtype == np.float64
+    assert_close(out, reference.masked(qi, ki, vi), np.float64)
+    out = linattn.causal_linear_attention(q.astype(np.float32), k, v.astype(np.float16))
+    assert out.dtype == np.float64  # mixed dtypes promote as NumPy does
+    out = linattn.linear_attention(q.tolist(), k.tolist(), v.tolist())  # nested lists work too
+    assert_close(out, reference.masked(q, k, v, causal=False), np.float64)
+
+
+def test_empty(rng):
+    q, k, v = make_qkv(rng, (2, 3), 0, 4, 5)
+    out, st = linattn.causal_linear_attention(q, k, v, return_state=True)
+    assert out.shape == (2, 3, 0, 5) and out.dtype == np.float32
+    np.testing.assert_array_equal(st.S, 0)
+    assert st.S.shape == (2, 3, 4, 5) and st.Z.shape == (2, 3, 4)
+    init = linattn.State(np.ones((2, 3, 4, 5), np.float32), np.ones((2, 3, 4), np.float32))
+    _, st2 = linattn.causal_linear_attention(q, k, v, initial_state=init, return_state=True)
+    np.testing.assert_array_equal(st2.S, 1)
+    assert linattn.linear_attention(q, k, v).shape == (2, 3, 0, 5)
+    q, k, v = make_qkv(rng, (0, 3), 7, 4, 5)
+    assert linattn.causal_linear_attention(q, k, v).shape == (0, 3, 7, 5)
+    assert linattn.linear_attention(q, k, v).shape == (0, 3, 7, 5)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("feature_map", ["elu", "relu", _doubled_elu])
+def test_split_and_resume(rng, dtype, feature_map):
+    q, k, v = make_qkv(rng, (2, 2), 150, 5, 7, dtype)
+    if feature_map == "relu":
+        q, k = q + 0.3, k + 0.3
+    kw = dict(feature_map=feature_map)
+    full, st_full = linattn.causal_linear_attention(q, k, v, return_state=True, **kw)
+    _, (S_ref, Z_ref) = reference.loop(q, k, v, return_state=True, **kw)
+    assert_close(st_full.S, S_ref, dtype)
+    assert_close(st_full.Z, Z_ref, dtype)
+    for cuts in ([0], [1], [31, 32, 33], [64, 100], [149], [150]):
+        pieces, st = [], None
+        for a, b in zip([0] + cuts, cuts + [150]):
+            o, st = linattn.causal_linear_attention(q[..., a:b, :], k[..., a:b, :], v[..., a:b, :],
+                                                    initial_state=st, return_state=True, **kw)
+            pieces.append(o)
+        assert_close(np.concatenate(pieces, axis=-2), full, dtype)
+        assert_close(st.S, S_ref, dtype)
+        assert_close(st.Z, Z_ref, dtype)
+
+
+def test_state_with_non_contiguous_views(rng):
+    q, k, v = make_qkv(rng, (3,), 60, 4, 6)
+    _, st = linattn.causal_linear_attention(q[:, :30], k[:, :30], v[:, :30], return_state=True)
+    S = np.asfortranarray(st.S)
+    out = linattn.causal_linear_attention(q[:, 30:], k[:, 30:], v[:, 30:], initial_state=(S, st.Z[:, ::1]))
+    assert_close(out, linattn.causal_linear_attention(q, k, v)[:, 30:], np.float32)
+
+
+@pytest.mark.parametrize("frac", [[0, 1], [0, 0.5, 1], [0, 0.2, 0.21, 0.9, 1], [0, 0, 0, 1],
+                                  [0, 1, 1, 1], [0, 0.1, 0.2, 0.3, 0.4, 0.5, 0.6, 0.7, 0.8, 0.9, 1]])
+def test_segments(rng, frac):
+    """The kernels split a head into segments when heads are few; check every kind of split."""
+    n, d, dv = 300, 6, 5
+    q, k, v = make_qkv(rng, (3,), n, d, dv)
+    lengths = np.array([300, 131, 0], np.int64)
+    S0 = rng.random((3, d, dv)).astype(np.float32)
+    Z0 = rng.random((3, d)).astype(np.float32)
+    out = np.full((3, n, dv), np.nan, np.float32)
+    S, Z = np.full_like(S0, np.nan), np.full_like(Z0, np.nan)
+    frac = np.asarray(frac, np.float64)
+    chunked.causal_forward.get(np.float32, "C")(q, k, v, 1, np.float32(1e-6), True, lengths,
+                                                 chunk_size(n), frac, S0, Z0, out, S, Z)
+    for h, L in enumerate(lengths):
+        ref, (S_ref, Z_ref) = reference.loop(q[h, :L], k[h, :L], v[h, :L], initial_state=(S0[h], Z0[h]),
+                                             return_state=True)
+        assert_close(out[h, :L], ref, np.float32)
+        np.testing.assert_array_equal(out[h, L:], 0)
+        assert_close(S[h], S_ref, np.float32)
+        assert_close(Z[h], Z_ref, np.float32)
+    out2 = np.full((3, n, dv), np.nan, np.float32)
+    chunked.noncausal_forward.get(np.float32, "C")(q, k, v, 1, np.float32(1e-6), True, chunk_size(n),
+                                                    frac, out2)
+    assert_close(out2, reference.masked(q, k, v, causal=False), np.float32)
+
+
+def test_long_sequence_float32_accuracy(rng):
+    """float32 stays within 2e-4 of float64 over a million positions (the state is kept in float64)."""
+    n = 1 << 20
+    q, k, v = make_qkv(rng, (), n, 4, 3, np.float32)
+    v = v + 0.5  # a drift that the state accumulates over the whole sequence
+    out32, st32 = linattn.causal_linear_attention(q, k, v, return_state=True)
+    out64, st64 = linattn.causal_linear_attention(*(x.astype(np.float64) for x in (q, k, v)), return_state=True)
+    row_err = np.linalg.norm(out32 - out64, axis=-1) / np.linalg.norm(out64, axis=-1)
+    assert row_err.max() < 2e-4
+    assert rel_err(st32.S, st64.S) < 2e-6 and rel_err(st32.Z, st64.Z) < 2e-6
+    out32 = linattn.linear_attention(q, k, v)
+    out64 = linattn.linear_attention(*(x.astype(np.float64) for x in (q, k, v)))
+    assert rel_err(out32, out64) < 2e-5
+
+
+def test_nan_and_inf_propagate(rng):
+    q, k, v = make_qkv(rng, (2,), 200, 4, 3)
+    k[0, 100, 1] = np.nan
+    v[1, 150, 0] = np.inf
+    out = linattn.causal_linear_attention(q, k, v)
+    chunk = chunk_size(200)
+    first = 100 // chunk * chunk  # positions of earlier chunks are untouched
+    assert np.isfinite(out[0, :first]).all() and np.isnan(out[0, 100:]).all()
+    assert np.isfinite(out[1, :150 // chunk * chunk]).all() and not np.isfinite(out[1, 150:, 0]).any()
+    assert np.isnan(linattn.linear_attention(q, k, v)[0]).all()
+
+
+def test_concurrent_calls(rng):
+    cases = [make_qkv(rng, (b, 2), n, 8, 4, dt) for b, n, dt in
+             [(1, 300, np.float32), (3, 50, np.float64), (2, 1000, np.float32), (1, 7, np.float64)] * 3]
+    expected = [linattn.causal_linear_attention(*c) for c in cases]
+    with ThreadPoolExecutor(max_workers=6) as ex:
+        got = list(ex.map(lambda c: linattn.causal_linear_attention(*c), cases))
+        got_nc = list(ex.map(lambda c: linattn.linear_attention(*c), cases))
+    for e, g, c in zip(expected, got, cases):
+        np.testing.assert_array_equal(e, g)
+    for g, c in zip(got_nc, cases):
+        np.testing.assert_array_equal(g, linattn.linear_attention(*c))
+
+
+@settings(max_examples=60, deadline=None)
+@given(lead=st.lists(st.integers(1, 3), max_size=2).map(tuple), n=st.integers(0, 80),
+       d=st.integers(1, 9), dv=st.integers(1, 9), f64=st.booleans(), seed=st.integers(0, 2**31))
+def test_random_shapes(lead, n, d, dv, f64, seed):
+    dtype = np.float64 if f64 else np.float32
+    q, k, v = make_qkv(np.random.default_rng(seed), lead, n, d, dv, dtype)
+    assert_close(linattn.causal_linear_attention(q, k, v), reference.masked(q, k, v), dtype)
+    assert_close(linattn.linear_attention(q, k, v), reference.masked(q, k, v, causal=False), dtype)

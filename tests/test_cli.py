@@ -1,0 +1,51 @@
+"""`python -m linattn info | bench` work and print what they promise."""
+import io
+import json
+import subprocess
+import sys
+
+import pytest
+
+from linattn import cli
+
+
+def test_info_subprocess():
+    res = subprocess.run([sys.executable, "-m", "linattn", "info", "--json"], capture_output=True, text=True,
+                         timeout=300)
+    assert res.returncode == 0, res.stderr
+    facts = json.loads(res.stdout)
+    for key in ("linattn", "numpy", "numba", "threads", "threading_layer", "cache_dir", "cuda"):
+        assert key in facts
+    assert facts["threads"] >= 1
+    assert facts["threading_layer"] in ("omp", "tbb", "workqueue")
+
+
+def test_info_text(capsys):
+    assert cli.main(["info"]) == 0
+    out = capsys.readouterr().out
+    assert "threading_layer" in out and "numba" in out
+
+
+def test_bench_quick():
+    buf = io.StringIO()
+    rows = cli.bench(quick=True, progress=False, stream=buf)
+    assert len(rows) == len(cli.QUICK_CASES)
+    for row in rows:
+        assert row["max_rel_err"] < 1e-5
+        assert row["linattn_ms"] > 0 and row["gemm_ms"] > 0
+    text = buf.getvalue()
+    assert "x GEMM" in text and "speed-up" in text
+
+
+def test_bench_cli_case(capsys):
+    assert cli.main(["bench", "--case", "1,2,64,8", "--no-progress", "--json"]) == 0
+    out = capsys.readouterr().out
+    assert "B=1 H=2 N=64 D=8" in out
+    assert json.loads(out.strip().splitlines()[-1])[0]["case"] == "B=1 H=2 N=64 D=8"
+
+
+@pytest.mark.parametrize("bad", ["1,2,3", "a,b,c,d", "1,2,0,4"])
+def test_bench_bad_case(bad):
+    with pytest.raises(SystemExit) as exc:
+        cli.main(["bench", "--case", bad])
+    assert exc.value.code == 2
