@@ -48,8 +48,9 @@ def array(dtype, ndim, layout="C", readonly=False):
 
 class Kernel:
     """A Python kernel function compiled on first use for one explicit signature per
-    (dtype, layout): layout "C" when all sequence inputs are C-contiguous (the fast path), "A" for
-    any strides (views, negative strides). ``signature(numba_dtype, layout)`` builds the signature.
+    (dtype, variant). ``signature(numba_dtype, variant)`` builds the signature; for the sequence
+    kernels the variant is the layout: "C" when all inputs are C-contiguous (the fast path), "A" for
+    any strides (views, negative strides).
     """
 
     def __init__(self, py_func, signature, parallel=True):
@@ -61,18 +62,20 @@ class Kernel:
         self.__doc__ = py_func.__doc__
         self.__name__ = py_func.__name__
 
-    def get(self, dtype, layout):
-        key = (np.dtype(dtype).name, layout)
-        fn = self._compiled.get(key)
-        if fn is None:
-            with self._lock:
-                fn = self._compiled.get(key)
-                if fn is None:
-                    sig = self._signature(numba.from_dtype(np.dtype(dtype)), layout)
-                    fn = njit(parallel=self._parallel, signature=sig)(self.py_func)
-                    self._compiled[key] = fn
+    def get(self, dtype, variant):
+        """The compiled dispatcher for ``dtype`` (a NumPy dtype) and ``variant``."""
+        try:
+            return self._compiled[dtype, variant]
+        except KeyError:
+            pass
+        with self._lock:
+            key = (np.dtype(dtype), variant)
+            fn = self._compiled.get(key)
+            if fn is None:
+                sig = self._signature(numba.from_dtype(key[0]), variant)
+                fn = njit(parallel=self._parallel, signature=sig)(self.py_func)
+                self._compiled[key] = fn
+                self._compiled[dtype, variant] = fn
         return fn
 
-    def dispatcher(self, dtype, layout):
-        """The compiled Numba dispatcher (e.g. to inspect where it is cached)."""
-        return self.get(dtype, layout)
+    dispatcher = get

@@ -123,7 +123,7 @@ def _write_state(acc, accz, P, Pz, h, S_out, Z_out):
 
 
 @njit(helper=True)
-def _normalize_rows(out, h, i0, c, QA, Z, d_, causal, eps, one):
+def _normalize_rows(out, h, i0, c, QA, Z, d_, causal, eps):
     """Divide out[h, i0+t] by phi(q_t).Z (+ sum_{s<=t} A[t, s] when causal) + eps."""
     for t in range(c):
         den = Z[0] - Z[0]  # zero in the compute dtype
@@ -132,7 +132,7 @@ def _normalize_rows(out, h, i0, c, QA, Z, d_, causal, eps, one):
         if causal:
             for s in range(t + 1):
                 den += QA[t, d_ + s]
-        inv = one[0] / (den + eps)
+        inv = np.float32(1.0) / (den + eps)  # a float32 one keeps the compute dtype
         for e in range(out.shape[2]):
             out[h, i0 + t, e] *= inv
 
@@ -166,7 +166,6 @@ def _causal_forward(q, k, v, fm, eps, normalize, lengths, chunk, frac, S0, Z0, o
         Bz = np.empty(d_, dt)
         Z = np.empty(d_, dt)
         accz = np.empty(d_, np.float64)
-        one = np.ones(1, dt)
         coef = np.empty(2, dt)
         _init_state(S0, Z0, h, acc, accz, B, Bz)
         for ci in range(c0):  # the state at the start of this segment
@@ -186,7 +185,7 @@ def _causal_forward(q, k, v, fm, eps, normalize, lengths, chunk, frac, S0, Z0, o
                     QA[t, d_ + u] = 0
             gemm(False, False, QA[:c, :d_ + c], SV[:d_ + c], 0.0, out[h, i0:i0 + c], coef)
             if normalize:
-                _normalize_rows(out, h, i0, c, QA, Z, d_, True, eps, one)
+                _normalize_rows(out, h, i0, c, QA, Z, d_, True, eps)
             gemm(False, False, KT[:, :c], SV[d_:d_ + c], 1.0, P, coef)  # pending state update
             if ci < c1 - 1:
                 if (ci + 1) % FOLD_EVERY == 0:
@@ -225,7 +224,6 @@ def _noncausal_forward(q, k, v, fm, eps, normalize, chunk, frac, out):
         Bz = np.zeros(d_, dt)
         Z = np.empty(d_, dt)
         accz = np.zeros(d_, np.float64)
-        one = np.ones(1, dt)
         coef = np.empty(2, dt)
         for ci in range(nchunks):
             i0 = ci * chunk
@@ -240,7 +238,7 @@ def _noncausal_forward(q, k, v, fm, eps, normalize, chunk, frac, out):
             load_rows(q, h, i0, c, fm, QA)
             gemm(False, False, QA[:c], S, 0.0, out[h, i0:i0 + c], coef)
             if normalize:
-                _normalize_rows(out, h, i0, c, QA, Z, d_, False, eps, one)
+                _normalize_rows(out, h, i0, c, QA, Z, d_, False, eps)
 
 
 def _causal_signature(dt, layout):

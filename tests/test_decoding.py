@@ -1,0 +1,171 @@
+"""step, State.zeros, lengths and attention_weights."""
+import numpy as np
+import pytest
+
+import linattn
+from linattn import reference
+
+from conftest import TOL, assert_close, make_qkv, rel_err
+
+
+def _doubled(x):
+    return np.concatenate([np.maximum(x, 0), np.maximum(-x, 0)], axis=-1) + 0.1
+
+
+@pytest.mark.parametrize("dtype", [np.float32, np.float64])
+@pytest.mark.parametrize("feature_map", ["elu", "relu", "identity", _doubled])
+@pytest.mark.parametrize("split", [0, 1, 33, 59])
+def test_prefill_then_steps_equals_whole_call(rng, dtype, feature_map, split):
+    n = 60
+    q, k, v = make_qkv(rng, (2, 3), n, 8, 5, dtype)
+    if feature_map in ("relu", "identity"):
+        q, k = np.abs(q) + 0.1, np.abs(k) + 0.1
+    kw = dict(feature_map=feature_map)
+    full, st_full = linattn.causal_linear_attention(q, k, v, return_state=True, **kw)
+    _, st = linattn.causal_linear_attention(q[..., :split, :], k[..., :split, :], v[..., :split, :],
+                                            return_state=True, **kw)
+    outs = [linattn.step(q[..., i, :], k[..., i, :], v[..., i, :], st, **kw) for i in range(split, n)]
+    got = np.stack(outs, axis=-2)
+    assert got.dtype == dtype
+    assert rel_err(got, full[..., split:, :]) < (1e-5 if dtype == np.float32 else 1e-12)
+    assert rel_err(st.S, st_full.S) < (1e-5 if dtype == np.float32 else 1e-12)
+
+
+@pytest.mark.parametrize("lead", [(), (3,), (2, 2, 2)])
+def test_steps_from_zeros_equal_whole_call(rng, lead):
+    q, k, v = make_qkv(rng, lead, 40, 6, 7, np.float32)
+    st = linattn.State.zeros(lead, 6, 7)
+    outs = [linattn.step(q[..., i, :], k[..., i, :], v[..., i, :], st) for i in range(40)]
+    assert_close(np.stack(outs, axis=-2), reference.masked(q, k, v), np.float32)
+    assert_close(st.S, reference.loop(q, k, v, return_state=True)[1][0], np.float32)
+
+
+def test_step_parallel_batch_and_out(rng):
+    q, k, v = make_qkv(rng, (32, 8), 3, 64, 64, np.float32)  # 32*8*64*64 elements: the parallel kernel
+    st = linattn.State.zeros((32, 8), 64, 64)
+    out = np.empty((32, 8, 64), np.float32)
+    for i in range(3):
+        r = linattn.step(q[..., i, :], k[..., i, :], v[..., i, :], st, out=out)
+        assert r is out
+    assert_close(out, linattn.causal_linear_attention(q, k, v)[..., 2, :], np.float32)
+
+
+def test_step_strided_inputs_and_state(rng):
+    q, k, v = make_qkv(rng, (4, 3), 20, 5, 6, np.float32)
+    ref = linattn.causal_linear_attention(q, k, v)
+    big = np.zeros((4, 3, 8, 6), np.float32)  # S as a strided view into a bigger array
+    st = linattn.State(big[:, :, 1:6, :], np.zeros((3, 4, 5), np.float32).transpose(1, 0, 2))
+    for i in range(20):
+        o = linattn.step(q[:, :, i, :], k[:, :, i, :], v[:, :, i, ::-1][..., ::-1], st)
+    assert_close(o, ref[..., 19, :], np.float32)
+    assert np.all(big[:, :, 0] == 0) and np.all(big[:, :, 6:] == 0)  # only the view was written
+
+
+def test_step_float16_and_ints(rng):
+    q, k, v = make_qkv(rng, (2,), 5, 4, 3, np.float64)
+    st = linattn.State.zeros((2,), 4, 3, np.float32)
+    o = linattn.step(q[:, 0].astype(np.float16), k[:, 0].astype(np.float16), v[:, 0].astype(np.float16), st)
+    assert o.dtype == np.float16
+    st64 = linattn.State.zeros((2,), 4, 3, np.float64)
+    assert linattn.step(np.ones((2, 4), int), np.ones((2, 4), int), np.ones((2, 3), int), st64).dtype == np.float64
+
+
+def test_step_errors(rng):
+    q, k, v = make_qkv(rng, (2,), 1, 4, 3)
+    q, k, v = q[:, 0], k[:, 0], v[:, 0]
+    st = linattn.State.zeros((2,), 4, 3)
+    with pytest.raises(ValueError, match=r"state.S: expected shape \(2, 4, 3\)"):
+        linattn.step(q, k, v, linattn.State.zeros((3,), 4, 3))
+    with pytest.raises(ValueError, match=r"state.S: expected shape \(2, 4, 3\) .*D'=4, Dv=3"):
+        linattn.step(q, k, v, linattn.State.zeros((2,), 5, 3))
+    with pytest.raises(TypeError, match="state.S: expected dtype float32"):
+        linattn.step(q, k, v, linattn.State.zeros((2,), 4, 3, np.float64))
+    with pytest.raises(TypeError, match="state: expected a linattn.State"):
+        linattn.step(q, k, v, st.S)
+    ro = linattn.State(st.S.copy(), st.Z.copy())
+    ro.S.setflags(write=False)
+    with pytest.raises(ValueError, match="state.S: expected a writable NumPy array"):
+        linattn.step(q, k, v, ro)
+    with pytest.raises(ValueError, match=r"k: expected leading dimensions \(2,\)"):
+        linattn.step(q, k[:1], v, st)
+    with pytest.raises(ValueError, match="k: expected feature dimension D=4"):
+        linattn.step(q, k[:, :3], v, st)
+    with pytest.raises(ValueError, match=r"q: expected at least 1 dimensions"):
+        linattn.step(np.float32(1), k, v, st)
+    with pytest.raises(ValueError, match=r"out: expected an ndarray of shape \(2, 3\) and dtype float32"):
+        linattn.step(q, k, v, st, out=np.empty((2, 4), np.float32))
+    with pytest.raises(ValueError, match=r"out: expected an ndarray .* dtype float32"):
+        linattn.step(q, k, v, st, out=np.empty((2, 3), np.float64))
+    with pytest.raises(ValueError, match="eps: expected a finite number >= 0"):
+        linattn.step(q, k, v, st, eps=-1.0)
+    with pytest.raises(ValueError, match="feature_map: unknown name"):
+        linattn.step(q, k, v, st, feature_map="tanh")
+    with pytest.raises(TypeError, match="normalize: expected True or False"):
+        linattn.step(q, k, v, st, normalize=None)
+    with pytest.raises(TypeError, match="q: expected a real floating or integer array"):
+        linattn.step(q.astype(complex), k, v, st)
+    np.testing.assert_array_equal(st.S, 0)  # nothing above touched the state
+
+
+@pytest.mark.parametrize("dtype", [np.float32, np.float64])
+def test_lengths(rng, dtype):
+    B, H, N, D, Dv = 3, 2, 70, 5, 4
+    q, k, v = make_qkv(rng, (B, H), N, D, Dv, dtype)
+    lengths = np.array([70, 33, 0])
+    out, st = linattn.causal_linear_attention(q, k, v, lengths=lengths, return_state=True)
+    for b, L in enumerate(lengths):
+        ref, st_ref = linattn.causal_linear_attention(q[b, :, :L], k[b, :, :L], v[b, :, :L], return_state=True)
+        assert_close(out[b, :, :L], ref, dtype)
+        np.testing.assert_array_equal(out[b, :, L:], 0)
+        assert_close(st.S[b], st_ref.S, dtype)
+        assert_close(st.Z[b], st_ref.Z, dtype)
+    # per-head lengths, and continuing each sequence with step from its own state
+    lh = np.array([[5, 70], [1, 2], [69, 0]])
+    out2, st2 = linattn.causal_linear_attention(q, k, v, lengths=lh, return_state=True)
+    for b in range(B):
+        for h in range(H):
+            L = lh[b, h]
+            assert_close(out2[b, h, :L], reference.masked(q[b, h, :L], k[b, h, :L], v[b, h, :L]), dtype)
+    nxt = linattn.step(q[:, :, 0], k[:, :, 0], v[:, :, 0], st2)
+    assert np.isfinite(nxt).all()
+
+
+def test_lengths_errors(rng):
+    q, k, v = make_qkv(rng, (2, 3), 10, 4, 4)
+    for bad in ([11, 3], [-1, 3]):
+        with pytest.raises(ValueError, match=r"lengths: expected values in \[0, N=10\]"):
+            linattn.causal_linear_attention(q, k, v, lengths=np.array(bad))
+    with pytest.raises(ValueError, match=r"lengths: expected shape \(2, 3\) .* got \(3,\)"):
+        linattn.causal_linear_attention(q, k, v, lengths=np.array([1, 2, 3]))
+    with pytest.raises(ValueError, match=r"lengths: expected shape"):
+        linattn.causal_linear_attention(q, k, v, lengths=5)
+    with pytest.raises(TypeError, match="lengths: expected an integer array, got dtype float64"):
+        linattn.causal_linear_attention(q, k, v, lengths=np.array([1.0, 2.0]))
+
+
+@pytest.mark.parametrize("causal", [True, False])
+@pytest.mark.parametrize("feature_map", ["elu", "relu", _doubled])
+def test_attention_weights(rng, causal, feature_map):
+    q, k, v = make_qkv(rng, (2, 2), 12, 4, 3, np.float64)
+    if feature_map == "relu":
+        q, k = np.abs(q) + 0.1, np.abs(k) + 0.1
+    w = linattn.attention_weights(q, k, causal=causal, feature_map=feature_map, eps=0.0)
+    assert w.shape == (2, 2, 12, 12)
+    np.testing.assert_allclose(w.sum(-1), 1, rtol=1e-12)
+    if causal:
+        assert np.all(np.triu(w, 1) == 0)
+    fn = linattn.causal_linear_attention if causal else linattn.linear_attention
+    np.testing.assert_allclose(w @ v, fn(q, k, v, feature_map=feature_map, eps=0.0), rtol=1e-10)
+    w32 = linattn.attention_weights(q.astype(np.float32), k.astype(np.float32), causal=causal,
+                                    feature_map=feature_map)
+    assert w32.dtype == np.float32
+
+
+def test_attention_weights_errors(rng):
+    q, k, _ = make_qkv(rng, (2,), 5, 3, 3)
+    with pytest.raises(ValueError, match="k: expected leading dimensions and D like q"):
+        linattn.attention_weights(q, k[..., :2])
+    with pytest.raises(TypeError, match="causal: expected True or False"):
+        linattn.attention_weights(q, k, causal="yes")
+    with pytest.raises(ValueError, match="feature_map: unknown name"):
+        linattn.attention_weights(q, k, feature_map="x")
