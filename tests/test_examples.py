@@ -1,4 +1,5 @@
 """The examples run (with their small/fast flags)."""
+import os
 import pathlib
 import subprocess
 import sys
@@ -18,3 +19,14 @@ def test_example_runs(script, args, tmp_path):
         assert (tmp_path / "heat.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     if script == "generate.py":
         assert "prefill + steps vs one call" in res.stdout
+
+
+def test_gpu_check_without_gpu_and_in_simulator(tmp_path):
+    script = str(EXAMPLES / "gpu_check.py")
+    res = subprocess.run([sys.executable, script, "--tiny"], capture_output=True, text=True, cwd=tmp_path,
+                         timeout=600, env={k: v for k, v in os.environ.items() if k != "NUMBA_ENABLE_CUDASIM"})
+    assert res.returncode == 0, res.stdout + res.stderr
+    assert "no CUDA GPU found" in res.stdout or "not installed" in res.stdout or "OK" in res.stdout
+    res = subprocess.run([sys.executable, script, "--tiny"], capture_output=True, text=True, cwd=tmp_path,
+                         timeout=600, env=dict(os.environ, NUMBA_ENABLE_CUDASIM="1"))
+    assert res.returncode == 0 and res.stdout.strip().endswith("OK"), res.stdout + res.stderr

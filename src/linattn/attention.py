@@ -32,17 +32,33 @@ def _flat_seq(q, k, v, bh):
     return arrs + ("C" if all(a.flags.c_contiguous for a in arrs) else "A",)
 
 
-def _prepare(q, k, v, feature_map, eps, normalize):
-    q, k, v, lead, n, d, dv, comp, out_dt = checks.check_qkv(q, k, v)
+def _prepare(q, k, v, feature_map, eps, normalize, where="cpu"):
+    """Checked inputs. On a CUDA device ("device") nothing is copied and only named maps run."""
+    if where == "device":
+        from .cuda.api import as_device
+
+        q, k, v = as_device(q), as_device(k), as_device(v)
+    q, k, v, lead, n, d, dv, comp, out_dt = checks.check_qkv(q, k, v, host=where != "device")
     eps = checks.check_eps(eps)
     normalize = checks.check_flag(normalize, "normalize")
+    if where == "device":
+        checks.check_device_inputs({"q": q, "k": k, "v": v}, comp, out_dt)
+        _, code, is_callable = resolve(feature_map)
+        if is_callable:
+            raise TypeError("feature_map: a callable runs on host arrays; on CUDA device arrays use 'elu', "
+                            "'relu' or 'identity' (or pass host arrays with device='cuda')")
+        return q, k, v, lead, n, d, dv, comp, out_dt, eps, normalize, code
     q, k, code, dk = _features(q, k, feature_map, lead, n, comp)
     v = v.astype(comp, copy=False)
     return q, k, v, lead, n, dk, dv, comp, out_dt, eps, normalize, code
 
 
+def _state_parts(state):
+    return (state[0], state[1]) if isinstance(state, tuple) and len(state) == 2 else (state, None)
+
+
 def causal_linear_attention(q, k, v, *, feature_map="elu", eps=1e-6, normalize=True,
-                            initial_state=None, return_state=False, lengths=None):
+                            initial_state=None, return_state=False, lengths=None, device=None):
     r"""Causal linear attention: position i attends to positions j <= i.
 
     .. math:: out_i = \frac{\phi(q_i)^T S_i}{\phi(q_i)^T Z_i + eps},\quad
@@ -70,6 +86,10 @@ def causal_linear_attention(q, k, v, *, feature_map="elu", eps=1e-6, normalize=T
         True lengths of right-padded sequences, of the shape of the leading dims or of their first
         dims (``(B,)`` for ``(B, H, N, D)`` inputs). Positions at or past a sequence's length do not
         enter its state, their outputs are 0, and the returned state is the one at its length.
+    device : {None, "cpu", "cuda"}, optional
+        Where to compute. By default CUDA device arrays (anything with ``__cuda_array_interface__``)
+        run on their GPU and return device arrays (the state too), host arrays on the CPU.
+        ``"cuda"`` runs host arrays on the GPU and returns host arrays.
 
     Returns
     -------
@@ -96,18 +116,41 @@ def causal_linear_attention(q, k, v, *, feature_map="elu", eps=1e-6, normalize=T
     >>> bool(np.allclose(np.concatenate([a, b], axis=-2), out, rtol=1e-5, atol=1e-6))
     True
     """
+    S_in, Z_in = _state_parts(initial_state)
+    where = checks.check_placement({"q": q, "k": k, "v": v, "initial_state.S": S_in,
+                                    "initial_state.Z": Z_in}, device)
     q, k, v, lead, n, dk, dv, comp, out_dt, eps, normalize, code = _prepare(
-        q, k, v, feature_map, eps, normalize)
+        q, k, v, feature_map, eps, normalize, where)
     return_state = checks.check_flag(return_state, "return_state")
+    if where == "device" and initial_state is not None and Z_in is not None:
+        from .cuda.api import as_device
+
+        initial_state = (as_device(S_in), as_device(Z_in))
     bh = math.prod(lead)
+    lens = (np.full(bh, n, np.int64) if lengths is None
+            else checks.check_lengths(lengths, lead, n))
     if initial_state is not None:
         S0, Z0 = checks.check_state(initial_state, "initial_state", lead, dk, dv, comp)
+    if where != "cpu":
+        from .cuda import api as cuda_api
+
+        if initial_state is not None:
+            S0, Z0 = cuda_api.flat_state(S0, Z0, bh, dk, dv, where)
+        else:
+            S0, Z0 = np.zeros((0, dk, dv), comp), np.zeros((0, dk), comp)
+        out, S, Z = cuda_api.causal(_flat(q, bh, 2), _flat(k, bh, 2), _flat(v, bh, 2), code, eps,
+                                    normalize, lens, S0, Z0, return_state, comp)
+        out = out.reshape(lead + (n, dv))
+        if where == "cuda-host":
+            out = out.astype(out_dt, copy=False)
+        if return_state:
+            return out, State(S.reshape(lead + (dk, dv)), Z.reshape(lead + (dk,)))
+        return out
+    if initial_state is not None:
         S0 = np.ascontiguousarray(_flat(np.asarray(S0), bh, 2))
         Z0 = np.ascontiguousarray(_flat(np.asarray(Z0), bh, 1))
     else:  # no rows: the kernel starts from zero
         S0, Z0 = np.zeros((0, dk, dv), comp), np.zeros((0, dk), comp)
-    lens = (np.full(bh, n, np.int64) if lengths is None
-            else checks.check_lengths(lengths, lead, n))
     out = np.empty((bh, n, dv), comp)
     rows = bh if return_state else 0  # no rows: the kernel skips writing the state
     S, Z = np.empty((rows, dk, dv), comp), np.empty((rows, dk), comp)
@@ -126,13 +169,14 @@ def causal_linear_attention(q, k, v, *, feature_map="elu", eps=1e-6, normalize=T
     return out
 
 
-def linear_attention(q, k, v, *, feature_map="elu", eps=1e-6, normalize=True):
+def linear_attention(q, k, v, *, feature_map="elu", eps=1e-6, normalize=True, device=None):
     r"""Non-causal linear attention: every position attends to all N positions.
 
     .. math:: out_i = \frac{\phi(q_i)^T S}{\phi(q_i)^T Z + eps},\quad
               S = \sum_j \phi(k_j) v_j^T,\quad Z = \sum_j \phi(k_j)
 
-    Parameters and returns are as for :func:`causal_linear_attention`, without the state.
+    Parameters and returns are as for :func:`causal_linear_attention`, without the state and
+    ``lengths``.
 
     Examples
     --------
@@ -144,9 +188,16 @@ def linear_attention(q, k, v, *, feature_map="elu", eps=1e-6, normalize=True):
            [3., 4.],
            [3., 4.]], dtype=float32)
     """
+    where = checks.check_placement({"q": q, "k": k, "v": v}, device)
     q, k, v, lead, n, dk, dv, comp, out_dt, eps, normalize, code = _prepare(
-        q, k, v, feature_map, eps, normalize)
+        q, k, v, feature_map, eps, normalize, where)
     bh = math.prod(lead)
+    if where != "cpu":
+        from .cuda import api as cuda_api
+
+        out = cuda_api.noncausal(_flat(q, bh, 2), _flat(k, bh, 2), _flat(v, bh, 2), code, eps, normalize, comp)
+        out = out.reshape(lead + (n, dv))
+        return out.astype(out_dt, copy=False) if where == "cuda-host" else out
     out = np.empty((bh, n, dv), comp)
     if bh and n:
         chunk, frac = plan(bh, n, causal=False)

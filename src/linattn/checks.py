@@ -22,16 +22,20 @@ def check_real_dtype(dtype, name):
     return dtype
 
 
-def as_array(x, name, min_ndim):
-    """np.asarray(x) with a real numeric dtype and at least ``min_ndim`` dimensions."""
-    try:
-        arr = np.asarray(x)
-    except Exception as exc:  # ragged lists and the like
-        raise TypeError(f"{name}: expected an array-like of numbers, got {type(x).__name__} ({exc})") from None
+def as_array(x, name, min_ndim, host=True):
+    """np.asarray(x) with a real numeric dtype and at least ``min_ndim`` dimensions; with
+    ``host=False`` (device arrays) x is only checked, never copied."""
+    if host:
+        try:
+            arr = np.asarray(x)
+        except Exception as exc:  # ragged lists and the like
+            raise TypeError(f"{name}: expected an array-like of numbers, got {type(x).__name__} ({exc})") from None
+    else:
+        arr = x
     check_real_dtype(arr.dtype, name)
-    if arr.ndim < min_ndim:
+    if len(arr.shape) < min_ndim:
         what = "(N, D)" if min_ndim == 2 else "(D,)"
-        raise ValueError(f"{name}: expected at least {min_ndim} dimensions {what}, got shape {arr.shape}")
+        raise ValueError(f"{name}: expected at least {min_ndim} dimensions {what}, got shape {tuple(arr.shape)}")
     return arr
 
 
@@ -44,33 +48,34 @@ def compute_dtypes(*dtypes):
     return comp, out
 
 
-def check_qkv(q, k, v, seq_axis=True):
+def check_qkv(q, k, v, seq_axis=True, host=True):
     """Validate q, k (..., N, D) and v (..., N, Dv) (or (..., D)/(..., Dv) when ``seq_axis`` is False).
 
     Returns ``(q, k, v, lead, n, d, dv, compute_dtype, out_dtype)``; n is None without a sequence axis.
     """
     nd = 2 if seq_axis else 1
-    q, k, v = as_array(q, "q", nd), as_array(k, "k", nd), as_array(v, "v", nd)
-    lead = q.shape[:-nd]
-    for name, arr in (("k", k), ("v", v)):
-        if arr.shape[:-nd] != lead:
+    q, k, v = as_array(q, "q", nd, host), as_array(k, "k", nd, host), as_array(v, "v", nd, host)
+    qs, ks, vs = tuple(q.shape), tuple(k.shape), tuple(v.shape)  # plain tuples, also for device arrays
+    lead = qs[:-nd]
+    for name, shape in (("k", ks), ("v", vs)):
+        if shape[:-nd] != lead:
             raise ValueError(
-                f"{name}: expected leading dimensions {lead} like q, got {arr.shape[:-nd]} "
-                f"(q has shape {q.shape}, {name} has shape {arr.shape})")
+                f"{name}: expected leading dimensions {lead} like q, got {shape[:-nd]} "
+                f"(q has shape {qs}, {name} has shape {shape})")
     if seq_axis:
-        n = q.shape[-2]
-        for name, arr in (("k", k), ("v", v)):
-            if arr.shape[-2] != n:
-                raise ValueError(f"{name}: expected sequence length N={n} like q, got {arr.shape[-2]}")
+        n = qs[-2]
+        for name, shape in (("k", ks), ("v", vs)):
+            if shape[-2] != n:
+                raise ValueError(f"{name}: expected sequence length N={n} like q, got {shape[-2]}")
     else:
         n = None
-    if k.shape[-1] != q.shape[-1]:
-        raise ValueError(f"k: expected feature dimension D={q.shape[-1]} like q, got {k.shape[-1]}")
-    d, dv = q.shape[-1], v.shape[-1]
+    if ks[-1] != qs[-1]:
+        raise ValueError(f"k: expected feature dimension D={qs[-1]} like q, got {ks[-1]}")
+    d, dv = qs[-1], vs[-1]
     if d < 1:
-        raise ValueError(f"q: expected a feature dimension D >= 1, got shape {q.shape}")
+        raise ValueError(f"q: expected a feature dimension D >= 1, got shape {qs}")
     if dv < 1:
-        raise ValueError(f"v: expected a value dimension Dv >= 1, got shape {v.shape}")
+        raise ValueError(f"v: expected a value dimension Dv >= 1, got shape {vs}")
     comp, out = compute_dtypes(q.dtype, k.dtype, v.dtype)
     return q, k, v, lead, n, d, dv, comp, out
 
@@ -166,3 +171,39 @@ def check_state_zeros_args(batch_shape, d_k, d_v, dtype):
     if dtype not in (np.dtype(np.float32), np.dtype(np.float64)):
         raise TypeError(f"dtype: expected float32 or float64, got {dtype}")
     return batch_shape, dims[0], dims[1], dtype
+
+
+DEVICES = (None, "cpu", "cuda")
+
+
+def check_placement(arrays, device):
+    """Where to run: "cpu", "cuda-host" (host arrays computed on the GPU) or "device" (all inputs
+    are CUDA device arrays). ``arrays`` maps argument names to arrays (None entries are skipped)."""
+    from .cuda import is_device_array
+
+    if device not in DEVICES:
+        raise ValueError(f"device: expected None, 'cpu' or 'cuda', got {device!r}")
+    flags = {name: is_device_array(x) for name, x in arrays.items() if x is not None}
+    on_dev = [name for name, f in flags.items() if f]
+    if on_dev and len(on_dev) < len(flags):
+        on_host = [name for name, f in flags.items() if not f]
+        raise TypeError(f"{', '.join(flags)}: expected all host arrays or all CUDA device arrays; "
+                        f"{', '.join(on_dev)} on a CUDA device, {', '.join(on_host)} on the host")
+    if on_dev:
+        if device == "cpu":
+            raise ValueError("device: 'cpu' was asked for but the inputs are CUDA device arrays; "
+                             "copy them to the host first")
+        return "device"
+    return "cuda-host" if device == "cuda" else "cpu"
+
+
+def check_device_inputs(arrays, comp, out_dt):
+    """Device arrays: one float32/float64 dtype (no promotion on the device), C-contiguous."""
+    dts = {name: np.dtype(x.dtype) for name, x in arrays.items()}
+    if comp != out_dt or any(dt != comp for dt in dts.values()):
+        got = ", ".join(f"{n} {dt}" for n, dt in dts.items())
+        raise TypeError(f"{', '.join(arrays)}: on a CUDA device expected float32 or float64 arrays of one "
+                        f"dtype, got {got}")
+    for name, x in arrays.items():
+        if not x.is_c_contiguous():
+            raise ValueError(f"{name}: expected a C-contiguous CUDA device array")

@@ -28,7 +28,7 @@ def _flat_view(x, shape):
     return view
 
 
-def step(q, k, v, state, *, feature_map="elu", eps=1e-6, normalize=True, out=None):
+def step(q, k, v, state, *, feature_map="elu", eps=1e-6, normalize=True, out=None, device=None):
     r"""Advance causal linear attention by one position for every sequence of a batch.
 
     Updates ``state`` **in place** (:math:`S \mathrel{+}= \phi(k) v^T`, :math:`Z \mathrel{+}= \phi(k)`)
@@ -49,6 +49,9 @@ def step(q, k, v, state, *, feature_map="elu", eps=1e-6, normalize=True, out=Non
         As for :func:`causal_linear_attention`; a callable maps (..., D) to (..., D').
     out : ndarray, shape (..., Dv), optional
         Where to write the result (the inputs' float dtype).
+    device : {None, "cpu", "cuda"}, optional
+        As for :func:`causal_linear_attention`: device arrays (q, k, v, the state, ``out``) step on
+        their GPU; ``"cuda"`` steps host arrays on the GPU and writes the state back.
 
     Returns
     -------
@@ -71,7 +74,7 @@ def step(q, k, v, state, *, feature_map="elu", eps=1e-6, normalize=True, out=Non
     # Fast path for the common call (C-contiguous float32/float64 arrays, a named feature map): the
     # compiled kernel checks dtypes and layouts by its signature and shapes itself, so a decoding
     # step costs little more than the arithmetic. Anything else takes the validating path below.
-    if (out is None and type(state) is State and type(feature_map) is str and type(eps) is float
+    if (out is None and device is None and type(state) is State and type(feature_map) is str and type(eps) is float
             and (normalize is True or normalize is False) and type(q) is np.ndarray):
         code = _NAMED_CODES.get(feature_map)
         dt = q.dtype
@@ -85,10 +88,15 @@ def step(q, k, v, state, *, feature_map="elu", eps=1e-6, normalize=True, out=Non
                         return res
                 except TypeError:  # no compiled signature fits: let the checks below say why
                     pass
-    return _step_checked(q, k, v, state, feature_map, eps, normalize, out)
+    return _step_checked(q, k, v, state, feature_map, eps, normalize, out, device)
 
 
-def _step_checked(q, k, v, state, feature_map, eps, normalize, out):
+def _step_checked(q, k, v, state, feature_map, eps, normalize, out, device):
+    S_in, Z_in = (state[0], state[1]) if isinstance(state, tuple) and len(state) == 2 else (state, None)
+    where = checks.check_placement({"q": q, "k": k, "v": v, "state.S": S_in, "state.Z": Z_in, "out": out},
+                                   device)
+    if where == "device":
+        return _step_device(q, k, v, state, feature_map, eps, normalize, out)
     q, k, v, lead, _, d, dv, comp, out_dt = checks.check_qkv(q, k, v, seq_axis=False)
     eps = checks.check_eps(eps)
     normalize = checks.check_flag(normalize, "normalize")
@@ -120,7 +128,15 @@ def _step_checked(q, k, v, state, feature_map, eps, normalize, out):
     if res2 is None:  # an `out` with strides that allow no view
         res = np.empty(lead + (dv,), comp)
         res2 = res.reshape(bh, dv)
-    if bh:
+    if bh and where == "cuda-host":
+        from .cuda import api as cuda_api
+
+        S_dev, Z_dev = cuda_api.to_device(np.ascontiguousarray(S3c)), cuda_api.to_device(np.ascontiguousarray(Z2c))
+        res2[...] = cuda_api.step(q.reshape(bh, dk), k.reshape(bh, dk), v.reshape(bh, dv), code, eps,
+                                  normalize, S_dev, Z_dev, None, comp)
+        S3c[...] = S_dev.copy_to_host()
+        Z2c[...] = Z_dev.copy_to_host()
+    elif bh:
         kernels = (step_kernels.step_strided_parallel if bh * dk * dv >= _PARALLEL_MIN
                    else step_kernels.step_strided_serial)
         kernels.get(comp, None)(q.reshape(bh, dk), k.reshape(bh, dk), v.reshape(bh, dv), code, eps,
@@ -133,6 +149,37 @@ def _step_checked(q, k, v, state, feature_map, eps, normalize, out):
         out[...] = res
         return out
     return res.astype(out_dt, copy=False)
+
+
+def _step_device(q, k, v, state, feature_map, eps, normalize, out):
+    """step on CUDA device arrays: validated like the host path, computed on the GPU in place."""
+    from .cuda import api as cuda_api
+
+    q, k, v = cuda_api.as_device(q), cuda_api.as_device(k), cuda_api.as_device(v)
+    q, k, v, lead, _, d, dv, comp, out_dt = checks.check_qkv(q, k, v, seq_axis=False, host=False)
+    checks.check_device_inputs({"q": q, "k": k, "v": v}, comp, out_dt)
+    eps = checks.check_eps(eps)
+    normalize = checks.check_flag(normalize, "normalize")
+    _, code, is_callable = resolve(feature_map)
+    if is_callable:
+        raise TypeError("feature_map: a callable runs on host arrays; on CUDA device arrays use 'elu', "
+                        "'relu' or 'identity'")
+    if not isinstance(state, tuple) or len(state) != 2:
+        raise TypeError(f"state: expected a linattn.State (S, Z), got {type(state).__name__}")
+    S, Z = checks.check_state((cuda_api.as_device(state[0]), cuda_api.as_device(state[1])), "state", lead,
+                              d, dv, comp)
+    checks.check_device_inputs({"state.S": S, "state.Z": Z}, comp, comp)
+    bh = math.prod(lead)
+    if out is not None:
+        out = cuda_api.as_device(out)
+        if tuple(out.shape) != lead + (dv,) or np.dtype(out.dtype) != comp:
+            raise ValueError(f"out: expected a device array of shape {lead + (dv,)} and dtype {comp}, "
+                             f"got shape {tuple(out.shape)}, dtype {out.dtype}")
+        checks.check_device_inputs({"out": out}, comp, comp)
+        out = out.reshape(bh, dv)
+    res = cuda_api.step(q.reshape(bh, d), k.reshape(bh, d), v.reshape(bh, dv), code, eps, normalize,
+                        S.reshape(bh, d, dv), Z.reshape(bh, d), out, comp)
+    return res.reshape(lead + (dv,))
 
 
 def attention_weights(q, k, *, causal=True, feature_map="elu", eps=1e-6):

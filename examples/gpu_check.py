@@ -1,0 +1,106 @@
+"""GPU check: linattn's CUDA kernels against the CPU at real sizes, and their throughput.
+
+    python examples/gpu_check.py            # on a machine with an NVIDIA GPU and linattn[cuda]
+    NUMBA_ENABLE_CUDASIM=1 python examples/gpu_check.py --tiny   # the same code path, in the simulator
+
+Prints, per case, the largest difference from the CPU result and the time of the causal forward
+and of one decoding step, next to a PyTorch chunked implementation when torch with CUDA is installed.
+Exits with status 1 if any result differs from the CPU by more than 1e-4 (relative).
+"""
+import sys
+import time
+
+import numpy as np
+
+import linattn
+from linattn.cuda import availability
+
+TINY = "--tiny" in sys.argv
+CASES = [(1, 2, 24, 4)] if TINY else [(1, 8, 2048, 64), (4, 8, 1024, 64), (2, 4, 8192, 64),
+                                      (1, 1, 16384, 64), (1, 8, 4096, 128)]
+STEP_BATCHES = [1] if TINY else [1, 32]
+
+
+def torch_chunked(q, k, v, eps=1e-6, C=64):
+    """The chunkwise form in PyTorch (as fla's reference chunk code), on q's device."""
+    import torch
+    *lead, n, d = q.shape
+    pad = -n % C
+    if pad:
+        q, k, v = (torch.nn.functional.pad(x, (0, 0, 0, pad)) for x in (q, k, v))
+    nc = (n + pad) // C
+    qf = (torch.nn.functional.elu(q) + 1).reshape(*lead, nc, C, d)
+    kf = (torch.nn.functional.elu(k) + 1).reshape(*lead, nc, C, d)
+    vc = v.reshape(*lead, nc, C, v.shape[-1])
+    va = torch.cat([vc, torch.ones(vc.shape[:-1] + (1,), dtype=vc.dtype, device=vc.device)], -1)
+    kv = kf.transpose(-1, -2) @ va
+    s = torch.cumsum(kv, dim=-3) - kv
+    a = (qf @ kf.transpose(-1, -2)) * torch.tril(torch.ones(C, C, dtype=q.dtype, device=q.device))
+    o = a @ va + qf @ s
+    return (o[..., :-1] / (o[..., -1:] + eps)).reshape(*lead, n + pad, -1)[..., :n, :]
+
+
+def timed(fn, sync, repeat=5):
+    fn()
+    sync()
+    best = float("inf")
+    for _ in range(repeat):
+        t = time.perf_counter()
+        fn()
+        sync()
+        best = min(best, time.perf_counter() - t)
+    return best
+
+
+def main():
+    try:
+        from numba import cuda
+    except ImportError:
+        print("numba.cuda is not installed: pip install 'linattn[cuda]'")
+        return 0
+    if not cuda.is_available():
+        print("no CUDA GPU found (numba.cuda.is_available() is False); nothing to check")
+        return 0
+    sync = cuda.synchronize
+    try:
+        import torch
+        have_torch = torch.cuda.is_available()
+    except ImportError:
+        have_torch = False
+    ok = True
+    print(f"CUDA: {availability()}")
+    print(f"{'case (B,H,N,D)':22s} {'max rel err':>11s} {'linattn ms':>11s} {'GFLOP/s':>9s} {'torch ms':>9s}")
+    for (b, h, n, d) in CASES:
+        rng = np.random.default_rng(0)
+        q, k, v = ((rng.standard_normal((b, h, n, d)) * 0.5).astype(np.float32) for _ in range(3))
+        dq, dk, dv = (cuda.to_device(x) for x in (q, k, v))
+        ref = linattn.causal_linear_attention(q, k, v)
+        got = linattn.causal_linear_attention(dq, dk, dv).copy_to_host()
+        err = float(np.max(np.abs(got - ref)) / np.max(np.abs(ref)))
+        ok &= err < 1e-4
+        t = timed(lambda: linattn.causal_linear_attention(dq, dk, dv), sync)
+        flops = 4 * b * h * n * d * d
+        t_torch = "-"
+        if have_torch:
+            tq, tk, tv = (torch.as_tensor(x, device="cuda") for x in (q, k, v))
+            t_torch = f"{timed(lambda: torch_chunked(tq, tk, tv), torch.cuda.synchronize) * 1e3:9.3f}"
+        print(f"{str((b, h, n, d)):22s} {err:11.2e} {t * 1e3:11.3f} {flops / t / 1e9:9.1f} {t_torch:>9s}")
+    for batch in STEP_BATCHES:
+        H, D = (2, 4) if TINY else (8, 64)
+        rng = np.random.default_rng(1)
+        q, k, v = ((rng.standard_normal((batch, H, D)) * 0.5).astype(np.float32) for _ in range(3))
+        st_cpu = linattn.State.zeros((batch, H), D, D)
+        st = linattn.State(cuda.to_device(st_cpu.S), cuda.to_device(st_cpu.Z))
+        dq, dk, dv = (cuda.to_device(x) for x in (q, k, v))
+        got = linattn.step(dq, dk, dv, st).copy_to_host()
+        ref = linattn.step(q, k, v, st_cpu)
+        err = float(np.max(np.abs(got - ref)) / np.max(np.abs(ref)))
+        ok &= err < 1e-4
+        t = timed(lambda: linattn.step(dq, dk, dv, st), sync, repeat=20)
+        print(f"step B={batch} H={H} D=Dv={D}: max rel err {err:.2e}, {t * 1e6:.1f} us per step")
+    print("OK" if ok else "MISMATCH")
+    return 0 if ok else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,147 @@
+"""The CUDA path, on a GPU or in Numba's CUDA simulator (NUMBA_ENABLE_CUDASIM=1 set before numba is
+imported; test_cuda_simulator.py runs this file that way). Shapes are tiny: the simulator runs each
+GPU thread as a Python thread. Every result is compared with the CPU path."""
+import os
+
+import numpy as np
+import pytest
+
+import linattn
+
+SIM = os.environ.get("NUMBA_ENABLE_CUDASIM", "0") not in ("", "0")
+
+
+def _cuda_or_skip():
+    try:
+        from numba import cuda
+    except ImportError:
+        pytest.skip("numba.cuda is not installed")
+    if not cuda.is_available():
+        pytest.skip("no CUDA GPU and no simulator (NUMBA_ENABLE_CUDASIM=1)")
+    return cuda
+
+
+@pytest.fixture(scope="module")
+def cuda():
+    return _cuda_or_skip()
+
+
+def qkv(rng, lead, n, d, dv, dtype):
+    return tuple((rng.standard_normal(lead + (n, x)) * 0.6).astype(dtype) for x in (d, d, dv))
+
+
+def dev(cuda, x):
+    """A device copy of a (possibly non-contiguous) host array."""
+    return cuda.to_device(np.ascontiguousarray(x))
+
+
+def close(a, b, dtype):
+    tol = 2e-5 if dtype == np.float32 else 1e-11
+    np.testing.assert_allclose(a, b, rtol=tol, atol=tol * max(1.0, float(np.max(np.abs(b)))))
+
+
+@pytest.mark.parametrize("dtype", [np.float32, np.float64])
+@pytest.mark.parametrize("feature_map", ["elu", "relu", "identity"])
+def test_causal_and_noncausal(cuda, dtype, feature_map):
+    rng = np.random.default_rng(1)
+    q, k, v = qkv(rng, (2,), 9, 3, 5, dtype)
+    if feature_map == "identity":
+        q, k = np.abs(q) + 0.2, np.abs(k) + 0.2
+    dq, dk, dv = (dev(cuda, x) for x in (q, k, v))
+    for normalize in (True, False):
+        kw = dict(feature_map=feature_map, normalize=normalize)
+        out = linattn.causal_linear_attention(dq, dk, dv, **kw)
+        assert not isinstance(out, np.ndarray) and out.shape == (2, 9, 5)
+        close(out.copy_to_host(), linattn.causal_linear_attention(q, k, v, **kw), dtype)
+        out = linattn.linear_attention(dq, dk, dv, **kw)
+        close(out.copy_to_host(), linattn.linear_attention(q, k, v, **kw), dtype)
+
+
+def test_state_handoff_and_lengths(cuda):
+    rng = np.random.default_rng(2)
+    q, k, v = qkv(rng, (2,), 11, 3, 5, np.float32)
+    dq, dk, dv = (dev(cuda, x) for x in (q, k, v))
+    full, st = linattn.causal_linear_attention(q, k, v, return_state=True)
+    a, dst = linattn.causal_linear_attention(dev(cuda, q[:, :6]), dev(cuda, k[:, :6]),
+                                             dev(cuda, v[:, :6]), return_state=True)
+    b, dst2 = linattn.causal_linear_attention(dev(cuda, q[:, 6:]), dev(cuda, k[:, 6:]),
+                                              dev(cuda, v[:, 6:]), initial_state=dst, return_state=True)
+    close(np.concatenate([a.copy_to_host(), b.copy_to_host()], axis=1), full, np.float32)
+    close(dst2.S.copy_to_host(), st.S, np.float32)
+    close(dst2.Z.copy_to_host(), st.Z, np.float32)
+    lengths = np.array([11, 4])
+    out, stl = linattn.causal_linear_attention(dq, dk, dv, lengths=lengths, return_state=True)
+    ref, st_ref = linattn.causal_linear_attention(q, k, v, lengths=lengths, return_state=True)
+    close(out.copy_to_host(), ref, np.float32)
+    close(stl.S.copy_to_host(), st_ref.S, np.float32)
+
+
+@pytest.mark.parametrize("dtype", [np.float32, np.float64])
+@pytest.mark.parametrize("feature_map", ["elu", "relu"])
+def test_step_on_device(cuda, dtype, feature_map):
+    rng = np.random.default_rng(3)
+    q, k, v = qkv(rng, (2, 2), 6, 3, 5, dtype)
+    full = linattn.causal_linear_attention(q, k, v, feature_map=feature_map)
+    _, st = linattn.causal_linear_attention(q[..., :3, :], k[..., :3, :], v[..., :3, :], return_state=True,
+                                            feature_map=feature_map)
+    dst = linattn.State(dev(cuda, st.S), dev(cuda, st.Z))
+    for i in range(3, 6):
+        o = linattn.step(dev(cuda, q[..., i, :]), dev(cuda, k[..., i, :]),
+                         dev(cuda, v[..., i, :]), dst, feature_map=feature_map)
+        close(o.copy_to_host(), full[..., i, :], dtype)
+    out = cuda.device_array((2, 2, 5), dtype)
+    r = linattn.step(dev(cuda, q[..., 0, :]), dev(cuda, k[..., 0, :]), dev(cuda, v[..., 0, :]),
+                     dst, feature_map=feature_map, out=out)
+    assert r.shape == (2, 2, 5)
+
+
+def test_device_option_on_host_arrays(cuda):
+    rng = np.random.default_rng(4)
+    q, k, v = qkv(rng, (3,), 7, 2, 3, np.float32)
+    out = linattn.causal_linear_attention(q, k, v, device="cuda")
+    assert isinstance(out, np.ndarray) and out.dtype == np.float32
+    close(out, linattn.causal_linear_attention(q, k, v), np.float32)
+    close(linattn.linear_attention(q, k, v, device="cuda"), linattn.linear_attention(q, k, v), np.float32)
+    fm = lambda x: np.concatenate([np.maximum(x, 0), np.maximum(-x, 0)], -1) + 0.1  # noqa: E731
+    close(linattn.causal_linear_attention(q, k, v, feature_map=fm, device="cuda"),
+          linattn.causal_linear_attention(q, k, v, feature_map=fm), np.float32)
+    st, st_cpu = linattn.State.zeros((3,), 2, 3), linattn.State.zeros((3,), 2, 3)
+    for i in range(3):
+        o = linattn.step(q[:, i], k[:, i], v[:, i], st, device="cuda")
+        o_cpu = linattn.step(q[:, i], k[:, i], v[:, i], st_cpu)
+        assert isinstance(o, np.ndarray)
+        close(o, o_cpu, np.float32)
+    close(st.S, st_cpu.S, np.float32)
+
+
+def test_errors(cuda):
+    rng = np.random.default_rng(5)
+    q, k, v = qkv(rng, (2,), 4, 2, 3, np.float32)
+    dq = dev(cuda, q)
+    with pytest.raises(TypeError, match="expected all host arrays or all CUDA device arrays; q on a CUDA"):
+        linattn.causal_linear_attention(dq, k, v)
+    with pytest.raises(TypeError, match="feature_map: a callable runs on host arrays"):
+        linattn.causal_linear_attention(dq, dev(cuda, k), dev(cuda, v), feature_map=np.abs)
+    with pytest.raises(ValueError, match="device: 'cpu' was asked for"):
+        linattn.linear_attention(dq, dev(cuda, k), dev(cuda, v), device="cpu")
+    with pytest.raises(TypeError, match="on a CUDA device expected float32 or float64 arrays of one dtype"):
+        linattn.causal_linear_attention(dq, dev(cuda, k.astype(np.float64)), dev(cuda, v))
+    st = linattn.State.zeros((2,), 2, 3)
+    with pytest.raises(TypeError, match="q, k, v on a CUDA device, state.S, state.Z on the host"):
+        linattn.step(dev(cuda, q[:, 0]), dev(cuda, k[:, 0]), dev(cuda, v[:, 0]), st)
+    with pytest.raises(ValueError, match="q: expected a C-contiguous CUDA device array"):
+        linattn.causal_linear_attention(dq[:, ::2], dev(cuda, k[:, ::2]), dev(cuda, v[:, ::2]))
+
+
+def test_no_gpu_error():
+    try:
+        from numba import cuda
+        if cuda.is_available():
+            pytest.skip("a GPU or the simulator is available")
+    except ImportError:
+        pass
+    q = np.ones((2, 3, 4), np.float32)
+    with pytest.raises(RuntimeError, match="linattn's CUDA path needs"):
+        linattn.causal_linear_attention(q, q, q, device="cuda")
+    with pytest.raises(ValueError, match="device: expected None, 'cpu' or 'cuda', got 'gpu'"):
+        linattn.causal_linear_attention(q, q, q, device="gpu")
