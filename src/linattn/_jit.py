@@ -1,6 +1,7 @@
 """How linattn's kernels are compiled: fast-math flags, on-disk caching, and explicit signatures so
 that each kernel compiles once per (dtype, memory layout) and never once per call pattern."""
 import threading
+import types as pytypes
 
 import numba
 import numpy as np
@@ -54,6 +55,12 @@ class Kernel:
     """
 
     def __init__(self, py_func, signature, parallel=True):
+        if not parallel:
+            # Numba's disk cache keys entries by function name and signature, not by compile flags:
+            # a serial twin of a parallel kernel needs a name of its own or it would load the other.
+            py_func = pytypes.FunctionType(py_func.__code__, py_func.__globals__, py_func.__name__ + "_serial",
+                                           py_func.__defaults__, py_func.__closure__)
+            py_func.__qualname__ = py_func.__qualname__ + "_serial"
         self.py_func = py_func
         self._signature = signature
         self._parallel = parallel

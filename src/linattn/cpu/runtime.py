@@ -83,6 +83,11 @@ def _blas_single_thread():
                 _blas_limiter = None
 
 
+def concurrent_calls_safe():
+    """True once the threading layer is known to allow parallel kernels from several threads."""
+    return _layer in ("omp", "tbb")
+
+
 @contextmanager
 def _threading_layer_guard():
     """Serialise parallel kernels unless the threading layer is known to allow concurrent calls."""

@@ -11,25 +11,23 @@ from .elementwise import ELU, RELU, elu1, relu
 
 
 @njit(helper=True)
-def _map_vector(x, h, fm, dst):
-    """dst[:] = phi(x[h, :])."""
+def _map_flat(x, fm, dst):
+    """dst[:] = phi(x[:]) for 1-D arrays: one vectorised loop for every head at once."""
     if fm == ELU:
-        for a in range(dst.shape[0]):
-            dst[a] = elu1(x[h, a])
+        for i in range(dst.shape[0]):
+            dst[i] = elu1(x[i])
     elif fm == RELU:
-        for a in range(dst.shape[0]):
-            dst[a] = relu(x[h, a])
+        for i in range(dst.shape[0]):
+            dst[i] = relu(x[i])
     else:
-        for a in range(dst.shape[0]):
-            dst[a] = x[h, a]
+        for i in range(dst.shape[0]):
+            dst[i] = x[i]
 
 
 @njit(helper=True)
-def _step_head(q, k, v, h, fm, eps, normalize, S, Z, out, scratch):
+def _step_head(v, h, eps, normalize, S, Z, out, qf, kf, scratch):
+    """Head h, with phi(q) and phi(k) already in qf, kf: update S[h], Z[h] and write out[h]."""
     d_, dv = S.shape[1], S.shape[2]
-    qf, kf = scratch[0], scratch[1]
-    _map_vector(q, h, fm, qf)
-    _map_vector(k, h, fm, kf)
     orow, vrow = out[h], v[h]
     for e in range(dv):
         orow[e] = 0
@@ -55,8 +53,8 @@ def _step_head(q, k, v, h, fm, eps, normalize, S, Z, out, scratch):
     for a in range(d_):
         den += qf[a] * Z[h, a]
     if normalize:
-        scratch[2, 0] = 1.0 / (den + eps)  # rounded to the compute dtype
-        r = scratch[2, 0]
+        scratch[0] = 1.0 / (den + eps)  # rounded to the compute dtype
+        r = scratch[0]
         for e in range(dv):
             orow[e] *= r
 
@@ -64,9 +62,16 @@ def _step_head(q, k, v, h, fm, eps, normalize, S, Z, out, scratch):
 def _step(q, k, v, fm, eps, normalize, S, Z, out):
     """q, k: (BH, D) (already mapped when fm is IDENTITY); v: (BH, Dv); S: (BH, D, Dv) and
     Z: (BH, D) updated in place; out: (BH, Dv). Any strides; the caller checked the shapes."""
-    scratch = np.empty((S.shape[0], 3, S.shape[1]), out.dtype)  # one allocation per call
-    for h in prange(S.shape[0]):
-        _step_head(q, k, v, h, fm, eps, normalize, S, Z, out, scratch[h])
+    bh, d_ = S.shape[0], S.shape[1]
+    maps = np.empty((bh, 2, d_), out.dtype)
+    scratch = np.empty(bh, out.dtype)
+    for h in range(bh):
+        for a in range(d_):
+            maps[h, 0, a] = q[h, a]
+            maps[h, 1, a] = k[h, a]
+    _map_flat(maps.reshape(bh * 2 * d_), fm, maps.reshape(bh * 2 * d_))
+    for h in prange(bh):
+        _step_head(v, h, eps, normalize, S, Z, out, maps[h, 0], maps[h, 1], scratch[h:h + 1])
     return 0
 
 
@@ -84,11 +89,14 @@ def _step_nd(q, k, v, fm, eps, normalize, S, Z, out):
     if d_ == 0:
         return 1
     bh = q.size // d_
-    q2, k2, v2 = q.reshape((bh, d_)), k.reshape((bh, d_)), v.reshape((bh, dv))
-    S3, Z2, out2 = S.reshape((bh, d_, dv)), Z.reshape((bh, d_)), out.reshape((bh, dv))
-    scratch = np.empty((bh, 3, d_), out.dtype)  # one allocation per call
+    qf, kf = np.empty(bh * d_, out.dtype), np.empty(bh * d_, out.dtype)
+    _map_flat(q.reshape(bh * d_), fm, qf)
+    _map_flat(k.reshape(bh * d_), fm, kf)
+    v2, S3, Z2, out2 = v.reshape((bh, dv)), S.reshape((bh, d_, dv)), Z.reshape((bh, d_)), out.reshape((bh, dv))
+    scratch = np.empty(bh, out.dtype)
     for h in prange(bh):
-        _step_head(q2, k2, v2, h, fm, eps, normalize, S3, Z2, out2, scratch[h])
+        _step_head(v2, h, eps, normalize, S3, Z2, out2, qf[h * d_:(h + 1) * d_], kf[h * d_:(h + 1) * d_],
+                   scratch[h:h + 1])
     return 0
 
 
