@@ -66,13 +66,17 @@ def _load_chunk_kv(k, v, h, i0, c, fm, Kf, KT, Pz, SV, r0):
 
 
 @njit(helper=True)
+def _state_buffers(d_, dv, dt):
+    """(P, B, acc, Pz, Bz, Z, accz): pending sums, the accumulator rounded to the compute dtype, the
+    float64 accumulator, and the same for Z plus the current Z; all zero."""
+    return (np.zeros((d_, dv), dt), np.zeros((d_, dv), dt), np.zeros((d_, dv), np.float64),
+            np.zeros(d_, dt), np.zeros(d_, dt), np.zeros(d_, dt), np.zeros(d_, np.float64))
+
+
+@njit(helper=True)
 def _init_state(S0, Z0, h, acc, accz, B, Bz):
     """acc, B = S0[h] (or 0 when S0 is empty: no initial state); likewise accz, Bz from Z0."""
-    if S0.shape[0] == 0:
-        acc[:] = 0
-        accz[:] = 0
-        B[:] = 0
-        Bz[:] = 0
+    if S0.shape[0] == 0:  # the buffers start at zero
         return
     for a in range(acc.shape[0]):
         for e in range(acc.shape[1]):
@@ -159,13 +163,7 @@ def _causal_forward(q, k, v, fm, eps, normalize, lengths, chunk, frac, S0, Z0, o
         SV = np.empty((d_ + chunk, dv), dt)  # [S ; V]
         Kf = np.empty((chunk, d_), dt)
         KT = np.empty((d_, chunk), dt)
-        P = np.zeros((d_, dv), dt)  # pending sums since the last fold
-        B = np.empty((d_, dv), dt)  # the accumulator rounded to the compute dtype
-        acc = np.empty((d_, dv), np.float64)
-        Pz = np.zeros(d_, dt)
-        Bz = np.empty(d_, dt)
-        Z = np.empty(d_, dt)
-        accz = np.empty(d_, np.float64)
+        P, B, acc, Pz, Bz, Z, accz = _state_buffers(d_, dv, dt)
         coef = np.empty(2, dt)
         _init_state(S0, Z0, h, acc, accz, B, Bz)
         for ci in range(c0):  # the state at the start of this segment
@@ -216,14 +214,8 @@ def _noncausal_forward(q, k, v, fm, eps, normalize, chunk, frac, out):
         QA = np.empty((chunk, d_), dt)
         Kf = np.empty((chunk, d_), dt)
         V = np.empty((chunk, dv), dt)
-        P = np.zeros((d_, dv), dt)
-        B = np.zeros((d_, dv), dt)
         S = np.empty((d_, dv), dt)
-        acc = np.zeros((d_, dv), np.float64)
-        Pz = np.zeros(d_, dt)
-        Bz = np.zeros(d_, dt)
-        Z = np.empty(d_, dt)
-        accz = np.zeros(d_, np.float64)
+        P, B, acc, Pz, Bz, Z, accz = _state_buffers(d_, dv, dt)
         coef = np.empty(2, dt)
         for ci in range(nchunks):
             i0 = ci * chunk

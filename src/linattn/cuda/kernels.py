@@ -52,6 +52,16 @@ def add_chunk_to_state(Ks, Vs, Ss, Zs, c, C, TE, d, tx, ty, tid, nthreads):
         Zs[a] += z
 
 
+@cuda.jit(device=True)
+def carve(sm, C, TE, d):
+    """The views of the dynamic shared buffer: phi(Q), phi(K), V, A, S, Z, denominators."""
+    o1 = 2 * C * d + C * TE
+    o2 = o1 + C * C
+    o3 = o2 + d * TE
+    return (sm[0:C * d], sm[C * d:2 * C * d], sm[2 * C * d:o1], sm[o1:o2], sm[o2:o3], sm[o3:o3 + d],
+            sm[o3 + d:o3 + d + C])
+
+
 @cuda.jit
 def causal(q, k, v, fm, eps, normalize, lengths, S0, Z0, out, S_out, Z_out, C, TE):
     h = cuda.blockIdx.x
@@ -59,15 +69,7 @@ def causal(q, k, v, fm, eps, normalize, lengths, S0, Z0, out, S_out, Z_out, C, T
     tx, ty = cuda.threadIdx.x, cuda.threadIdx.y
     tid, nthreads = ty * TE + tx, C * TE
     n, d, dv = q.shape[1], q.shape[2], v.shape[2]
-    sm = cuda.shared.array(0, float64)
-    Qs = sm[0:C * d]
-    Ks = sm[C * d:2 * C * d]
-    Vs = sm[2 * C * d:2 * C * d + C * TE]
-    o = 2 * C * d + C * TE
-    As = sm[o:o + C * C]
-    Ss = sm[o + C * C:o + C * C + d * TE]
-    Zs = sm[o + C * C + d * TE:o + C * C + d * TE + d]
-    dens = sm[o + C * C + d * TE + d:o + C * C + d * TE + d + C]
+    Qs, Ks, Vs, As, Ss, Zs, dens = carve(cuda.shared.array(0, float64), C, TE, d)
     has_init = S0.shape[0] > 0
     for i in range(tid, d * TE, nthreads):
         a = i // TE
@@ -126,14 +128,7 @@ def noncausal(q, k, v, fm, eps, normalize, out, C, TE):
     tx, ty = cuda.threadIdx.x, cuda.threadIdx.y
     tid, nthreads = ty * TE + tx, C * TE
     n, d, dv = q.shape[1], q.shape[2], v.shape[2]
-    sm = cuda.shared.array(0, float64)
-    Qs = sm[0:C * d]
-    Ks = sm[C * d:2 * C * d]
-    Vs = sm[2 * C * d:2 * C * d + C * TE]
-    o = 2 * C * d + C * TE + C * C
-    Ss = sm[o:o + d * TE]
-    Zs = sm[o + d * TE:o + d * TE + d]
-    dens = sm[o + d * TE + d:o + d * TE + d + C]
+    Qs, Ks, Vs, _, Ss, Zs, dens = carve(cuda.shared.array(0, float64), C, TE, d)
     for i in range(tid, d * TE, nthreads):
         Ss[i] = 0.0
     for a in range(tid, d, nthreads):
