@@ -7,7 +7,7 @@ import numpy as np
 from . import checks
 from .cpu import chunked
 from .cpu.runtime import kernel_section, plan
-from .feature_maps import resolve
+from .feature_maps import resolve, resolve_for_device
 from .state import State
 
 
@@ -43,18 +43,11 @@ def _prepare(q, k, v, feature_map, eps, normalize, where="cpu"):
     normalize = checks.check_flag(normalize, "normalize")
     if where == "device":
         checks.check_device_inputs({"q": q, "k": k, "v": v}, comp, out_dt)
-        _, code, is_callable = resolve(feature_map)
-        if is_callable:
-            raise TypeError("feature_map: a callable runs on host arrays; on CUDA device arrays use 'elu', "
-                            "'relu' or 'identity' (or pass host arrays with device='cuda')")
+        code = resolve_for_device(feature_map)
         return q, k, v, lead, n, d, dv, comp, out_dt, eps, normalize, code
     q, k, code, dk = _features(q, k, feature_map, lead, n, comp)
     v = v.astype(comp, copy=False)
     return q, k, v, lead, n, dk, dv, comp, out_dt, eps, normalize, code
-
-
-def _state_parts(state):
-    return (state[0], state[1]) if isinstance(state, tuple) and len(state) == 2 else (state, None)
 
 
 def causal_linear_attention(q, k, v, *, feature_map="elu", eps=1e-6, normalize=True,
@@ -116,7 +109,7 @@ def causal_linear_attention(q, k, v, *, feature_map="elu", eps=1e-6, normalize=T
     >>> bool(np.allclose(np.concatenate([a, b], axis=-2), out, rtol=1e-5, atol=1e-6))
     True
     """
-    S_in, Z_in = _state_parts(initial_state)
+    S_in, Z_in = checks.state_parts(initial_state)
     where = checks.check_placement({"q": q, "k": k, "v": v, "initial_state.S": S_in,
                                     "initial_state.Z": Z_in}, device)
     q, k, v, lead, n, dk, dv, comp, out_dt, eps, normalize, code = _prepare(

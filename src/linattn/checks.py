@@ -111,6 +111,11 @@ def check_mapped(phi, name, lead, n, d_expected=None):
     return phi
 
 
+def state_parts(state):
+    """(S, Z) of a state-like value, or (state, None) when it is not a pair (check_state says why)."""
+    return (state[0], state[1]) if isinstance(state, tuple) and len(state) == 2 else (state, None)
+
+
 def check_state(state, name, lead, dk, dv, dtype):
     """A State/(S, Z) pair with S (*lead, dk, dv), Z (*lead, dk) of dtype ``dtype``."""
     if not isinstance(state, tuple) or len(state) != 2:

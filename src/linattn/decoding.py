@@ -7,12 +7,11 @@ import numpy as np
 
 from . import checks
 from .cpu import step as step_kernels
-from .cpu.elementwise import ELU, IDENTITY, RELU
 from .cpu.runtime import concurrent_calls_safe, kernel_section
-from .feature_maps import resolve
+from .feature_maps import NAMED, resolve, resolve_for_device
 from .state import State
 
-_NAMED_CODES = {"elu": ELU, "relu": RELU, "identity": IDENTITY}
+_NAMED_CODES = {name: code for name, (_, code) in NAMED.items()}
 _F32, _F64 = np.dtype(np.float32), np.dtype(np.float64)
 
 # Batches with at least this many state elements (B*H*D*Dv) are stepped in parallel (measured: from
@@ -82,7 +81,7 @@ def step(q, k, v, state, *, feature_map="elu", eps=1e-6, normalize=True, out=Non
         dt = q.dtype
         if code is not None and (dt is _F32 or dt is _F64) and 0.0 <= eps < math.inf:
             S = state[0]
-            parallel = S.size >= _PARALLEL_MIN
+            parallel = type(S) is np.ndarray and S.size >= _PARALLEL_MIN
             kernels = step_kernels.step_nd_parallel if parallel else step_kernels.step_nd_serial
             res = np.empty(v.shape, dt) if type(v) is np.ndarray else None
             if res is not None:
@@ -101,7 +100,7 @@ def step(q, k, v, state, *, feature_map="elu", eps=1e-6, normalize=True, out=Non
 
 
 def _step_checked(q, k, v, state, feature_map, eps, normalize, out, device):
-    S_in, Z_in = (state[0], state[1]) if isinstance(state, tuple) and len(state) == 2 else (state, None)
+    S_in, Z_in = checks.state_parts(state)
     where = checks.check_placement({"q": q, "k": k, "v": v, "state.S": S_in, "state.Z": Z_in, "out": out},
                                    device)
     if where == "device":
@@ -170,10 +169,7 @@ def _step_device(q, k, v, state, feature_map, eps, normalize, out):
     checks.check_device_inputs({"q": q, "k": k, "v": v}, comp, out_dt)
     eps = checks.check_eps(eps)
     normalize = checks.check_flag(normalize, "normalize")
-    _, code, is_callable = resolve(feature_map)
-    if is_callable:
-        raise TypeError("feature_map: a callable runs on host arrays; on CUDA device arrays use 'elu', "
-                        "'relu' or 'identity'")
+    code = resolve_for_device(feature_map)
     if not isinstance(state, tuple) or len(state) != 2:
         raise TypeError(f"state: expected a linattn.State (S, Z), got {type(state).__name__}")
     S, Z = checks.check_state((cuda_api.as_device(state[0]), cuda_api.as_device(state[1])), "state", lead,

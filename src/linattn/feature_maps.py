@@ -49,3 +49,12 @@ def resolve(feature_map):
         f"feature_map: expected a name ({', '.join(repr(n) for n in NAMED)}) or a callable, "
         f"got {type(feature_map).__name__}"
     )
+
+
+def resolve_for_device(feature_map):
+    """Kernel code of a named map for the CUDA kernels; callables (host code) are a TypeError."""
+    _, code, is_callable = resolve(feature_map)
+    if is_callable:
+        raise TypeError("feature_map: a callable runs on host arrays; on CUDA device arrays use "
+                        f"{', '.join(repr(n) for n in NAMED)} (or pass host arrays with device='cuda')")
+    return code
