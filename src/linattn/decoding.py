@@ -16,7 +16,7 @@ _F32, _F64 = np.dtype(np.float32), np.dtype(np.float64)
 
 # Batches with at least this many state elements (B*H*D*Dv) are stepped in parallel (measured: from
 # 8 heads of 64 x 64 on, threads pay for themselves); below it starting threads costs more.
-_PARALLEL_MIN = 1 << 15
+_PARALLEL_MIN = 1 << 18
 
 
 def _flat_view(x, shape):

@@ -157,8 +157,8 @@ def _causal_forward(q, k, v, fm, eps, normalize, lengths, chunk, frac, S0, Z0, o
         length = lengths[item // nseg]
         h, s, c0, c1 = _segment(item, nseg, frac, (length + chunk - 1) // chunk)
         last = s == nseg - 1
-        if c0 == c1 and not last:
-            continue
+        if c0 == c1 and not (last and (S_out.shape[0] > 0 or length < n)):
+            continue  # nothing to compute (the last item also writes the state and zero padding)
         QA = np.empty((chunk, d_ + chunk), dt)  # [phi(Q) | A]
         SV = np.empty((d_ + chunk, dv), dt)  # [S ; V]
         Kf = np.empty((chunk, d_), dt)
