@@ -1,7 +1,6 @@
 """Memory: a long sequence must need O(B*H*D*Dv) beyond its inputs and output."""
 import tracemalloc
 
-import numpy as np
 
 import linattn
 

@@ -11,7 +11,7 @@ from linattn import reference
 from linattn.cpu import chunked
 from linattn.cpu.runtime import chunk_size
 
-from conftest import TOL, assert_close, make_qkv, rel_err
+from conftest import assert_close, make_qkv, rel_err
 
 LEADS = [(), (1,), (2, 3)]
 SIZES = [1, 63, 65, 1000]
@@ -100,7 +100,7 @@ def test_views_and_strides(rng, causal):
 
 def test_dtypes(rng):
     q, k, v = make_qkv(rng, (2,), 40, 4, 3, np.float64)
-    for dtype, comp in ((np.float16, np.float32), (np.float32, np.float32)):
+    for dtype in (np.float16, np.float32):
         out = linattn.causal_linear_attention(q.astype(dtype), k.astype(dtype), v.astype(dtype))
         assert out.dtype == dtype
         ref = reference.masked(*(x.astype(dtype) for x in (q, k, v)))
@@ -221,7 +221,7 @@ def test_concurrent_calls(rng):
     with ThreadPoolExecutor(max_workers=6) as ex:
         got = list(ex.map(lambda c: linattn.causal_linear_attention(*c), cases))
         got_nc = list(ex.map(lambda c: linattn.linear_attention(*c), cases))
-    for e, g, c in zip(expected, got, cases):
+    for e, g in zip(expected, got):
         np.testing.assert_array_equal(e, g)
     for g, c in zip(got_nc, cases):
         np.testing.assert_array_equal(g, linattn.linear_attention(*c))

@@ -5,7 +5,7 @@ import pytest
 import linattn
 from linattn import reference
 
-from conftest import TOL, assert_close, make_qkv, rel_err
+from conftest import assert_close, make_qkv, rel_err
 
 
 def _doubled(x):
