@@ -79,35 +79,40 @@ def _time(fn, repeat=5, budget=1.0):
 
 
 def bench(cases=None, quick=False, progress=True, stream=sys.stdout):
-    """Time linattn against the NumPy reference forms and a same-FLOP GEMM; returns the rows."""
+    """Time linattn against the NumPy reference forms and a same-FLOP GEMM; returns the rows.
+
+    linattn is timed for every case first: the references' multithreaded BLAS calls leave BLAS
+    threads spinning for a while afterwards, which would slow whatever runs next.
+    """
     from . import reference
     from .attention import causal_linear_attention
 
     cases = cases or (QUICK_CASES if quick else BENCH_CASES)
-    rows = []
     try:
         from tqdm import tqdm
     except ImportError:  # pragma: no cover - tqdm is a dependency
         tqdm = None
-    steps = [(case, what) for case in cases for what in ("inputs", "linattn", "gemm", "masked", "loop")]
-    bar = tqdm(total=len(steps), desc="linattn bench", file=sys.stderr, disable=not progress) if tqdm else None
+    bar = tqdm(total=4 * len(cases), desc="linattn bench", file=sys.stderr, disable=not progress) if tqdm else None
     t_first = time.perf_counter()
     causal_linear_attention(*(np.ones((1, 4, 2), np.float32),) * 3)
     first_call = time.perf_counter() - t_first
+    inputs, outs, rows = [], [], []
     for (b, h, n, d) in cases:
-        row = {"case": f"B={b} H={h} N={n} D={d}"}
         rng = np.random.default_rng(0)
         q, k, v = ((rng.standard_normal((b, h, n, d)) * 0.5).astype(np.float32) for _ in range(3))
+        inputs.append((q, k, v))
+        outs.append(causal_linear_attention(q, k, v))
+        rows.append({"case": f"B={b} H={h} N={n} D={d}",
+                     "linattn_ms": _time(lambda: causal_linear_attention(q, k, v)) * 1e3})
         bar and bar.update()
-        out = causal_linear_attention(q, k, v)
-        t_lin = _time(lambda: causal_linear_attention(q, k, v))
-        row["linattn_ms"] = t_lin * 1e3
-        bar and bar.update()
+    for (b, h, n, d), row in zip(cases, rows):
+        rng = np.random.default_rng(1)
         a = rng.standard_normal((b * h * n, d)).astype(np.float32)
         w = rng.standard_normal((d, d)).astype(np.float32)
         c = np.empty((b * h * n, d), np.float32)
         row["gemm_ms"] = _time(lambda: (np.matmul(a, w, out=c), np.matmul(a, w, out=c))) * 1e3
         bar and bar.update()
+    for (b, h, n, d), row, (q, k, v), out in zip(cases, rows, inputs, outs):
         # The references are O(N^2) in memory / per-token Python: time them on one head and scale.
         q1, k1, v1 = q[:1, :1], k[:1, :1], v[:1, :1]
         ref = reference.masked(q1, k1, v1)
@@ -118,7 +123,6 @@ def bench(cases=None, quick=False, progress=True, stream=sys.stdout):
         row["loop_ms"] = _time(lambda: reference.loop(q1[..., :nl, :], k1[..., :nl, :], v1[..., :nl, :]),
                                repeat=1) * 1e3 * b * h * n / nl
         bar and bar.update()
-        rows.append(row)
     bar and bar.close()
     _print_table(rows, first_call, stream)
     return rows
