@@ -53,6 +53,13 @@ def add_chunk_to_state(Ks, Vs, Ss, Zs, c, C, TE, d, tx, ty, tid, nthreads):
 
 
 @cuda.jit(device=True)
+def block_position(C, TE):
+    """(head, first value column, thread column, thread row, thread index, threads per block)."""
+    tx, ty = cuda.threadIdx.x, cuda.threadIdx.y
+    return cuda.blockIdx.x, cuda.blockIdx.y * TE, tx, ty, ty * TE + tx, C * TE
+
+
+@cuda.jit(device=True)
 def carve(sm, C, TE, d):
     """The views of the dynamic shared buffer: phi(Q), phi(K), V, A, S, Z, denominators."""
     o1 = 2 * C * d + C * TE
@@ -64,10 +71,7 @@ def carve(sm, C, TE, d):
 
 @cuda.jit
 def causal(q, k, v, fm, eps, normalize, lengths, S0, Z0, out, S_out, Z_out, C, TE):
-    h = cuda.blockIdx.x
-    e0 = cuda.blockIdx.y * TE
-    tx, ty = cuda.threadIdx.x, cuda.threadIdx.y
-    tid, nthreads = ty * TE + tx, C * TE
+    h, e0, tx, ty, tid, nthreads = block_position(C, TE)
     n, d, dv = q.shape[1], q.shape[2], v.shape[2]
     Qs, Ks, Vs, As, Ss, Zs, dens = carve(cuda.shared.array(0, float64), C, TE, d)
     has_init = S0.shape[0] > 0
@@ -123,10 +127,7 @@ def causal(q, k, v, fm, eps, normalize, lengths, S0, Z0, out, S_out, Z_out, C, T
 
 @cuda.jit
 def noncausal(q, k, v, fm, eps, normalize, out, C, TE):
-    h = cuda.blockIdx.x
-    e0 = cuda.blockIdx.y * TE
-    tx, ty = cuda.threadIdx.x, cuda.threadIdx.y
-    tid, nthreads = ty * TE + tx, C * TE
+    h, e0, tx, ty, tid, nthreads = block_position(C, TE)
     n, d, dv = q.shape[1], q.shape[2], v.shape[2]
     Qs, Ks, Vs, _, Ss, Zs, dens = carve(cuda.shared.array(0, float64), C, TE, d)
     for i in range(tid, d * TE, nthreads):
