@@ -36,12 +36,18 @@ def _segment(item, nseg, frac, nchunks):
 
 
 @njit(helper=True)
-def _add_prefix(k, v, h, i0, c, fm, Kf, V, P, Pz, coef):
-    """P += phi(K)^T V and Pz += phi(K)^T 1 for positions [i0, i0 + c) (no outputs)."""
+def _load_k(k, h, i0, c, fm, Kf, Pz):
+    """Kf[:c] = phi(k[h, i0:i0+c]) and Pz += its column sums (the chunk's part of Z)."""
     load_rows(k, h, i0, c, fm, Kf)
     for t in range(c):
         for a in range(Kf.shape[1]):
             Pz[a] += Kf[t, a]
+
+
+@njit(helper=True)
+def _add_prefix(k, v, h, i0, c, fm, Kf, V, P, Pz, coef):
+    """P += phi(K)^T V and Pz += phi(K)^T 1 for positions [i0, i0 + c) (no outputs)."""
+    _load_k(k, h, i0, c, fm, Kf, Pz)
     if v.strides[2] == v.itemsize:  # rows of v can go to BLAS as they are
         gemm(True, False, Kf[:c], v[h, i0:i0 + c], 1.0, P, coef)
     else:
@@ -54,13 +60,11 @@ def _add_prefix(k, v, h, i0, c, fm, Kf, V, P, Pz, coef):
 @njit(helper=True)
 def _load_chunk_kv(k, v, h, i0, c, fm, Kf, KT, Pz, SV, r0):
     """KT[:, :c] = phi(k[h, i0:i0+c])^T, Pz += its row sums, SV[r0:r0+c] = v[h, i0:i0+c]."""
-    load_rows(k, h, i0, c, fm, Kf)
+    _load_k(k, h, i0, c, fm, Kf, Pz)
     for t in range(c):
         for a in range(KT.shape[0]):
             KT[a, t] = Kf[t, a]
     for t in range(c):
-        for a in range(KT.shape[0]):
-            Pz[a] += Kf[t, a]
         for e in range(v.shape[2]):
             SV[r0 + t, e] = v[h, i0 + t, e]
 
