@@ -24,12 +24,9 @@ def tiles(d, dv):
     return c, te
 
 
-def _on_device(cuda, x):
-    if x is None:
-        return None
-    if is_device_array(x):
-        return x if _simulating() else cuda.as_cuda_array(x)
-    return cuda.to_device(np.ascontiguousarray(x))
+def _on_device(x):
+    """x as a Numba device array: a view of a device array, a copy of a host array."""
+    return as_device(x) if is_device_array(x) else to_device(np.ascontiguousarray(x))
 
 
 def to_device(x):
@@ -45,10 +42,10 @@ def as_device(x):
 def flat_state(S, Z, bh, dk, dv, where):
     """A checked state as (BH, D', Dv), (BH, D') arrays: device views, or host arrays for "cuda-host"."""
     if where == "device":
+        from ..checks import check_device_inputs
+
         S, Z = as_device(S), as_device(Z)
-        for name, x in (("initial_state.S", S), ("initial_state.Z", Z)):
-            if not x.is_c_contiguous():
-                raise ValueError(f"{name}: expected a C-contiguous CUDA device array")
+        check_device_inputs({"initial_state.S": S, "initial_state.Z": Z}, np.dtype(S.dtype), np.dtype(S.dtype))
         return S.reshape(bh, dk, dv), Z.reshape(bh, dk)
     return np.ascontiguousarray(np.asarray(S).reshape(bh, dk, dv)), np.ascontiguousarray(np.asarray(Z).reshape(bh, dk))
 
@@ -65,7 +62,7 @@ def causal(q, k, v, code, eps, normalize, lengths, S0, Z0, want_state, dtype):
     host = not is_device_array(q)
     bh, n, d = q.shape
     dv = v.shape[2]
-    q, k, v, S0, Z0 = (_on_device(cuda, x) for x in (q, k, v, S0, Z0))
+    q, k, v, S0, Z0 = (_on_device(x) for x in (q, k, v, S0, Z0))
     lens = cuda.to_device(np.ascontiguousarray(lengths, dtype=np.int64))
     out = cuda.device_array((bh, n, dv), dtype)
     rows = bh if want_state else 0
@@ -77,7 +74,7 @@ def causal(q, k, v, code, eps, normalize, lengths, S0, Z0, want_state, dtype):
     elif want_state and S0.shape[0]:
         S, Z = S0, Z0
     elif want_state:
-        S, Z = _on_device(cuda, np.zeros((bh, d, dv), dtype)), _on_device(cuda, np.zeros((bh, d), dtype))
+        S, Z = to_device(np.zeros((bh, d, dv), dtype)), to_device(np.zeros((bh, d), dtype))
     return _result(out, host), _result(S, host), _result(Z, host)
 
 
@@ -87,7 +84,7 @@ def noncausal(q, k, v, code, eps, normalize, dtype):
     host = not is_device_array(q)
     bh, n, d = q.shape
     dv = v.shape[2]
-    q, k, v = (_on_device(cuda, x) for x in (q, k, v))
+    q, k, v = (_on_device(x) for x in (q, k, v))
     out = cuda.device_array((bh, n, dv), dtype)
     if bh and n:
         c, te = tiles(d, dv)
@@ -104,7 +101,7 @@ def step(q, k, v, code, eps, normalize, S, Z, out, dtype):
     host = not is_device_array(q)
     bh, d = q.shape
     dv = v.shape[1]
-    q, k, v = (_on_device(cuda, x) for x in (q, k, v))
+    q, k, v = (_on_device(x) for x in (q, k, v))
     res = out if out is not None else cuda.device_array((bh, dv), dtype)
     if bh:
         t = 4 if _simulating() else min(256, max(32, -(-dv // 32) * 32))
