@@ -84,5 +84,3 @@ class Kernel:
                 self._compiled[key] = fn
                 self._compiled[dtype, variant] = fn
         return fn
-
-    dispatcher = get

@@ -122,41 +122,36 @@ def causal_linear_attention(q, k, v, *, feature_map="elu", eps=1e-6, normalize=T
     bh = math.prod(lead)
     lens = (np.full(bh, n, np.int64) if lengths is None
             else checks.check_lengths(lengths, lead, n))
-    if initial_state is not None:
+    if initial_state is None:  # no rows: the kernels start from zero
+        S0, Z0 = np.zeros((0, dk, dv), comp), np.zeros((0, dk), comp)
+    else:
         S0, Z0 = checks.check_state(initial_state, "initial_state", lead, dk, dv, comp)
+        if where == "cpu":
+            S0 = np.ascontiguousarray(_flat(np.asarray(S0), bh, 2))
+            Z0 = np.ascontiguousarray(_flat(np.asarray(Z0), bh, 1))
     if where != "cpu":
         from .cuda import api as cuda_api
 
         if initial_state is not None:
             S0, Z0 = cuda_api.flat_state(S0, Z0, bh, dk, dv, where)
-        else:
-            S0, Z0 = np.zeros((0, dk, dv), comp), np.zeros((0, dk), comp)
         out, S, Z = cuda_api.causal(_flat(q, bh, 2), _flat(k, bh, 2), _flat(v, bh, 2), code, eps,
                                     normalize, lens, S0, Z0, return_state, comp)
-        out = out.reshape(lead + (n, dv))
-        if where == "cuda-host":
-            out = out.astype(out_dt, copy=False)
-        if return_state:
-            return out, State(S.reshape(lead + (dk, dv)), Z.reshape(lead + (dk,)))
-        return out
-    if initial_state is not None:
-        S0 = np.ascontiguousarray(_flat(np.asarray(S0), bh, 2))
-        Z0 = np.ascontiguousarray(_flat(np.asarray(Z0), bh, 1))
-    else:  # no rows: the kernel starts from zero
-        S0, Z0 = np.zeros((0, dk, dv), comp), np.zeros((0, dk), comp)
-    out = np.empty((bh, n, dv), comp)
-    rows = bh if return_state else 0  # no rows: the kernel skips writing the state
-    S, Z = np.empty((rows, dk, dv), comp), np.empty((rows, dk), comp)
-    if bh and n:
-        chunk, frac = plan(bh, n, causal=True)
-        q3, k3, v3, layout = _flat_seq(q, k, v, bh)
-        kernel = chunked.causal_forward.get(comp, layout)
-        with kernel_section(chunk * (dk + chunk) * dv):
-            kernel(q3, k3, v3, code, comp.type(eps), normalize, lens, chunk, frac, S0, Z0, out, S, Z)
-    elif return_state:
-        S[...] = S0 if len(S0) else 0
-        Z[...] = Z0 if len(Z0) else 0
-    out = out.reshape(lead + (n, dv)).astype(out_dt, copy=False)
+    else:
+        out = np.empty((bh, n, dv), comp)
+        rows = bh if return_state else 0  # no rows: the kernel skips writing the state
+        S, Z = np.empty((rows, dk, dv), comp), np.empty((rows, dk), comp)
+        if bh and n:
+            chunk, frac = plan(bh, n, causal=True)
+            q3, k3, v3, layout = _flat_seq(q, k, v, bh)
+            kernel = chunked.causal_forward.get(comp, layout)
+            with kernel_section(chunk * (dk + chunk) * dv):
+                kernel(q3, k3, v3, code, comp.type(eps), normalize, lens, chunk, frac, S0, Z0, out, S, Z)
+        elif return_state:
+            S[...] = S0 if len(S0) else 0
+            Z[...] = Z0 if len(Z0) else 0
+    out = out.reshape(lead + (n, dv))
+    if where != "device":  # device arrays are already in their (only) dtype
+        out = out.astype(out_dt, copy=False)
     if return_state:
         return out, State(S.reshape(lead + (dk, dv)), Z.reshape(lead + (dk,)))
     return out
@@ -189,13 +184,13 @@ def linear_attention(q, k, v, *, feature_map="elu", eps=1e-6, normalize=True, de
         from .cuda import api as cuda_api
 
         out = cuda_api.noncausal(_flat(q, bh, 2), _flat(k, bh, 2), _flat(v, bh, 2), code, eps, normalize, comp)
-        out = out.reshape(lead + (n, dv))
-        return out.astype(out_dt, copy=False) if where == "cuda-host" else out
-    out = np.empty((bh, n, dv), comp)
-    if bh and n:
-        chunk, frac = plan(bh, n, causal=False)
-        q3, k3, v3, layout = _flat_seq(q, k, v, bh)
-        kernel = chunked.noncausal_forward.get(comp, layout)
-        with kernel_section(dk * chunk * dv):
-            kernel(q3, k3, v3, code, comp.type(eps), normalize, chunk, frac, out)
-    return out.reshape(lead + (n, dv)).astype(out_dt, copy=False)
+    else:
+        out = np.empty((bh, n, dv), comp)
+        if bh and n:
+            chunk, frac = plan(bh, n, causal=False)
+            q3, k3, v3, layout = _flat_seq(q, k, v, bh)
+            kernel = chunked.noncausal_forward.get(comp, layout)
+            with kernel_section(dk * chunk * dv):
+                kernel(q3, k3, v3, code, comp.type(eps), normalize, chunk, frac, out)
+    out = out.reshape(lead + (n, dv))
+    return out if where == "device" else out.astype(out_dt, copy=False)

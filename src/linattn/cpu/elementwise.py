@@ -77,13 +77,3 @@ def load_rows(src, h, i0, c, fm, dst):
         for t in range(c):
             for d in range(d_):
                 dst[t, d] = src[h, i0 + t, d]
-
-
-@njit(helper=True)
-def phi(x, fm):
-    """Feature map ``fm`` of one scalar."""
-    if fm == ELU:
-        return elu1(x)
-    if fm == RELU:
-        return relu(x)
-    return x

@@ -92,7 +92,7 @@ def concurrent_calls_safe():
 def _threading_layer_guard():
     """Serialise parallel kernels unless the threading layer is known to allow concurrent calls."""
     global _layer
-    if _layer in ("omp", "tbb"):
+    if concurrent_calls_safe():
         yield
         return
     with _layer_lock:

@@ -7,21 +7,14 @@ import numpy as np
 from numba import prange, types
 
 from .._jit import Kernel, array, njit
-from .elementwise import ELU, RELU, elu1, relu
+from .elementwise import load_rows
 
 
 @njit(helper=True)
 def _map_flat(x, fm, dst):
-    """dst[:] = phi(x[:]) for 1-D arrays: one vectorised loop for every head at once."""
-    if fm == ELU:
-        for i in range(dst.shape[0]):
-            dst[i] = elu1(x[i])
-    elif fm == RELU:
-        for i in range(dst.shape[0]):
-            dst[i] = relu(x[i])
-    else:
-        for i in range(dst.shape[0]):
-            dst[i] = x[i]
+    """dst[:] = phi(x[:]) for C-contiguous 1-D arrays: one vectorised loop for every head at once."""
+    m = dst.shape[0]
+    load_rows(x.reshape((1, 1, m)), 0, 0, 1, fm, dst.reshape((1, m)))
 
 
 @njit(helper=True)
