@@ -112,6 +112,17 @@ def test_device_option_on_host_arrays(cuda):
         assert isinstance(o, np.ndarray)
         close(o, o_cpu, np.float32)
     close(st.S, st_cpu.S, np.float32)
+    # a host state whose leading dims cannot be flattened without a copy is stepped in a copy and
+    # written back
+    q2, k2, v2 = (x.astype(np.float32) for x in rng.standard_normal((3, 2, 3, 2)))  # (2, 3, 2) each
+    S_t = np.zeros((3, 2, 2, 2), np.float32).transpose(1, 0, 2, 3)  # (2, 3, 2, 2), no flat view
+    Z_t = np.zeros((3, 2, 2), np.float32).transpose(1, 0, 2)
+    st_t, st_t_cpu = linattn.State(S_t, Z_t), linattn.State.zeros((2, 3), 2, 2)
+    linattn.step(q2, k2, v2, st_t, device="cuda")
+    linattn.step(q2, k2, v2, st_t_cpu)
+    assert np.abs(st_t_cpu.S).max() > 0
+    close(st_t.S, st_t_cpu.S, np.float32)
+    close(st_t.Z, st_t_cpu.Z, np.float32)
 
 
 def test_errors(cuda):

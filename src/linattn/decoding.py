@@ -151,10 +151,10 @@ def _step_checked(q, k, v, state, feature_map, eps, normalize, out, device):
         with kernel_section(0) if parallel else nullcontext():
             kernels.get(comp, None)(q.reshape(bh, dk), k.reshape(bh, dk), v.reshape(bh, dv), code, eps,
                                     normalize, S3c, Z2c, res2)
-        if S3 is None:
-            S[...] = S3c.reshape(S.shape)
-        if Z2 is None:
-            Z[...] = Z2c.reshape(Z.shape)
+    if S3 is None:  # write the contiguous copy back
+        S[...] = S3c.reshape(S.shape)
+    if Z2 is None:
+        Z[...] = Z2c.reshape(Z.shape)
     if out is not None and res is not out:
         out[...] = res
         return out
@@ -171,10 +171,10 @@ def _step_device(q, k, v, state, feature_map, eps, normalize, out):
     eps = checks.check_eps(eps)
     normalize = checks.check_flag(normalize, "normalize")
     code = resolve_for_device(feature_map)
-    if not isinstance(state, tuple) or len(state) != 2:
-        raise TypeError(f"state: expected a linattn.State (S, Z), got {type(state).__name__}")
-    S, Z = checks.check_state((cuda_api.as_device(state[0]), cuda_api.as_device(state[1])), "state", lead,
-                              d, dv, comp)
+    S_in, Z_in = checks.state_parts(state)
+    if Z_in is not None:
+        state = (cuda_api.as_device(S_in), cuda_api.as_device(Z_in))
+    S, Z = checks.check_state(state, "state", lead, d, dv, comp)
     checks.check_device_inputs({"state.S": S, "state.Z": Z}, comp, comp)
     bh = math.prod(lead)
     if out is not None:
