@@ -40,6 +40,24 @@ def test_steps_from_zeros_equal_whole_call(rng, lead):
     assert_close(st.S, reference.loop(q, k, v, return_state=True)[1][0], np.float32)
 
 
+@pytest.mark.parametrize("dtype", [np.float32, np.float64])
+@pytest.mark.parametrize("dv", [1, 7, 8, 15, 16, 17, 45, 64, 65, 80, 130])
+@pytest.mark.parametrize("layout", ["contiguous", "unit rows", "strided rows"])
+def test_step_every_column_split(rng, dtype, dv, layout):
+    # The state pass takes panels of 4 vectors (64 float32 / 32 float64 columns), then single
+    # vectors, then single columns; a state view without unit-stride rows takes plain loops.
+    d = 5
+    q, k, v = make_qkv(rng, (2, 3), 6, d, dv, dtype)
+    big = np.zeros((2, 3, d, 2 * dv), dtype)
+    S = {"contiguous": big[..., :dv].copy(), "unit rows": big[..., :dv], "strided rows": big[..., ::2]}[layout]
+    st = linattn.State(S, np.zeros((2, 3, d), dtype))
+    outs = [linattn.step(q[..., i, :], k[..., i, :], v[..., i, :], st) for i in range(6)]
+    assert_close(np.stack(outs, axis=-2), reference.masked(q, k, v), dtype)
+    assert_close(st.S, reference.loop(q, k, v, return_state=True)[1][0], dtype)
+    if layout == "unit rows":
+        assert np.all(big[..., dv:] == 0)  # only the view was written
+
+
 def test_step_parallel_batch_and_out(rng):
     q, k, v = make_qkv(rng, (32, 8), 3, 64, 64, np.float32)  # 32*8*64*64 elements: the parallel kernel
     st = linattn.State.zeros((32, 8), 64, 64)

@@ -12,7 +12,7 @@ from .feature_maps import NAMED, resolve, resolve_for_device
 from .state import State
 
 _NAMED_CODES = {name: code for name, (_, code) in NAMED.items()}
-_F32, _F64 = np.dtype(np.float32), np.dtype(np.float64)
+_FAST = {}  # (feature map name, dtype, ndim) -> (map code, serial step kernel) for step's fast path
 
 # Batches with at least this many state elements (B*H*D*Dv) are stepped in parallel. Measured: from 8
 # heads of 64 x 64 threads win when steps come back to back, but in a decode loop the threads sleep
@@ -28,6 +28,15 @@ def _flat_view(x, shape):
     except AttributeError:
         return None
     return view
+
+
+def _fast_entry(feature_map, dtype, ndim):
+    """The fast-path entry for a named map and a float32/float64 dtype (compiled once), else None."""
+    code = _NAMED_CODES.get(feature_map)
+    if code is None or dtype not in (np.float32, np.float64) or ndim < 1:
+        return None
+    entry = _FAST[feature_map, dtype, ndim] = (code, step_kernels.step_nd_serial.get(dtype, ndim - 1))
+    return entry
 
 
 def step(q, k, v, state, *, feature_map="elu", eps=1e-6, normalize=True, out=None, device=None):
@@ -76,27 +85,23 @@ def step(q, k, v, state, *, feature_map="elu", eps=1e-6, normalize=True, out=Non
     # Fast path for the common call (C-contiguous float32/float64 arrays, a named feature map): the
     # compiled kernel checks dtypes and layouts by its signature and shapes itself, so a decoding
     # step costs little more than the arithmetic. Anything else takes the validating path below.
-    if (out is None and device is None and type(state) is State and type(feature_map) is str and type(eps) is float
-            and (normalize is True or normalize is False) and type(q) is np.ndarray):
-        code = _NAMED_CODES.get(feature_map)
-        dt = q.dtype
-        if code is not None and (dt is _F32 or dt is _F64) and 0.0 <= eps < math.inf:
-            S = state[0]
-            parallel = type(S) is np.ndarray and S.size >= _PARALLEL_MIN
-            kernels = step_kernels.step_nd_parallel if parallel else step_kernels.step_nd_serial
-            res = np.empty(v.shape, dt) if type(v) is np.ndarray else None
-            if res is not None:
-                kernel = kernels.get(dt, q.ndim - 1)
-                try:
-                    if parallel and not concurrent_calls_safe():
-                        with kernel_section(0):
-                            status = kernel(q, k, v, code, eps, normalize, S, state[1], res)
-                    else:
-                        status = kernel(q, k, v, code, eps, normalize, S, state[1], res)
-                    if status == 0:
-                        return res
-                except TypeError:  # no compiled signature fits: let the checks below say why
-                    pass
+    if (out is None and device is None and type(state) is State and type(q) is np.ndarray
+            and type(v) is np.ndarray and type(feature_map) is str and type(eps) is float):
+        fast = _FAST.get((feature_map, q.dtype, q.ndim)) or _fast_entry(feature_map, q.dtype, q.ndim)
+        if fast is not None and (normalize is True or normalize is False) and 0.0 <= eps < math.inf:
+            S, Z = state
+            res = np.empty(v.shape, q.dtype)
+            try:
+                if type(S) is not np.ndarray or S.size < _PARALLEL_MIN:
+                    status = fast[1](q, k, v, fast[0], eps, normalize, S, Z, res)
+                else:
+                    kernel = step_kernels.step_nd_parallel.get(q.dtype, q.ndim - 1)
+                    with nullcontext() if concurrent_calls_safe() else kernel_section(0):
+                        status = kernel(q, k, v, fast[0], eps, normalize, S, Z, res)
+                if status == 0:
+                    return res
+            except TypeError:  # no compiled signature fits: let the checks below say why
+                pass
     return _step_checked(q, k, v, state, feature_map, eps, normalize, out, device)
 
 

@@ -8,6 +8,7 @@ from numba import prange, types
 
 from .._jit import Kernel, array, njit
 from .elementwise import load_rows
+from .vector import state_pass
 
 
 @njit(helper=True)
@@ -18,15 +19,14 @@ def _map_flat(x, fm, dst):
 
 
 @njit(helper=True)
-def _step_head(v, h, eps, normalize, S, Z, out, qf, kf, scratch):
-    """Head h, with phi(q) and phi(k) already in qf, kf: update S[h], Z[h] and write out[h]."""
-    d_, dv = S.shape[1], S.shape[2]
-    orow, vrow = out[h], v[h]
+def _state_loops(Sh, vrow, qf, kf, orow):
+    """What ``state_pass`` does, with plain loops for any strides: two rows of S per pass."""
+    d_, dv = Sh.shape
     for e in range(dv):
         orow[e] = 0
     for a in range(0, d_ - 1, 2):  # two rows per pass: half the stores to the output row
         k0, k1, q0, q1 = kf[a], kf[a + 1], qf[a], qf[a + 1]
-        r0, r1 = S[h, a], S[h, a + 1]
+        r0, r1 = Sh[a], Sh[a + 1]
         for e in range(dv):
             s0 = r0[e] + k0 * vrow[e]
             s1 = r1[e] + k1 * vrow[e]
@@ -35,20 +35,25 @@ def _step_head(v, h, eps, normalize, S, Z, out, qf, kf, scratch):
             orow[e] += q0 * s0 + q1 * s1
     if d_ % 2:
         a = d_ - 1
-        r0 = S[h, a]
+        r0 = Sh[a]
         for e in range(dv):
             s0 = r0[e] + kf[a] * vrow[e]
             r0[e] = s0
             orow[e] += qf[a] * s0
-    for a in range(d_):
-        Z[h, a] += kf[a]
+
+
+@njit(helper=True)
+def _finish_head(eps, normalize, Zh, orow, qf, kf, scratch):
+    """After the state pass of a head: Zh += phi(k), then divide orow by phi(q).Zh + eps."""
     den = qf[0] - qf[0]  # zero in the compute dtype
-    for a in range(d_):
-        den += qf[a] * Z[h, a]
+    for a in range(Zh.shape[0]):
+        z = Zh[a] + kf[a]
+        Zh[a] = z
+        den += qf[a] * z
     if normalize:
         scratch[0] = 1.0 / (den + eps)  # rounded to the compute dtype
         r = scratch[0]
-        for e in range(dv):
+        for e in range(orow.shape[0]):
             orow[e] *= r
 
 
@@ -63,8 +68,13 @@ def _step(q, k, v, fm, eps, normalize, S, Z, out):
             maps[h, 0, a] = q[h, a]
             maps[h, 1, a] = k[h, a]
     _map_flat(maps.reshape(bh * 2 * d_), fm, maps.reshape(bh * 2 * d_))
+    unit_rows = S.strides[2] == S.itemsize and v.strides[1] == v.itemsize and out.strides[1] == out.itemsize
     for h in prange(bh):
-        _step_head(v, h, eps, normalize, S, Z, out, maps[h, 0], maps[h, 1], scratch[h:h + 1])
+        if unit_rows:
+            state_pass(S[h], v[h], maps[h, 0], maps[h, 1], out[h], S.strides[1] // S.itemsize)
+        else:
+            _state_loops(S[h], v[h], maps[h, 0], maps[h, 1], out[h])
+        _finish_head(eps, normalize, Z[h], out[h], maps[h, 0], maps[h, 1], scratch[h:h + 1])
     return 0
 
 
@@ -88,8 +98,9 @@ def _step_nd(q, k, v, fm, eps, normalize, S, Z, out):
     v2, S3, Z2, out2 = v.reshape((bh, dv)), S.reshape((bh, d_, dv)), Z.reshape((bh, d_)), out.reshape((bh, dv))
     scratch = np.empty(bh, out.dtype)
     for h in prange(bh):
-        _step_head(v2, h, eps, normalize, S3, Z2, out2, qf[h * d_:(h + 1) * d_], kf[h * d_:(h + 1) * d_],
-                   scratch[h:h + 1])
+        qh, kh = qf[h * d_:(h + 1) * d_], kf[h * d_:(h + 1) * d_]
+        state_pass(S3[h], v2[h], qh, kh, out2[h], dv)
+        _finish_head(eps, normalize, Z2[h], out2[h], qh, kh, scratch[h:h + 1])
     return 0
 
 
