@@ -79,6 +79,10 @@ class Kernel:
             key = (np.dtype(dtype), variant)
             fn = self._compiled.get(key)
             if fn is None:
+                if self._parallel:
+                    from .cpu.runtime import start_threads
+
+                    start_threads()  # before compiling or loading, which would launch the pool itself
                 sig = self._signature(numba.from_dtype(key[0]), variant)
                 fn = njit(parallel=self._parallel, signature=sig)(self.py_func)
                 self._compiled[key] = fn

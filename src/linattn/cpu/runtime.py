@@ -1,5 +1,6 @@
 """How the CPU kernels are run: the work split, single-threaded BLAS inside them, and a lock for
 Numba's non-thread-safe ``workqueue`` threading layer."""
+import os
 import threading
 from contextlib import contextmanager
 
@@ -12,6 +13,13 @@ _BLAS_THREADING_MIN = 64 ** 3
 
 #: Cost of the prefix of one chunk (phi(K), phi(K)^T V) relative to a chunk's full work.
 PREFIX_COST = 0.28
+
+# GNU OpenMP workers spin after every parallel region before they sleep: by default 300,000 times
+# (about 10 ms here), keeping a core busy. When a model alternates NumPy matrix products (OpenBLAS
+# threads) with attention, those spinning workers starve OpenBLAS's threads: measured 2.3x slower for
+# matmul + causal attention, 8x for matmul + a parallel step. 1,000 spins keep back-to-back kernel
+# calls as fast and end the starvation. Used only when the user set neither variable.
+_GOMP_SPINCOUNT = "1000"
 
 _state_lock = threading.Lock()
 _blas_depth = 0
@@ -40,6 +48,7 @@ def plan(bh, n, causal=True):
     """(chunk, frac): chunk size and segment fractions minimising the estimated time on this many
     threads (heads are split into segments only when there are too few to keep threads busy)."""
     chunk = chunk_size(n)
+    start_threads()
     threads = numba.get_num_threads()
     nchunks = -(-n // chunk)
     best, best_nseg = None, 1
@@ -88,19 +97,38 @@ def concurrent_calls_safe():
     return _layer in ("omp", "tbb")
 
 
+def start_threads():
+    """Launch Numba's thread pool (once), with a bounded GNU OpenMP spin count (see _GOMP_SPINCOUNT),
+    and note its threading layer. Called before a parallel kernel is compiled or loaded, which would
+    launch the pool: libgomp reads its environment when the pool loads it, so the variable is set
+    only for that moment. A pool that user code already started is left as it is."""
+    global _layer
+    if _layer is not None:
+        return
+    with _layer_lock:
+        if _layer is not None:
+            return
+        ours = "GOMP_SPINCOUNT" not in os.environ and "OMP_WAIT_POLICY" not in os.environ
+        if ours:
+            os.environ["GOMP_SPINCOUNT"] = _GOMP_SPINCOUNT
+        try:
+            numba.get_num_threads()  # launches the pool
+        finally:
+            if ours:
+                del os.environ["GOMP_SPINCOUNT"]
+        _layer = numba.threading_layer()
+
+
 @contextmanager
 def _threading_layer_guard():
-    """Serialise parallel kernels unless the threading layer is known to allow concurrent calls."""
-    global _layer
+    """Serialise parallel kernels unless the threading layer allows concurrent calls (workqueue
+    does not)."""
+    start_threads()
     if concurrent_calls_safe():
         yield
         return
     with _layer_lock:
         yield
-        try:
-            _layer = numba.threading_layer()
-        except ValueError:  # no parallel region ran yet
-            pass
 
 
 @contextmanager

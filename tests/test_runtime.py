@@ -1,0 +1,38 @@
+"""How the CPU kernels are run: the thread pool's start-up."""
+import os
+import subprocess
+import sys
+
+import pytest
+
+_PROBE = """
+import os, numpy as np, numba, linattn
+linattn.causal_linear_attention(*(np.ones((2, 2, 40, 4), np.float32) for _ in range(3)))
+print("layer", numba.threading_layer())
+print("left", os.environ.get("GOMP_SPINCOUNT"))
+"""
+
+
+def _probe(**env):
+    full = {k: v for k, v in os.environ.items() if k not in ("GOMP_SPINCOUNT", "OMP_WAIT_POLICY")}
+    full.update(env, OMP_DISPLAY_ENV="VERBOSE")  # libgomp prints its settings when it starts
+    res = subprocess.run([sys.executable, "-c", _PROBE], env=full, capture_output=True, text=True, timeout=300)
+    assert res.returncode == 0, res.stderr
+    if "layer omp" not in res.stdout:
+        pytest.skip("the threading layer is not GNU OpenMP")
+    return res.stdout, res.stderr
+
+
+def test_openmp_workers_spin_briefly():
+    # Idle workers spinning for GNU OpenMP's default 300,000 turns starve NumPy's BLAS threads.
+    out, err = _probe()
+    assert "GOMP_SPINCOUNT = '1000'" in err
+    assert "left None" in out  # the variable was set only while the pool started
+
+
+@pytest.mark.parametrize("var, value, shown", [("GOMP_SPINCOUNT", "123", "GOMP_SPINCOUNT = '123'"),
+                                               ("OMP_WAIT_POLICY", "ACTIVE", "OMP_WAIT_POLICY = 'ACTIVE'")])
+def test_user_openmp_settings_are_kept(var, value, shown):
+    out, err = _probe(**{var: value})
+    assert shown in err
+    assert "GOMP_SPINCOUNT = '1000'" not in err
