@@ -5,7 +5,7 @@ S (the row loop is outside the column loop); here the column loop is outside, a 
 kept in vector registers across all rows of S, and each element of S is loaded and stored once:
 half the memory operations, and independent accumulator chains so FMA latency does not serialise.
 """
-import llvmlite.ir as ir
+from llvmlite import ir
 from numba.core import cgutils, types
 from numba.extending import intrinsic
 
