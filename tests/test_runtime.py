@@ -1,9 +1,13 @@
-"""How the CPU kernels are run: the thread pool's start-up."""
+"""How the CPU kernels are run: the thread pool's start-up and the work schedule."""
 import os
 import subprocess
 import sys
 
+import numba
+import numpy as np
 import pytest
+
+import linattn
 
 _PROBE = """
 import os, numpy as np, numba, linattn
@@ -37,3 +41,14 @@ def test_user_openmp_settings_are_kept(var, value, shown):
     _, err = _probe(**{var: value})
     assert shown in err
     assert "GOMP_SPINCOUNT = '1000'" not in err
+
+
+def test_dynamic_schedule_is_restored(rng):
+    q = rng.standard_normal((3, 4, 70, 8)).astype(np.float32)
+    previous = numba.set_parallel_chunksize(5)  # the caller's own setting
+    try:
+        linattn.causal_linear_attention(q, q, q)
+        linattn.linear_attention(q, q, q)
+        assert numba.get_parallel_chunksize() == 5
+    finally:
+        numba.set_parallel_chunksize(previous)

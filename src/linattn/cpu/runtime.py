@@ -132,12 +132,22 @@ def _threading_layer_guard():
 
 
 @contextmanager
-def kernel_section(largest_product):
+def kernel_section(largest_product, dynamic=True):
     """Context for running a parallel kernel whose largest BLAS product does ``largest_product``
-    multiply-adds: BLAS is kept to one thread only when it could otherwise start threading."""
+    multiply-adds: BLAS is kept to one thread only when it could otherwise start threading.
+
+    ``dynamic``: threads take work items one at a time as they finish (Numba's parallel chunk size
+    1) instead of equal blocks fixed in advance, so a core that another process is also using does
+    not hold up the whole call (one busy process beside, B=1, H=8, N=2048: 4.9 ms instead of 6.4).
+    """
     with _threading_layer_guard():
-        if largest_product > _BLAS_THREADING_MIN:
-            with _blas_single_thread():
+        previous = numba.set_parallel_chunksize(1) if dynamic else None
+        try:
+            if largest_product > _BLAS_THREADING_MIN:
+                with _blas_single_thread():
+                    yield
+            else:
                 yield
-        else:
-            yield
+        finally:
+            if dynamic:
+                numba.set_parallel_chunksize(previous)
