@@ -34,6 +34,25 @@ def test_against_reference(rng, lead, n, d, dv, dtype):
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("d", [3, 4, 8, 9, 13, 20])
+@pytest.mark.parametrize("n", [8, 33, 70])
+def test_key_transpose_edges(rng, n, d, dtype):
+    # phi(K)^T is built from blocks of 8 (float32) / 4 (float64) rows and columns, then the edges.
+    q, k, v = make_qkv(rng, (2,), n, d, 6, dtype)
+    out, state = linattn.causal_linear_attention(q, k, v, return_state=True)
+    ref, (S, Z) = reference.loop(q, k, v, return_state=True)
+    assert_close(out, ref, dtype)
+    assert_close(state.S, S, dtype)
+    assert_close(state.Z, Z, dtype)
+    lengths = np.array([n, n // 2 + 1])  # a last chunk cut short
+    out, state = linattn.causal_linear_attention(q, k, v, lengths=lengths, return_state=True)
+    m = lengths[1]
+    ref, (S, Z) = reference.loop(q[1, :m], k[1, :m], v[1, :m], return_state=True)
+    assert_close(out[1, :m], ref, dtype)
+    assert_close(state.Z[1], Z, dtype)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
 def test_textbook_loop(rng, dtype):
     q, k, v = make_qkv(rng, (2, 2), 70, 6, 4, dtype)
     assert_close(linattn.causal_linear_attention(q, k, v), reference.loop(q, k, v), dtype)

@@ -22,6 +22,7 @@ from numba import prange, types
 from .._jit import Kernel, array, njit
 from .blas import gemm
 from .elementwise import load_rows
+from .vector import TRANSPOSE_BYTES, transpose_blocks
 
 #: Chunks between folds of the pending float32 sums into the float64 state.
 FOLD_EVERY = 16
@@ -60,10 +61,14 @@ def _add_prefix(k, v, h, i0, c, fm, Kf, V, P, Pz, coef):
 @njit(helper=True)
 def _load_chunk_kv(k, v, h, i0, c, fm, Kf, KT, Pz, SV, r0):
     """KT[:, :c] = phi(k[h, i0:i0+c])^T, Pz += its row sums, SV[r0:r0+c] = v[h, i0:i0+c]."""
-    _load_k(k, h, i0, c, fm, Kf, Pz)
-    for t in range(c):
-        for a in range(KT.shape[0]):
+    load_rows(k, h, i0, c, fm, Kf)
+    transpose_blocks(Kf, KT, Pz, c)  # whole blocks of w x w; the loops below do the edges
+    w = TRANSPOSE_BYTES // Kf.itemsize
+    c_end, d_end = c - c % w, Kf.shape[1] - Kf.shape[1] % w
+    for t in range(c):  # the last columns of whole-block rows, then every column of the last rows
+        for a in range(d_end if t < c_end else 0, Kf.shape[1]):
             KT[a, t] = Kf[t, a]
+            Pz[a] += Kf[t, a]
     for t in range(c):
         for e in range(v.shape[2]):
             SV[r0 + t, e] = v[h, i0 + t, e]

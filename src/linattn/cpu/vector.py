@@ -1,10 +1,13 @@
-"""The state pass of a decoding step written with explicit LLVM vector types.
+"""Inner loops written with explicit LLVM vector types, where LLVM's loop vectoriser does poorly.
 
-LLVM's loop vectoriser turns the pass into loops that load and store the output row once per row of
-S (the row loop is outside the column loop); here the column loop is outside, a panel of columns is
-kept in vector registers across all rows of S, and each element of S is loaded and stored once:
-half the memory operations, and independent accumulator chains so FMA latency does not serialise.
+- ``state_pass`` (a decoding step): the vectorised loops load and store the output row once per row
+  of S; here a panel of columns is kept in vector registers across all rows of S, so each element of
+  S is loaded and stored once, with independent accumulator chains so FMA latency does not serialise.
+- ``transpose_blocks`` (a chunk's phi(K) into phi(K)^T): scalar loops, one element at a time; here
+  square blocks of one vector width go through registers and a shuffle network.
 """
+import math
+
 from llvmlite import ir
 from numba.core import cgutils, types
 from numba.extending import intrinsic
@@ -86,6 +89,72 @@ def state_pass(typingctx, S, v, q, k, out, row_stride):
         end = columns(ir.Constant(i64, 0), ncols, PANEL, vec)
         end = columns(end, ncols, 1, vec)
         columns(end, ncols, 1, fty)
+        return context.get_dummy_value()
+
+    return sig, codegen
+
+
+#: Bytes per vector of the transpose (256 bits: the shuffles stay within what AVX2 does well).
+TRANSPOSE_BYTES = 32
+
+
+@intrinsic
+def transpose_blocks(typingctx, src, dst, colsum, nrows):
+    """dst[a, t] = src[t, a] and colsum[a] += src[t, a] for t < nrows and a < src.shape[1], both
+    rounded down to a multiple of w = TRANSPOSE_BYTES / itemsize (the caller does the rest).
+
+    src (R x D) and dst (D x R') need unit column stride, colsum unit stride. Each w x w block is
+    loaded as w row vectors, summed into column sums, and transposed by log2(w) rounds of
+    interleaving rows i and i + w/2 (a perfect shuffle). Only callable from Numba code.
+    """
+    if not (isinstance(src, types.Array) and src.ndim == 2 and src.dtype in (types.float32, types.float64)):
+        return None
+    if not (isinstance(dst, types.Array) and dst.ndim == 2 and dst.dtype == src.dtype
+            and isinstance(colsum, types.Array) and colsum.ndim == 1 and colsum.dtype == src.dtype):
+        return None
+    sig = types.void(src, dst, colsum, nrows)
+
+    def codegen(context, builder, sig, args):
+        s_arr, d_arr, c_arr = (context.make_array(t)(context, builder, a) for t, a in zip(sig.args[:3], args[:3]))
+        fty = context.get_data_type(sig.args[0].dtype)
+        size = context.get_abi_sizeof(fty)
+        w = TRANSPOSE_BYTES // size
+        vec = ir.VectorType(fty, w)
+        i64 = ir.IntType(64)
+
+        def const(x):
+            return ir.Constant(i64, x)
+
+        def down(x):  # x rounded down to a multiple of w
+            return builder.mul(builder.udiv(x, const(w)), const(w))
+
+        def at(base, idx):
+            return builder.bitcast(builder.gep(base, [idx]), vec.as_pointer())
+
+        s_stride = builder.udiv(builder.extract_value(s_arr.strides, 0), const(size))
+        d_stride = builder.udiv(builder.extract_value(d_arr.strides, 0), const(size))
+        t_end, a_end = down(args[3]), down(builder.extract_value(s_arr.shape, 1))
+        half = w // 2
+        lo = [j for i in range(half) for j in (i, w + i)]
+        hi = [j for i in range(half, w) for j in (i, w + i)]
+        acc = cgutils.alloca_once(builder, vec)
+        with cgutils.for_range_slice(builder, const(0), a_end, const(w)) as (a0, _):
+            builder.store(ir.Constant(vec, None), acc)
+            with cgutils.for_range_slice(builder, const(0), t_end, const(w)) as (t0, _):
+                rows = [builder.load(at(s_arr.data, builder.add(builder.mul(builder.add(t0, const(i)), s_stride), a0)),
+                                     align=size) for i in range(w)]
+                total = rows
+                while len(total) > 1:  # a sum tree: short dependency chains
+                    total = [builder.fadd(x, y) for x, y in zip(total[0::2], total[1::2])]
+                builder.store(builder.fadd(builder.load(acc), total[0]), acc)
+                for _ in range(int(math.log2(w))):
+                    rows = [builder.shuffle_vector(rows[i], rows[i + half], ir.Constant(ir.VectorType(ir.IntType(32), w), m))
+                            for i in range(half) for m in (lo, hi)]
+                for i, row in enumerate(rows):
+                    builder.store(row, at(d_arr.data, builder.add(builder.mul(builder.add(a0, const(i)), d_stride), t0)),
+                                  align=size)
+            p = at(c_arr.data, a0)
+            builder.store(builder.fadd(builder.load(p, align=size), builder.load(acc)), p, align=size)
         return context.get_dummy_value()
 
     return sig, codegen
