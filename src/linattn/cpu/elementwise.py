@@ -1,4 +1,4 @@
-"""Feature maps as Numba loops over one chunk of rows, with a vectorisable float32 elu+1."""
+"""Feature maps as Numba loops (over a chunk of rows, or a flat array), with a vectorisable float32 elu+1."""
 import math
 
 import numpy as np
@@ -77,3 +77,18 @@ def load_rows(src, h, i0, c, fm, dst):
         for t in range(c):
             for d in range(d_):
                 dst[t, d] = src[h, i0 + t, d]
+
+
+@njit(helper=True)
+def map_flat(src, fm, dst):
+    """dst[i] = phi(src[i]) for 1-D arrays, for feature map code ``fm``: one loop over all elements
+    (for a decoding step, every head at once; measured faster than ``load_rows`` on one long row)."""
+    if fm == ELU:
+        for i in range(dst.shape[0]):
+            dst[i] = elu1(src[i])
+    elif fm == RELU:
+        for i in range(dst.shape[0]):
+            dst[i] = relu(src[i])
+    else:
+        for i in range(dst.shape[0]):
+            dst[i] = src[i]

@@ -7,15 +7,8 @@ import numpy as np
 from numba import prange, types
 
 from .._jit import Kernel, array, njit
-from .elementwise import load_rows
+from .elementwise import map_flat
 from .vector import state_pass
-
-
-@njit(helper=True)
-def _map_flat(x, fm, dst):
-    """dst[:] = phi(x[:]) for C-contiguous 1-D arrays: one vectorised loop for every head at once."""
-    m = dst.shape[0]
-    load_rows(x.reshape((1, 1, m)), 0, 0, 1, fm, dst.reshape((1, m)))
 
 
 @njit(helper=True)
@@ -67,7 +60,7 @@ def _step(q, k, v, fm, eps, normalize, S, Z, out):
         for a in range(d_):
             maps[h, 0, a] = q[h, a]
             maps[h, 1, a] = k[h, a]
-    _map_flat(maps.reshape(bh * 2 * d_), fm, maps.reshape(bh * 2 * d_))
+    map_flat(maps.reshape(bh * 2 * d_), fm, maps.reshape(bh * 2 * d_))
     unit_rows = S.strides[2] == S.itemsize and v.strides[1] == v.itemsize and out.strides[1] == out.itemsize
     for h in prange(bh):
         if unit_rows:
@@ -93,8 +86,8 @@ def _step_nd(q, k, v, fm, eps, normalize, S, Z, out):
         return 1
     bh = q.size // d_
     qf, kf = np.empty(bh * d_, out.dtype), np.empty(bh * d_, out.dtype)
-    _map_flat(q.reshape(bh * d_), fm, qf)
-    _map_flat(k.reshape(bh * d_), fm, kf)
+    map_flat(q.reshape(bh * d_), fm, qf)
+    map_flat(k.reshape(bh * d_), fm, kf)
     v2, S3, Z2, out2 = v.reshape((bh, dv)), S.reshape((bh, d_, dv)), Z.reshape((bh, d_)), out.reshape((bh, dv))
     scratch = np.empty(bh, out.dtype)
     for h in prange(bh):
