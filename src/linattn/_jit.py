@@ -1,7 +1,10 @@
 """How linattn's kernels are compiled: fast-math flags, on-disk caching, and explicit signatures so
-that each kernel compiles once per (dtype, memory layout) and never once per call pattern."""
+that each kernel compiles once per (dtype, memory layout) and never once per call pattern, cached on
+disk under a name that carries a hash of all of linattn's sources."""
+import hashlib
 import threading
 import types as pytypes
+from pathlib import Path
 
 import numba
 import numpy as np
@@ -42,6 +45,19 @@ def njit(*, parallel=False, helper=False, signature=None):
     return decorate
 
 
+def _source_stamp():
+    """A short hash of linattn's Python sources (see Kernel)."""
+    root = Path(__file__).parent
+    digest = hashlib.sha1()
+    for path in sorted(root.rglob("*.py")):
+        digest.update(path.relative_to(root).as_posix().encode())
+        digest.update(path.read_bytes())
+    return digest.hexdigest()[:12]
+
+
+SOURCE_STAMP = _source_stamp()
+
+
 def array(dtype, ndim, layout="C", readonly=False):
     """Numba array type; ``readonly=True`` accepts writable and read-only arrays alike."""
     return types.Array(dtype, ndim, layout, readonly=readonly)
@@ -55,12 +71,16 @@ class Kernel:
     """
 
     def __init__(self, py_func, signature, parallel=True):
-        if not parallel:
-            # Numba's disk cache keys entries by function name and signature, not by compile flags:
-            # a serial twin of a parallel kernel needs a name of its own or it would load the other.
-            py_func = pytypes.FunctionType(py_func.__code__, py_func.__globals__, py_func.__name__ + "_serial",
-                                           py_func.__defaults__, py_func.__closure__)
-            py_func.__qualname__ = py_func.__qualname__ + "_serial"
+        # Numba's disk cache keys entries by function name and signature, and checks only the
+        # kernel's own source file: not compile flags (a serial twin of a parallel kernel would load
+        # the parallel binary) and not the helpers in other modules it compiles in (an edited helper
+        # would go unnoticed). So each kernel is cached under a name of its own that carries a hash
+        # of linattn's sources.
+        name = f"{py_func.__name__}{'' if parallel else '_serial'}_{SOURCE_STAMP}"
+        qualname = py_func.__qualname__[:-len(py_func.__name__)] + name
+        py_func = pytypes.FunctionType(py_func.__code__, py_func.__globals__, name, py_func.__defaults__,
+                                       py_func.__closure__)
+        py_func.__qualname__ = qualname
         self.py_func = py_func
         self._signature = signature
         self._parallel = parallel
