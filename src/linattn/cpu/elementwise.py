@@ -6,6 +6,7 @@ from numba import types
 from numba.extending import overload
 
 from .._jit import FASTMATH, njit
+from .vector import wide_vectors
 
 #: Codes of the feature maps the kernels apply themselves (callables are applied before, as IDENTITY).
 IDENTITY, ELU, RELU = 0, 1, 2
@@ -64,6 +65,7 @@ def load_rows(src, h, i0, c, fm, dst):
     ``dst`` may have more than D columns (the rest is left alone); pass a whole C-contiguous array,
     not a column slice, so that the loops vectorise.
     """
+    wide_vectors()
     d_ = src.shape[2]
     if fm == ELU:
         for t in range(c):
@@ -83,6 +85,7 @@ def load_rows(src, h, i0, c, fm, dst):
 def map_flat(src, fm, dst):
     """dst[i] = phi(src[i]) for 1-D arrays, for feature map code ``fm``: one loop over all elements
     (for a decoding step, every head at once; measured faster than ``load_rows`` on one long row)."""
+    wide_vectors()
     if fm == ELU:
         for i in range(dst.shape[0]):
             dst[i] = elu1(src[i])

@@ -12,6 +12,19 @@ from llvmlite import ir
 from numba.core import cgutils, types
 from numba.extending import intrinsic
 
+@intrinsic
+def wide_vectors(typingctx):
+    """Let LLVM vectorise the loops of the calling function with 512-bit vectors where the CPU has
+    them (LLVM prefers 256 bits on AVX-512 CPUs; the BLAS the kernels call uses 512 already).
+    Call it first in a helper whose loops should use them: the setting is per LLVM function."""
+
+    def codegen(context, builder, sig, args):
+        set.add(builder.function.attributes, '"prefer-vector-width"="512"')  # llvmlite lists no valued attributes
+        return context.get_dummy_value()
+
+    return types.none(), codegen
+
+
 #: Vectors per panel: independent accumulator chains (hides the FMA latency).
 PANEL = 4
 _FLAGS = ("contract", "reassoc", "nsz", "arcp")
