@@ -5,12 +5,27 @@
   S is loaded and stored once, with independent accumulator chains so FMA latency does not serialise.
 - ``transpose_blocks`` (a chunk's phi(K) into phi(K)^T): scalar loops, one element at a time; here
   square blocks of one vector width go through registers and a shuffle network.
+- ``wide_vectors``: asks LLVM to vectorise a function's own loops with 512-bit vectors.
 """
 import math
 
 from llvmlite import ir
 from numba.core import cgutils, types
 from numba.extending import intrinsic
+
+#: Bytes per vector of the state pass: 512 bits (LLVM splits the vectors where the CPU has narrower ones).
+VECTOR_BYTES = 64
+#: Vectors per panel of the state pass: independent accumulator chains (hides the FMA latency).
+PANEL = 4
+#: Bytes per vector of the transpose (256 bits: the shuffles stay within what AVX2 does well).
+TRANSPOSE_BYTES = 32
+_FLAGS = ("contract", "reassoc", "nsz", "arcp")
+
+
+def _at(builder, base, idx, ty):
+    """Pointer to a ``ty`` value at element ``idx`` of ``base``."""
+    return builder.bitcast(builder.gep(base, [idx]), ty.as_pointer())
+
 
 @intrinsic
 def wide_vectors(typingctx):
@@ -24,14 +39,6 @@ def wide_vectors(typingctx):
 
     return types.none(), codegen
 
-
-#: Vectors per panel: independent accumulator chains (hides the FMA latency).
-PANEL = 4
-_FLAGS = ("contract", "reassoc", "nsz", "arcp")
-
-
-#: Bytes per vector: 512 bits (LLVM splits the vectors where the CPU has narrower ones).
-VECTOR_BYTES = 64
 
 
 @intrinsic
@@ -55,15 +62,12 @@ def state_pass(typingctx, S, v, q, k, out, row_stride):
         fty = context.get_data_type(sig.args[0].dtype)
         width = VECTOR_BYTES // context.get_abi_sizeof(fty)
         vec = ir.VectorType(fty, width)
-        i32, i64 = ir.IntType(32), ir.IntType(64)
+        i32, i64 = ir.IntType(32), context.get_value_type(types.intp)
         align = context.get_abi_sizeof(fty)
         rows = builder.extract_value(s_arr.shape, 0)
         ncols = builder.extract_value(s_arr.shape, 1)
         undef = ir.Constant(vec, ir.Undefined)
         zero_mask = ir.Constant(ir.VectorType(i32, width), [0] * width)
-
-        def at(base, idx, ty):
-            return builder.bitcast(builder.gep(base, [idx]), ty.as_pointer())
 
         def splat(base, idx, ty):
             x = builder.load(builder.gep(base, [idx]))
@@ -78,18 +82,18 @@ def state_pass(typingctx, S, v, q, k, out, row_stride):
             """Columns [e0, e0 + nvec * lanes of ty): accumulators live in registers over all rows."""
             lanes = ty.count if ty is vec else 1
             cols = [builder.add(e0, ir.Constant(i64, j * lanes)) for j in range(nvec)]
-            vv = [builder.load(at(v_arr.data, c, ty), align=align) for c in cols]
+            vv = [builder.load(_at(builder, v_arr.data, c, ty), align=align) for c in cols]
             accs = [cgutils.alloca_once_value(builder, ir.Constant(ty, None)) for _ in cols]
             with cgutils.for_range(builder, rows) as loop:
                 ka, qa = splat(k_arr.data, loop.index, ty), splat(q_arr.data, loop.index, ty)
                 row = builder.mul(loop.index, stride_v)
                 for c, x, acc in zip(cols, vv, accs):
-                    p = at(s_arr.data, builder.add(row, c), ty)
+                    p = _at(builder, s_arr.data, builder.add(row, c), ty)
                     s = fma(ka, x, builder.load(p, align=align))
                     builder.store(s, p, align=align)
                     builder.store(fma(qa, s, builder.load(acc)), acc)
             for c, acc in zip(cols, accs):
-                builder.store(builder.load(acc), at(o_arr.data, c, ty), align=align)
+                builder.store(builder.load(acc), _at(builder, o_arr.data, c, ty), align=align)
 
         def columns(start, stop, nvec, ty):
             """Panels over [start, the last multiple of their width below stop); returns that end."""
@@ -105,10 +109,6 @@ def state_pass(typingctx, S, v, q, k, out, row_stride):
         return context.get_dummy_value()
 
     return sig, codegen
-
-
-#: Bytes per vector of the transpose (256 bits: the shuffles stay within what AVX2 does well).
-TRANSPOSE_BYTES = 32
 
 
 @intrinsic
@@ -133,40 +133,39 @@ def transpose_blocks(typingctx, src, dst, colsum, nrows):
         size = context.get_abi_sizeof(fty)
         w = TRANSPOSE_BYTES // size
         vec = ir.VectorType(fty, w)
-        i64 = ir.IntType(64)
+        i64 = context.get_value_type(types.intp)
 
         def const(x):
             return ir.Constant(i64, x)
 
+        def element(arr, stride, r, c):  # pointer to a vector at arr[r, c]
+            return _at(builder, arr.data, builder.add(builder.mul(r, stride), c), vec)
+
         def down(x):  # x rounded down to a multiple of w
             return builder.mul(builder.udiv(x, const(w)), const(w))
 
-        def at(base, idx):
-            return builder.bitcast(builder.gep(base, [idx]), vec.as_pointer())
-
-        s_stride = builder.udiv(builder.extract_value(s_arr.strides, 0), const(size))
-        d_stride = builder.udiv(builder.extract_value(d_arr.strides, 0), const(size))
+        s_stride = builder.sdiv(builder.extract_value(s_arr.strides, 0), const(size))
+        d_stride = builder.sdiv(builder.extract_value(d_arr.strides, 0), const(size))
         t_end, a_end = down(args[3]), down(builder.extract_value(s_arr.shape, 1))
         half = w // 2
-        lo = [j for i in range(half) for j in (i, w + i)]
-        hi = [j for i in range(half, w) for j in (i, w + i)]
+        mask_ty = ir.VectorType(ir.IntType(32), w)
+        lo = ir.Constant(mask_ty, [j for i in range(half) for j in (i, w + i)])  # interleave the low halves
+        hi = ir.Constant(mask_ty, [j for i in range(half, w) for j in (i, w + i)])  # and the high halves
         acc = cgutils.alloca_once(builder, vec)
         with cgutils.for_range_slice(builder, const(0), a_end, const(w)) as (a0, _):
             builder.store(ir.Constant(vec, None), acc)
             with cgutils.for_range_slice(builder, const(0), t_end, const(w)) as (t0, _):
-                rows = [builder.load(at(s_arr.data, builder.add(builder.mul(builder.add(t0, const(i)), s_stride), a0)),
-                                     align=size) for i in range(w)]
+                rows = [builder.load(element(s_arr, s_stride, builder.add(t0, const(i)), a0), align=size)
+                        for i in range(w)]
                 total = rows
                 while len(total) > 1:  # a sum tree: short dependency chains
                     total = [builder.fadd(x, y) for x, y in zip(total[0::2], total[1::2])]
                 builder.store(builder.fadd(builder.load(acc), total[0]), acc)
                 for _ in range(int(math.log2(w))):
-                    rows = [builder.shuffle_vector(rows[i], rows[i + half], ir.Constant(ir.VectorType(ir.IntType(32), w), m))
-                            for i in range(half) for m in (lo, hi)]
+                    rows = [builder.shuffle_vector(rows[i], rows[i + half], m) for i in range(half) for m in (lo, hi)]
                 for i, row in enumerate(rows):
-                    builder.store(row, at(d_arr.data, builder.add(builder.mul(builder.add(a0, const(i)), d_stride), t0)),
-                                  align=size)
-            p = at(c_arr.data, a0)
+                    builder.store(row, element(d_arr, d_stride, builder.add(a0, const(i)), t0), align=size)
+            p = _at(builder, c_arr.data, a0, vec)
             builder.store(builder.fadd(builder.load(p, align=size), builder.load(acc)), p, align=size)
         return context.get_dummy_value()
 
