@@ -43,7 +43,8 @@ def test_steps_from_zeros_equal_whole_call(rng, lead):
 @pytest.mark.parametrize("dtype", [np.float32, np.float64])
 @pytest.mark.parametrize("dv", [1, 7, 8, 15, 16, 17, 45, 64, 65, 80, 130])
 @pytest.mark.parametrize("layout", ["contiguous", "unit rows", "strided rows"])
-def test_step_every_column_split(rng, dtype, dv, layout):
+@pytest.mark.parametrize("normalize, eps", [(True, 1e-6), (True, 0.5), (False, 1e-6)])
+def test_step_every_column_split(rng, dtype, dv, layout, normalize, eps):
     # The state pass takes panels of 4 vectors (64 float32 / 32 float64 columns), then single
     # vectors, then single columns; a state view without unit-stride rows takes plain loops.
     d = 5
@@ -51,9 +52,12 @@ def test_step_every_column_split(rng, dtype, dv, layout):
     big = np.zeros((2, 3, d, 2 * dv), dtype)
     S = {"contiguous": big[..., :dv].copy(), "unit rows": big[..., :dv], "strided rows": big[..., ::2]}[layout]
     st = linattn.State(S, np.zeros((2, 3, d), dtype))
-    outs = [linattn.step(q[..., i, :], k[..., i, :], v[..., i, :], st) for i in range(6)]
-    assert_close(np.stack(outs, axis=-2), reference.masked(q, k, v), dtype)
-    assert_close(st.S, reference.loop(q, k, v, return_state=True)[1][0], dtype)
+    kw = dict(eps=eps, normalize=normalize)
+    outs = [linattn.step(q[..., i, :], k[..., i, :], v[..., i, :], st, **kw) for i in range(6)]
+    assert_close(np.stack(outs, axis=-2), reference.masked(q, k, v, **kw), dtype)
+    _, (S, Z) = reference.loop(q, k, v, return_state=True)
+    assert_close(st.S, S, dtype)
+    assert_close(st.Z, Z, dtype)
     if layout == "unit rows":
         assert np.all(big[..., dv:] == 0)  # only the view was written
 

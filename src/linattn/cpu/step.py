@@ -63,11 +63,11 @@ def _step(q, k, v, fm, eps, normalize, S, Z, out):
     map_flat(maps.reshape(bh * 2 * d_), fm, maps.reshape(bh * 2 * d_))
     unit_rows = S.strides[2] == S.itemsize and v.strides[1] == v.itemsize and out.strides[1] == out.itemsize
     for h in prange(bh):
-        if unit_rows:
-            state_pass(S[h], v[h], maps[h, 0], maps[h, 1], out[h], S.strides[1] // S.itemsize)
+        if unit_rows and Z.strides[1] == Z.itemsize:
+            state_pass(S[h], Z[h], v[h], maps[h, 0], maps[h, 1], out[h], S.strides[1] // S.itemsize, eps, normalize)
         else:
             _state_loops(S[h], v[h], maps[h, 0], maps[h, 1], out[h])
-        _finish_head(eps, normalize, Z[h], out[h], maps[h, 0], maps[h, 1], scratch[h:h + 1])
+            _finish_head(eps, normalize, Z[h], out[h], maps[h, 0], maps[h, 1], scratch[h:h + 1])
     return 0
 
 
@@ -89,11 +89,8 @@ def _step_nd(q, k, v, fm, eps, normalize, S, Z, out):
     map_flat(q.reshape(bh * d_), fm, qf)
     map_flat(k.reshape(bh * d_), fm, kf)
     v2, S3, Z2, out2 = v.reshape((bh, dv)), S.reshape((bh, d_, dv)), Z.reshape((bh, d_)), out.reshape((bh, dv))
-    scratch = np.empty(bh, out.dtype)
     for h in prange(bh):
-        qh, kh = qf[h * d_:(h + 1) * d_], kf[h * d_:(h + 1) * d_]
-        state_pass(S3[h], v2[h], qh, kh, out2[h], dv)
-        _finish_head(eps, normalize, Z2[h], out2[h], qh, kh, scratch[h:h + 1])
+        state_pass(S3[h], Z2[h], v2[h], qf[h * d_:(h + 1) * d_], kf[h * d_:(h + 1) * d_], out2[h], dv, eps, normalize)
     return 0
 
 

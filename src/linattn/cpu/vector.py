@@ -1,8 +1,9 @@
 """Inner loops written with explicit LLVM vector types, where LLVM's loop vectoriser does poorly.
 
-- ``state_pass`` (a decoding step): the vectorised loops load and store the output row once per row
-  of S; here a panel of columns is kept in vector registers across all rows of S, so each element of
-  S is loaded and stored once, with independent accumulator chains so FMA latency does not serialise.
+- ``state_pass`` (a decoding step of one head): the vectorised loops load and store the output row
+  once per row of S; here a panel of columns is kept in vector registers across all rows of S, so
+  each element of S is loaded and stored once, with independent accumulator chains so FMA latency
+  does not serialise; the Z update and the normalisation are folded in.
 - ``transpose_blocks`` (a chunk's phi(K) into phi(K)^T): scalar loops, one element at a time; here
   square blocks of one vector width go through registers and a shuffle network.
 - ``wide_vectors``: asks LLVM to vectorise a function's own loops with 512-bit vectors.
@@ -42,23 +43,27 @@ def wide_vectors(typingctx):
 
 
 @intrinsic
-def state_pass(typingctx, S, v, q, k, out, row_stride):
-    """For every row a and column e of S (D' x Dv, rows ``row_stride`` elements apart, unit column
-    stride): S[a, e] += k[a] v[e], then out[e] = sum_a q[a] S[a, e].
+def state_pass(typingctx, S, Z, v, q, k, out, row_stride, eps, normalize):
+    """One decoding step of one head: for every row a and column e of S (D' x Dv, rows
+    ``row_stride`` elements apart, unit column stride), S[a, e] += k[a] v[e] and Z[a] += k[a]; then
+    out[e] = sum_a q[a] S[a, e], divided by sum_a q[a] Z[a] + eps when ``normalize``.
 
-    v, q, k and out must have unit stride. Columns go in panels of PANEL vectors, then single vectors,
-    then one at a time. Only callable from Numba code.
+    Z, v, q, k and out must have unit stride. Columns go in panels of PANEL vectors, then single
+    vectors, then one at a time; the division is applied to the panels' registers before they are
+    stored. Only callable from Numba code.
     """
     if not (isinstance(S, types.Array) and S.ndim == 2 and S.dtype in (types.float32, types.float64)):
         return None
-    if not all(isinstance(x, types.Array) and x.ndim == 1 and x.dtype == S.dtype for x in (v, q, k, out)):
+    if not all(isinstance(x, types.Array) and x.ndim == 1 and x.dtype == S.dtype for x in (Z, v, q, k, out)):
         return None
-    sig = types.void(S, v, q, k, out, row_stride)
+    sig = types.void(S, Z, v, q, k, out, row_stride, eps, normalize)
 
     def codegen(context, builder, sig, args):
-        s_arr, v_arr, q_arr, k_arr, o_arr = (context.make_array(t)(context, builder, a)
-                                             for t, a in zip(sig.args[:5], args[:5]))
-        stride_v = args[5]
+        s_arr, z_arr, v_arr, q_arr, k_arr, o_arr = (context.make_array(t)(context, builder, a)
+                                                    for t, a in zip(sig.args[:6], args[:6]))
+        stride_v = args[6]
+        eps_v = context.cast(builder, args[7], sig.args[7], types.float64)
+        norm_v = context.cast(builder, args[8], sig.args[8], types.boolean)
         fty = context.get_data_type(sig.args[0].dtype)
         width = VECTOR_BYTES // context.get_abi_sizeof(fty)
         vec = ir.VectorType(fty, width)
@@ -78,6 +83,21 @@ def state_pass(typingctx, S, v, q, k, out, row_stride):
         def fma(x, y, z):
             return builder.fadd(builder.fmul(x, y, flags=_FLAGS), z, flags=_FLAGS)
 
+        # Z += k and den = q.Z (Z after the update), then scale = 1 / (den + eps) in float64, rounded
+        # to the compute dtype (as NumPy would do it with a float eps), or 1 without normalisation.
+        den = cgutils.alloca_once_value(builder, ir.Constant(fty, 0.0))
+        with cgutils.for_range(builder, rows) as loop:
+            zp = builder.gep(z_arr.data, [loop.index])
+            z = builder.fadd(builder.load(zp), builder.load(builder.gep(k_arr.data, [loop.index])))
+            builder.store(z, zp)
+            qz = builder.fmul(builder.load(builder.gep(q_arr.data, [loop.index])), z, flags=_FLAGS)
+            builder.store(builder.fadd(builder.load(den), qz, flags=_FLAGS), den)
+        f64 = ir.DoubleType()
+        total = builder.fadd(builder.fpext(builder.load(den), f64) if fty != f64 else builder.load(den), eps_v)
+        inv = builder.fdiv(ir.Constant(f64, 1.0), total)
+        inv = builder.fptrunc(inv, fty) if fty != f64 else inv
+        scale = builder.select(norm_v, inv, ir.Constant(fty, 1.0))
+
         def panel(e0, nvec, ty):
             """Columns [e0, e0 + nvec * lanes of ty): accumulators live in registers over all rows."""
             lanes = ty.count if ty is vec else 1
@@ -92,8 +112,10 @@ def state_pass(typingctx, S, v, q, k, out, row_stride):
                     s = fma(ka, x, builder.load(p, align=align))
                     builder.store(s, p, align=align)
                     builder.store(fma(qa, s, builder.load(acc)), acc)
+            sc = scale if ty is fty else builder.shuffle_vector(
+                builder.insert_element(undef, scale, ir.Constant(i32, 0)), undef, zero_mask)
             for c, acc in zip(cols, accs):
-                builder.store(builder.load(acc), _at(builder, o_arr.data, c, ty), align=align)
+                builder.store(builder.fmul(builder.load(acc), sc), _at(builder, o_arr.data, c, ty), align=align)
 
         def columns(start, stop, nvec, ty):
             """Panels over [start, the last multiple of their width below stop); returns that end."""
