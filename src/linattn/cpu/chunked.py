@@ -12,8 +12,8 @@ then each output row is divided by phi(q).Z + (row sum of A) + eps. The pending 
 folded into a float64 accumulator every FOLD_EVERY chunks, so float32 results do not drift over
 millions of positions while the per-chunk work stays in float32.
 
-A segment's item first sums phi(K)^T V over the chunks before its segment (the "prefix": about a
-quarter of a chunk's full cost), so items need no barrier; segment lengths shrink geometrically so
+A segment's item first sums phi(K)^T V over the chunks before its segment (the "prefix": about
+0.3 of a chunk's full cost), so items need no barrier; segment lengths shrink geometrically so
 that every item does the same work. Extra memory is O(chunk * (D + Dv) + D * Dv) per item.
 """
 import numpy as np
