@@ -1,5 +1,5 @@
-"""How the CPU kernels are run: the work split, single-threaded BLAS inside them, and a lock for
-Numba's non-thread-safe ``workqueue`` threading layer."""
+"""How the CPU kernels are run: the work split, the thread pool's start-up and schedule,
+single-threaded BLAS inside them, and a lock for Numba's non-thread-safe ``workqueue`` layer."""
 import os
 import threading
 from contextlib import contextmanager
@@ -16,10 +16,11 @@ _BLAS_THREADING_MIN = 64 ** 3
 PREFIX_COST = 0.30
 
 # GNU OpenMP workers spin after every parallel region before they sleep: by default 300,000 times
-# (about 10 ms here), keeping a core busy. When a model alternates NumPy matrix products (OpenBLAS
-# threads) with attention, those spinning workers starve OpenBLAS's threads: measured 2.3x slower for
-# matmul + causal attention, 8x for matmul + a parallel step. 1,000 spins keep back-to-back kernel
-# calls as fast and end the starvation. Used only when the user set neither variable.
+# (milliseconds), keeping a core busy. When a model alternates NumPy matrix products (OpenBLAS
+# threads) with attention, those spinning workers starve OpenBLAS's threads: measured 2.4-4x the
+# time of a projection and causal attention run apart, 8x for a projection and a parallel step.
+# 1,000 spins keep back-to-back kernel calls as fast and end the starvation. Used only when the
+# user set neither GOMP_SPINCOUNT nor OMP_WAIT_POLICY.
 _GOMP_SPINCOUNT = "1000"
 
 _state_lock = threading.Lock()

@@ -1,7 +1,8 @@
 """One decoding step for every sequence of a batch: S += phi(k) v^T, Z += phi(k), then read out.
 
-Per head it is one pass over S (update two rows, accumulate phi(q)[a] * row into the output), so the
-work is O(D * Dv) and the memory traffic is reading and writing the state once.
+Per head it is one pass over S (vector.state_pass: each element updated once, the output kept in
+registers, Z and the normalisation folded in; plain loops for states without unit-stride rows), so
+the work is O(D * Dv) and the memory traffic is reading and writing the state once.
 """
 import numpy as np
 from numba import prange, types
