@@ -13,8 +13,9 @@ from .vector import state_pass
 
 
 @njit(helper=True)
-def _state_loops(Sh, vrow, qf, kf, orow):
-    """What ``state_pass`` does, with plain loops for any strides: two rows of S per pass."""
+def _head_loops(Sh, Zh, vrow, qf, kf, orow, eps, normalize, scratch):
+    """What ``state_pass`` does, with plain loops for any strides: two rows of S per pass, then
+    Zh += phi(k) and the division of orow by phi(q).Zh + eps."""
     d_, dv = Sh.shape
     for e in range(dv):
         orow[e] = 0
@@ -34,20 +35,15 @@ def _state_loops(Sh, vrow, qf, kf, orow):
             s0 = r0[e] + kf[a] * vrow[e]
             r0[e] = s0
             orow[e] += qf[a] * s0
-
-
-@njit(helper=True)
-def _finish_head(eps, normalize, Zh, orow, qf, kf, scratch):
-    """After the state pass of a head: Zh += phi(k), then divide orow by phi(q).Zh + eps."""
     den = qf[0] - qf[0]  # zero in the compute dtype
-    for a in range(Zh.shape[0]):
+    for a in range(d_):
         z = Zh[a] + kf[a]
         Zh[a] = z
         den += qf[a] * z
     if normalize:
         scratch[0] = 1.0 / (den + eps)  # rounded to the compute dtype
         r = scratch[0]
-        for e in range(orow.shape[0]):
+        for e in range(dv):
             orow[e] *= r
 
 
@@ -62,13 +58,13 @@ def _step(q, k, v, fm, eps, normalize, S, Z, out):
             maps[h, 0, a] = q[h, a]
             maps[h, 1, a] = k[h, a]
     map_flat(maps.reshape(bh * 2 * d_), fm, maps.reshape(bh * 2 * d_))
-    unit_rows = S.strides[2] == S.itemsize and v.strides[1] == v.itemsize and out.strides[1] == out.itemsize
+    unit = S.itemsize
+    vector = S.strides[2] == unit and Z.strides[1] == unit and v.strides[1] == unit and out.strides[1] == unit
     for h in prange(bh):
-        if unit_rows and Z.strides[1] == Z.itemsize:
-            state_pass(S[h], Z[h], v[h], maps[h, 0], maps[h, 1], out[h], S.strides[1] // S.itemsize, eps, normalize)
+        if vector:
+            state_pass(S[h], Z[h], v[h], maps[h, 0], maps[h, 1], out[h], S.strides[1] // unit, eps, normalize)
         else:
-            _state_loops(S[h], v[h], maps[h, 0], maps[h, 1], out[h])
-            _finish_head(eps, normalize, Z[h], out[h], maps[h, 0], maps[h, 1], scratch[h:h + 1])
+            _head_loops(S[h], Z[h], v[h], maps[h, 0], maps[h, 1], out[h], eps, normalize, scratch[h:h + 1])
     return 0
 
 
