@@ -111,6 +111,17 @@ def check_mapped(phi, name, lead, n, d_expected=None):
     return phi
 
 
+def check_out(out, shape, dtype):
+    """An ``out=`` argument: a writable ndarray of ``shape`` and ``dtype``."""
+    if not isinstance(out, np.ndarray) or out.shape != shape or out.dtype != dtype:
+        got = (f"{type(out).__name__} of shape {getattr(out, 'shape', None)}, "
+               f"dtype {getattr(out, 'dtype', None)}")
+        raise ValueError(f"out: expected an ndarray of shape {shape} and dtype {dtype}, got {got}")
+    if not out.flags.writeable:
+        raise ValueError("out: expected a writable array")
+    return out
+
+
 def state_parts(state):
     """(S, Z) of a state-like value, or (state, None) when it is not a pair (check_state says why)."""
     return (state[0], state[1]) if isinstance(state, tuple) and len(state) == 2 else (state, None)

@@ -86,19 +86,21 @@ def step(q, k, v, state, *, feature_map="elu", eps=1e-6, normalize=True, out=Non
     # Fast path for the common call (C-contiguous float32/float64 arrays, a named feature map): the
     # compiled kernel checks dtypes and layouts by its signature and shapes itself, so a decoding
     # step costs little more than the arithmetic. Anything else takes the validating path below.
-    if (out is None and device is None and type(state) is State and type(q) is _ndarray
-            and type(v) is _ndarray and type(feature_map) is str and type(eps) is float):
+    if (device is None and type(state) is State and type(q) is _ndarray and type(v) is _ndarray
+            and type(feature_map) is str and type(eps) is float):
         dt = q.dtype
         fast = _FAST.get((feature_map, dt, q.ndim)) or _fast_entry(feature_map, dt, q.ndim)
-        if fast is not None and (normalize is True or normalize is False) and 0.0 <= eps < _INF:
+        if (fast is not None and (normalize is True or normalize is False) and 0.0 <= eps < _INF
+                and (out is None or (type(out) is _ndarray and out.dtype is dt))):
             S, Z = state
-            res = _empty(v.shape, dt)
+            # the kernel checks out's shape and layout (C-contiguous, writable) like the others'
+            res = _empty(v.shape, dt) if out is None else out
             try:
                 if type(S) is not _ndarray or S.size < _PARALLEL_MIN:
                     status = fast[1](q, k, v, fast[0], eps, normalize, S, Z, res)
                 else:
                     kernel = step_kernels.step_nd_parallel.get(dt, q.ndim - 1)
-                    with nullcontext() if concurrent_calls_safe() else kernel_section(0, dynamic=False):
+                    with nullcontext() if concurrent_calls_safe() else kernel_section(0):
                         status = kernel(q, k, v, fast[0], eps, normalize, S, Z, res)
                 if status == 0:
                     return res
@@ -133,12 +135,7 @@ def _step_checked(q, k, v, state, feature_map, eps, normalize, out, device):
     S3c = S3 if S3 is not None else np.ascontiguousarray(S).reshape(bh, dk, dv)
     Z2c = Z2 if Z2 is not None else np.ascontiguousarray(Z).reshape(bh, dk)
     if out is not None:
-        if not isinstance(out, np.ndarray) or out.shape != lead + (dv,) or out.dtype != out_dt:
-            got = (f"{type(out).__name__} of shape {getattr(out, 'shape', None)}, "
-                   f"dtype {getattr(out, 'dtype', None)}")
-            raise ValueError(f"out: expected an ndarray of shape {lead + (dv,)} and dtype {out_dt}, got {got}")
-        if not out.flags.writeable:
-            raise ValueError("out: expected a writable array")
+        checks.check_out(out, lead + (dv,), out_dt)
     res = out if (out is not None and out_dt == comp) else np.empty(lead + (dv,), comp)
     res2 = _flat_view(res, (bh, dv))
     if res2 is None:  # an `out` with strides that allow no view
@@ -155,7 +152,7 @@ def _step_checked(q, k, v, state, feature_map, eps, normalize, out, device):
     elif bh:
         parallel = bh * dk * dv >= _PARALLEL_MIN
         kernels = step_kernels.step_strided_parallel if parallel else step_kernels.step_strided_serial
-        with kernel_section(0, dynamic=False) if parallel else nullcontext():
+        with kernel_section(0) if parallel else nullcontext():
             kernels.get(comp, None)(q.reshape(bh, dk), k.reshape(bh, dk), v.reshape(bh, dv), code, eps,
                                     normalize, S3c, Z2c, res2)
     if S3 is None:  # write the contiguous copy back
