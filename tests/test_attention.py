@@ -191,8 +191,8 @@ def test_segments(rng, frac):
     out = np.full((3, n, dv), np.nan, np.float32)
     S, Z = np.full_like(S0, np.nan), np.full_like(Z0, np.nan)
     frac = np.asarray(frac, np.float64)
-    chunked.causal_forward.get(np.float32, "C")(q, k, v, 1, np.float32(1e-6), True, lengths,
-                                                 chunk_size(n), frac, S0, Z0, out, S, Z)
+    chunked.causal_forward.get(np.float32, "C")(q[None], k[None], v[None], 1, np.float32(1e-6), True, lengths,
+                                                 chunk_size(n), frac, 2, S0, Z0, out[None], S, Z)
     for h, L in enumerate(lengths):
         ref, (S_ref, Z_ref) = reference.loop(q[h, :L], k[h, :L], v[h, :L], initial_state=(S0[h], Z0[h]),
                                              return_state=True)
@@ -201,8 +201,8 @@ def test_segments(rng, frac):
         assert_close(S[h], S_ref, np.float32)
         assert_close(Z[h], Z_ref, np.float32)
     out2 = np.full((3, n, dv), np.nan, np.float32)
-    chunked.noncausal_forward.get(np.float32, "C")(q, k, v, 1, np.float32(1e-6), True, chunk_size(n),
-                                                    frac, out2)
+    chunked.noncausal_forward.get(np.float32, "C")(q[None], k[None], v[None], 1, np.float32(1e-6), True,
+                                                    chunk_size(n), frac, 2, out2[None])
     assert_close(out2, reference.masked(q, k, v, causal=False), np.float32)
 
 

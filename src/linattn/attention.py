@@ -7,8 +7,69 @@ import numpy as np
 from . import checks
 from .cpu import chunked
 from .cpu.runtime import kernel_section, plan
-from .feature_maps import resolve, resolve_for_device
+from .feature_maps import NAMED, resolve, resolve_for_device
 from .state import State
+
+_ndarray, _INF = np.ndarray, math.inf
+_CODES = {name: code for name, (_, code) in NAMED.items()}
+_FLOATS = (np.dtype(np.float32), np.dtype(np.float64))
+_constants = {}  # (bh, n) -> lengths all n; (dtype, D', Dv) -> state arrays with no rows
+
+
+def _full_lengths(bh, n):
+    """Read-only int64 lengths all equal to n (the kernels' "no padding")."""
+    lens = _constants.get((bh, n))
+    if lens is None:
+        if len(_constants) > 256:
+            _constants.clear()
+        lens = _constants[bh, n] = np.full(bh, n, np.int64)
+        lens.setflags(write=False)
+    return lens
+
+
+def _no_state(dt, dk, dv):
+    """(S0, Z0, S_out, Z_out) with no rows: no initial state, and no state to write."""
+    found = _constants.get((dt, dk, dv))
+    if found is None:
+        found = (np.zeros((0, dk, dv), dt), np.zeros((0, dk), dt), np.empty((0, dk, dv), dt), np.empty((0, dk), dt))
+        for x in found[:2]:
+            x.setflags(write=False)
+        _constants[dt, dk, dv] = found
+    return found
+
+
+def _fast(causal, q, k, v, feature_map, eps, normalize):
+    """The common call (C-contiguous NumPy arrays of one float dtype, a named feature map, nothing
+    else) with a minimum of Python around the kernel; None for anything else, which then takes the
+    checked path (the same kernels)."""
+    dt = q.dtype
+    if (type(k) is not _ndarray or type(v) is not _ndarray or dt not in _FLOATS or k.dtype != dt
+            or v.dtype != dt or type(feature_map) is not str or type(eps) is not float
+            or not (normalize is True or normalize is False) or not 0.0 <= eps < _INF):
+        return None
+    shape = q.shape
+    if (len(shape) < 2 or k.shape != shape or v.shape[:-1] != shape[:-1] or q.size == 0 or v.shape[-1] == 0
+            or not (q.flags.c_contiguous and k.flags.c_contiguous and v.flags.c_contiguous)):
+        return None
+    code = _CODES.get(feature_map)
+    if code is None:
+        return None
+    n, d, dv = shape[-2], shape[-1], v.shape[-1]
+    bh = q.size // (n * d)
+    chunk, frac, nthreads = plan(bh, n, d, dv, causal)
+    out = np.empty(shape[:-1] + (dv,), dt)
+    q4, k4, v4, o4 = (x.reshape(1, bh, n, x.shape[-1]) for x in (q, k, v, out))
+    if causal:
+        S0, Z0, S, Z = _no_state(dt, d, dv)
+        kernel = chunked.causal_forward.get(dt, "C")
+        with kernel_section(chunk * (d + chunk) * dv, nthreads):
+            kernel(q4, k4, v4, code, dt.type(eps), normalize, _full_lengths(bh, n), chunk, frac, nthreads, S0, Z0,
+                   o4, S, Z)
+    else:
+        kernel = chunked.noncausal_forward.get(dt, "C")
+        with kernel_section(d * chunk * dv, nthreads):
+            kernel(q4, k4, v4, code, dt.type(eps), normalize, chunk, frac, nthreads, o4)
+    return out
 
 
 def _features(q, k, feature_map, lead, n, comp):
@@ -26,10 +87,67 @@ def _flat(x, bh, tail):
     return x.reshape((bh,) + x.shape[x.ndim - tail:])
 
 
-def _flat_seq(q, k, v, bh):
-    """q, k, v as (bh, N, X) views and the kernel layout: "C" if all are C-contiguous, else "A"."""
-    arrs = tuple(_flat(x, bh, 2) for x in (q, k, v))
-    return arrs + ("C" if all(a.flags.c_contiguous for a in arrs) else "A",)
+def _view(x, shape):
+    """x reshaped to ``shape`` as a view, or None when its strides allow none."""
+    view = x.view()
+    try:
+        view.shape = shape
+    except AttributeError:
+        return None
+    return view
+
+
+def _seq4(arrays, lead):
+    """The (..., N, X) arrays as 4-D (G1, G2, N, X) arrays with their leading dims merged into two
+    groups, the kernel layout ("C" when all are C-contiguous, else "A"), and which were copied.
+
+    The split of the leading dims is chosen so that as many arrays as possible are views (the
+    heads of a fused QKV projection, (B, H) with heads D apart, merge into no single dim but fit
+    two); an array that fits none is copied once.
+    """
+    if all(x.flags.c_contiguous for x in arrays):
+        return tuple(x.reshape((1, -1) + x.shape[-2:]) for x in arrays), "C", (False,) * len(arrays)
+    best = None
+    for split in range(len(lead) + 1):
+        g = (math.prod(lead[:split]), math.prod(lead[split:]))
+        views = [_view(x, g + x.shape[-2:]) for x in arrays]
+        if best is None or sum(v is not None for v in views) > sum(v is not None for v in best[1]):
+            best = (g, views)
+    g, views = best
+    out = tuple(v if v is not None else np.ascontiguousarray(x).reshape(g + x.shape[-2:])
+                for x, v in zip(arrays, views))
+    return out, "C" if all(x.flags.c_contiguous for x in out) else "A", tuple(v is None for v in views)
+
+
+def _placement(device, *arrays, names):
+    """Where to run (see checks.check_placement), decided at once for NumPy arrays and no device."""
+    if device is None and all(type(x) is np.ndarray or x is None for x in arrays):
+        return "cpu"
+    return checks.check_placement(dict(zip(names, arrays)), device)
+
+
+def _check_out(out, shape, out_dt, where):
+    if where == "device":
+        raise TypeError("out: expected None with CUDA device arrays (the result is a new device array)")
+    return checks.check_out(out, shape, out_dt)
+
+
+def _result_array(out, lead, n, dv, comp, inputs):
+    """Where the kernel writes: ``out`` when it has the compute dtype, unit stride along its last
+    axis and no memory in common with the inputs, else a new array."""
+    if (out is not None and out.dtype == comp and (out.strides[-1] == out.itemsize or dv == 1)
+            and not any(np.may_share_memory(out, x) for x in inputs)):
+        return out
+    return np.empty(lead + (n, dv), comp)
+
+
+def _deliver(res, out, out_dt, where):
+    """The result in the output dtype, or ``out`` with the result written into it."""
+    if out is not None:
+        if res is not out:
+            out[...] = res
+        return out
+    return res if where == "device" else res.astype(out_dt, copy=False)
 
 
 def _prepare(q, k, v, feature_map, eps, normalize, where="cpu"):
@@ -51,7 +169,7 @@ def _prepare(q, k, v, feature_map, eps, normalize, where="cpu"):
 
 
 def causal_linear_attention(q, k, v, *, feature_map="elu", eps=1e-6, normalize=True,
-                            initial_state=None, return_state=False, lengths=None, device=None):
+                            initial_state=None, return_state=False, lengths=None, out=None, device=None):
     r"""Causal linear attention: position i attends to positions j <= i.
 
     .. math:: out_i = \frac{\phi(q_i)^T S_i}{\phi(q_i)^T Z_i + eps},\quad
@@ -79,6 +197,10 @@ def causal_linear_attention(q, k, v, *, feature_map="elu", eps=1e-6, normalize=T
         True lengths of right-padded sequences, of the shape of the leading dims or of their first
         dims (``(B,)`` for ``(B, H, N, D)`` inputs). Positions at or past a sequence's length do not
         enter its state, their outputs are 0, and the returned state is the one at its length.
+    out : ndarray, shape (..., N, Dv), optional
+        Where to write the result (a writable array of the result's dtype, any strides): a view
+        such as ``buf.transpose(0, 2, 1, 3)`` of a (B, N, H, Dv) buffer puts the heads side by side
+        for the next projection without a copy. Host results only.
     device : {None, "cpu", "cuda"}, optional
         Where to compute. By default CUDA device arrays (anything with ``__cuda_array_interface__``)
         run on their GPU and return device arrays (the state too), host arrays on the CPU.
@@ -109,21 +231,26 @@ def causal_linear_attention(q, k, v, *, feature_map="elu", eps=1e-6, normalize=T
     >>> bool(np.allclose(np.concatenate([a, b], axis=-2), out, rtol=1e-5, atol=1e-6))
     True
     """
+    if (type(q) is _ndarray and initial_state is None and lengths is None and out is None and device is None
+            and return_state is False):
+        res = _fast(True, q, k, v, feature_map, eps, normalize)
+        if res is not None:
+            return res
     S_in, Z_in = checks.state_parts(initial_state)
-    where = checks.check_placement({"q": q, "k": k, "v": v, "initial_state.S": S_in,
-                                    "initial_state.Z": Z_in}, device)
+    where = _placement(device, q, k, v, S_in, Z_in, names=("q", "k", "v", "initial_state.S", "initial_state.Z"))
     q, k, v, lead, n, dk, dv, comp, out_dt, eps, normalize, code = _prepare(
         q, k, v, feature_map, eps, normalize, where)
     return_state = checks.check_flag(return_state, "return_state")
+    if out is not None:
+        out = _check_out(out, lead + (n, dv), out_dt, where)
     if where == "device" and initial_state is not None and Z_in is not None:
         from .cuda.api import as_device
 
         initial_state = (as_device(S_in), as_device(Z_in))
     bh = math.prod(lead)
-    lens = (np.full(bh, n, np.int64) if lengths is None
-            else checks.check_lengths(lengths, lead, n))
+    lens = _full_lengths(bh, n) if lengths is None else checks.check_lengths(lengths, lead, n)
     if initial_state is None:  # no rows: the kernels start from zero
-        S0, Z0 = np.zeros((0, dk, dv), comp), np.zeros((0, dk), comp)
+        S0, Z0 = _no_state(comp, dk, dv)[:2]
     else:
         S0, Z0 = checks.check_state(initial_state, "initial_state", lead, dk, dv, comp)
         if where == "cpu":
@@ -134,37 +261,38 @@ def causal_linear_attention(q, k, v, *, feature_map="elu", eps=1e-6, normalize=T
 
         if initial_state is not None:
             S0, Z0 = cuda_api.flat_state(S0, Z0, bh, dk, dv, where)
-        out, S, Z = cuda_api.causal(_flat(q, bh, 2), _flat(k, bh, 2), _flat(v, bh, 2), code, eps,
+        res, S, Z = cuda_api.causal(_flat(q, bh, 2), _flat(k, bh, 2), _flat(v, bh, 2), code, eps,
                                     normalize, lens, S0, Z0, return_state, comp)
+        res = res.reshape(lead + (n, dv))
     else:
-        out = np.empty((bh, n, dv), comp)
         rows = bh if return_state else 0  # no rows: the kernel skips writing the state
         S, Z = np.empty((rows, dk, dv), comp), np.empty((rows, dk), comp)
+        res = _result_array(out, lead, n, dv, comp, (q, k, v))
         if bh and n:
-            chunk, frac = plan(bh, n, causal=True)
-            q3, k3, v3, layout = _flat_seq(q, k, v, bh)
+            chunk, frac, nthreads = plan(bh, n, dk, dv, causal=True)
+            (q4, k4, v4, o4), layout, copied = _seq4((q, k, v, res), lead)
             kernel = chunked.causal_forward.get(comp, layout)
-            with kernel_section(chunk * (dk + chunk) * dv):
-                kernel(q3, k3, v3, code, comp.type(eps), normalize, lens, chunk, frac, S0, Z0, out, S, Z)
+            with kernel_section(chunk * (dk + chunk) * dv, nthreads):
+                kernel(q4, k4, v4, code, comp.type(eps), normalize, lens, chunk, frac, nthreads, S0, Z0, o4, S, Z)
+            if copied[3]:  # res allowed no 4-D view with the inputs' split
+                res[...] = o4.reshape(res.shape)
         elif return_state:
             S[...] = S0 if len(S0) else 0
             Z[...] = Z0 if len(Z0) else 0
-    out = out.reshape(lead + (n, dv))
-    if where != "device":  # device arrays are already in their (only) dtype
-        out = out.astype(out_dt, copy=False)
+    res = _deliver(res, out, out_dt, where)
     if return_state:
-        return out, State(S.reshape(lead + (dk, dv)), Z.reshape(lead + (dk,)))
-    return out
+        return res, State(S.reshape(lead + (dk, dv)), Z.reshape(lead + (dk,)))
+    return res
 
 
-def linear_attention(q, k, v, *, feature_map="elu", eps=1e-6, normalize=True, device=None):
+def linear_attention(q, k, v, *, feature_map="elu", eps=1e-6, normalize=True, out=None, device=None):
     r"""Non-causal linear attention: every position attends to all N positions.
 
     .. math:: out_i = \frac{\phi(q_i)^T S}{\phi(q_i)^T Z + eps},\quad
               S = \sum_j \phi(k_j) v_j^T,\quad Z = \sum_j \phi(k_j)
 
     Parameters and returns are as for :func:`causal_linear_attention`, without the state and
-    ``lengths``.
+    ``lengths``; ``out`` as there.
 
     Examples
     --------
@@ -176,21 +304,29 @@ def linear_attention(q, k, v, *, feature_map="elu", eps=1e-6, normalize=True, de
            [3., 4.],
            [3., 4.]], dtype=float32)
     """
-    where = checks.check_placement({"q": q, "k": k, "v": v}, device)
+    if type(q) is _ndarray and out is None and device is None:
+        res = _fast(False, q, k, v, feature_map, eps, normalize)
+        if res is not None:
+            return res
+    where = _placement(device, q, k, v, names=("q", "k", "v"))
     q, k, v, lead, n, dk, dv, comp, out_dt, eps, normalize, code = _prepare(
         q, k, v, feature_map, eps, normalize, where)
+    if out is not None:
+        out = _check_out(out, lead + (n, dv), out_dt, where)
     bh = math.prod(lead)
     if where != "cpu":
         from .cuda import api as cuda_api
 
-        out = cuda_api.noncausal(_flat(q, bh, 2), _flat(k, bh, 2), _flat(v, bh, 2), code, eps, normalize, comp)
+        res = cuda_api.noncausal(_flat(q, bh, 2), _flat(k, bh, 2), _flat(v, bh, 2), code, eps, normalize, comp)
+        res = res.reshape(lead + (n, dv))
     else:
-        out = np.empty((bh, n, dv), comp)
+        res = _result_array(out, lead, n, dv, comp, (q, k, v))
         if bh and n:
-            chunk, frac = plan(bh, n, causal=False)
-            q3, k3, v3, layout = _flat_seq(q, k, v, bh)
+            chunk, frac, nthreads = plan(bh, n, dk, dv, causal=False)
+            (q4, k4, v4, o4), layout, copied = _seq4((q, k, v, res), lead)
             kernel = chunked.noncausal_forward.get(comp, layout)
-            with kernel_section(dk * chunk * dv):
-                kernel(q3, k3, v3, code, comp.type(eps), normalize, chunk, frac, out)
-    out = out.reshape(lead + (n, dv))
-    return out if where == "device" else out.astype(out_dt, copy=False)
+            with kernel_section(dk * chunk * dv, nthreads):
+                kernel(q4, k4, v4, code, comp.type(eps), normalize, chunk, frac, nthreads, o4)
+            if copied[3]:
+                res[...] = o4.reshape(res.shape)
+    return _deliver(res, out, out_dt, where)

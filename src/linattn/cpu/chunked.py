@@ -1,7 +1,10 @@
-"""Chunkwise causal and non-causal linear-attention kernels over (batch*heads, N, D) arrays.
+"""Chunkwise causal and non-causal linear-attention kernels over (G1, G2, N, D) arrays.
 
-A work item owns one head, or one segment of a head's sequence when there are fewer heads than
-threads, and walks it in chunks of ``chunk`` positions. Per chunk, with phi(Q), phi(K) (c x D) and
+The inputs' leading dims are merged into two (G1, G2) so that strided views such as the heads of a
+fused QKV projection, (B, H) with the heads D apart, reach the kernels without a copy; head h is
+[h // G2, h % G2]. A work item owns one head, or one segment of a head's sequence when there are
+fewer heads than threads, and walks it in chunks of ``chunk`` positions. Threads take items one at
+a time from a shared counter (schedule.take), so a thread that is slowed down does fewer of them. Per chunk, with phi(Q), phi(K) (c x D) and
 V (c x Dv):
 
     A   = tril(phi(Q) phi(K)^T)              scores inside the chunk (one GEMM)
@@ -22,6 +25,7 @@ from numba import prange, types
 from .._jit import Kernel, array, njit
 from .blas import gemm
 from .elementwise import load_rows
+from .schedule import take
 from .vector import TRANSPOSE_BYTES, transpose_blocks
 
 #: Chunks between folds of the pending float32 sums into the float64 state.
@@ -37,31 +41,33 @@ def _segment(item, nseg, frac, nchunks):
 
 
 @njit(helper=True)
-def _load_k(k, h, i0, c, fm, Kf, Pz):
-    """Kf[:c] = phi(k[h, i0:i0+c]) and Pz += its column sums (the chunk's part of Z)."""
-    load_rows(k, h, i0, c, fm, Kf)
+def _load_k(k, i0, c, fm, Kf, Pz):
+    """Kf[:c] = phi(k[i0:i0+c]) and Pz += its column sums (the chunk's part of Z)."""
+    load_rows(k, i0, c, fm, Kf)
     for t in range(c):
         for a in range(Kf.shape[1]):
             Pz[a] += Kf[t, a]
 
 
 @njit(helper=True)
-def _add_prefix(k, v, h, i0, c, fm, Kf, V, P, Pz, coef):
-    """P += phi(K)^T V and Pz += phi(K)^T 1 for positions [i0, i0 + c) (no outputs)."""
-    _load_k(k, h, i0, c, fm, Kf, Pz)
-    if v.strides[2] == v.itemsize:  # rows of v can go to BLAS as they are
-        gemm(True, False, Kf[:c], v[h, i0:i0 + c], 1.0, P, coef)
+def _add_prefix(k, v, i0, c, fm, Kf, V, P, Pz, has_p, coef):
+    """P += phi(K)^T V (P = phi(K)^T V when not ``has_p``: it holds nothing yet) and Pz += phi(K)^T 1
+    for positions [i0, i0 + c) of one head (no outputs)."""
+    _load_k(k, i0, c, fm, Kf, Pz)
+    beta = 1.0 if has_p else 0.0
+    if v.strides[1] == v.itemsize:  # rows of v can go to BLAS as they are
+        gemm(True, False, Kf[:c], v[i0:i0 + c], beta, P, coef)
     else:
         for t in range(c):
-            for e in range(v.shape[2]):
-                V[t, e] = v[h, i0 + t, e]
-        gemm(True, False, Kf[:c], V[:c], 1.0, P, coef)
+            for e in range(v.shape[1]):
+                V[t, e] = v[i0 + t, e]
+        gemm(True, False, Kf[:c], V[:c], beta, P, coef)
 
 
 @njit(helper=True)
-def _load_chunk_kv(k, v, h, i0, c, fm, Kf, KT, Pz, SV, r0):
-    """KT[:, :c] = phi(k[h, i0:i0+c])^T, Pz += its row sums, SV[r0:r0+c] = v[h, i0:i0+c]."""
-    load_rows(k, h, i0, c, fm, Kf)
+def _load_chunk_kv(k, v, i0, c, fm, Kf, KT, Pz, SV, r0):
+    """KT[:, :c] = phi(k[i0:i0+c])^T, Pz += its row sums, SV[r0:r0+c] = v[i0:i0+c] (one head)."""
+    load_rows(k, i0, c, fm, Kf)
     transpose_blocks(Kf, KT, Pz, c)  # whole blocks of w x w; the loops below do the edges
     w = TRANSPOSE_BYTES // Kf.itemsize
     c_end, d_end = c - c % w, Kf.shape[1] - Kf.shape[1] % w
@@ -70,23 +76,26 @@ def _load_chunk_kv(k, v, h, i0, c, fm, Kf, KT, Pz, SV, r0):
             KT[a, t] = Kf[t, a]
             Pz[a] += Kf[t, a]
     for t in range(c):
-        for e in range(v.shape[2]):
-            SV[r0 + t, e] = v[h, i0 + t, e]
+        for e in range(v.shape[1]):
+            SV[r0 + t, e] = v[i0 + t, e]
 
 
 @njit(helper=True)
 def _state_buffers(d_, dv, dt):
     """(P, B, acc, Pz, Bz, Z, accz): pending sums, the accumulator rounded to the compute dtype, the
-    float64 accumulator, and the same for Z plus the current Z; all zero."""
-    return (np.zeros((d_, dv), dt), np.zeros((d_, dv), dt), np.zeros((d_, dv), np.float64),
+    float64 accumulator, and the same for Z plus the current Z. The Z parts start at zero; P, B
+    and acc are not initialised (zeroing them cost a tiny call more than its arithmetic): the
+    caller's flags ``has_acc`` and ``has_p`` say whether they hold values."""
+    return (np.empty((d_, dv), dt), np.empty((d_, dv), dt), np.empty((d_, dv), np.float64),
             np.zeros(d_, dt), np.zeros(d_, dt), np.zeros(d_, dt), np.zeros(d_, np.float64))
 
 
 @njit(helper=True)
 def _init_state(S0, Z0, h, acc, accz, B, Bz):
-    """acc, B = S0[h] (or 0 when S0 is empty: no initial state); likewise accz, Bz from Z0."""
-    if S0.shape[0] == 0:  # the buffers start at zero
-        return
+    """acc, B = S0[h] and accz, Bz = Z0[h]; returns has_acc: False when S0 is empty (no initial
+    state, a zero accumulator)."""
+    if S0.shape[0] == 0:
+        return False
     for a in range(acc.shape[0]):
         for e in range(acc.shape[1]):
             acc[a, e] = S0[h, a, e]
@@ -95,17 +104,22 @@ def _init_state(S0, Z0, h, acc, accz, B, Bz):
     for a in range(acc.shape[0]):
         accz[a] = Z0[h, a]
         Bz[a] = Z0[h, a]
+    return True
 
 
 @njit(helper=True)
-def _fold(acc, accz, B, Bz, P, Pz):
-    """Move the pending sums P, Pz into the float64 accumulators; B, Bz = their rounded values."""
+def _fold(acc, accz, B, Bz, P, Pz, has_acc):
+    """Move the pending sums P, Pz into the float64 accumulators (P holds values; acc does when
+    ``has_acc``); B, Bz = their rounded values. P is then free (the caller's has_p is False)."""
     for a in range(P.shape[0]):
-        for e in range(P.shape[1]):
-            acc[a, e] += P[a, e]
+        if has_acc:
+            for e in range(P.shape[1]):
+                acc[a, e] += P[a, e]
+        else:
+            for e in range(P.shape[1]):
+                acc[a, e] = P[a, e]
         for e in range(P.shape[1]):
             B[a, e] = acc[a, e]
-    P[:] = 0
     for a in range(P.shape[0]):
         accz[a] += Pz[a]
         Bz[a] = accz[a]
@@ -113,31 +127,44 @@ def _fold(acc, accz, B, Bz, P, Pz):
 
 
 @njit(helper=True)
-def _current(B, Bz, P, Pz, S, Z):
-    """S[:D] = B + P and Z = Bz + Pz: the state the next chunk reads.
+def _current(B, Bz, P, Pz, S, Z, has_acc, has_p):
+    """S[:D] = B + P and Z = Bz + Pz (B and P taken as zero where the flags say they hold nothing):
+    the state the next chunk reads.
 
     (Loops touch at most three arrays: LLVM leaves loops over more arrays unvectorised.)
     """
     for a in range(P.shape[0]):
-        for e in range(P.shape[1]):
-            S[a, e] = B[a, e] + P[a, e]
+        if has_acc and has_p:
+            for e in range(P.shape[1]):
+                S[a, e] = B[a, e] + P[a, e]
+        elif has_acc:
+            for e in range(P.shape[1]):
+                S[a, e] = B[a, e]
+        elif has_p:
+            for e in range(P.shape[1]):
+                S[a, e] = P[a, e]
+        else:
+            for e in range(P.shape[1]):
+                S[a, e] = 0
     for a in range(P.shape[0]):
         Z[a] = Bz[a] + Pz[a]
 
 
 @njit(helper=True)
-def _write_state(acc, accz, P, Pz, h, S_out, Z_out):
-    """S_out[h] = acc + P, Z_out[h] = accz + Pz (in float64, then rounded once)."""
+def _write_state(acc, accz, P, Pz, h, S_out, Z_out, has_acc, has_p):
+    """S_out[h] = acc + P, Z_out[h] = accz + Pz (in float64, then rounded once; acc and P taken as
+    zero where the flags say they hold nothing)."""
     for a in range(P.shape[0]):
         for e in range(P.shape[1]):
-            S_out[h, a, e] = acc[a, e] + P[a, e]
+            x = acc[a, e] if has_acc else 0.0
+            S_out[h, a, e] = x + P[a, e] if has_p else x
     for a in range(P.shape[0]):
         Z_out[h, a] = accz[a] + Pz[a]
 
 
 @njit(helper=True)
-def _normalize_rows(out, h, i0, c, QA, Z, d_, causal, eps):
-    """Divide out[h, i0+t] by phi(q_t).Z (+ sum_{s<=t} A[t, s] when causal) + eps."""
+def _normalize_rows(out, i0, c, QA, Z, d_, causal, eps):
+    """Divide out[i0+t] (one head) by phi(q_t).Z (+ sum_{s<=t} A[t, s] when causal) + eps."""
     for t in range(c):
         den = Z[0] - Z[0]  # zero in the compute dtype
         for a in range(d_):
@@ -146,113 +173,175 @@ def _normalize_rows(out, h, i0, c, QA, Z, d_, causal, eps):
             for s in range(t + 1):
                 den += QA[t, d_ + s]
         inv = np.float32(1.0) / (den + eps)  # a float32 one keeps the compute dtype
-        for e in range(out.shape[2]):
-            out[h, i0 + t, e] *= inv
+        for e in range(out.shape[1]):
+            out[i0 + t, e] *= inv
 
 
-def _causal_forward(q, k, v, fm, eps, normalize, lengths, chunk, frac, S0, Z0, out, S_out, Z_out):
-    """Causal linear attention of every head; head h stops at lengths[h] (later outputs are 0).
+@njit(helper=True)
+def _causal_segment(q, k, v, out, fm, eps, normalize, length, chunk, c0, c1, last, S0, Z0, h, S_out, Z_out,
+                    QA, SV, Kf, KT, coef):
+    """Outputs of chunks [c0, c1) of one head (q, k, v, out: (N, X) views), from the state before
+    chunk c0 (recomputed from the head's start); the last segment also zeroes the padding past
+    ``length`` and writes the final state to S_out[h], Z_out[h] (when they have rows)."""
+    d_, dv = q.shape[1], v.shape[1]
+    P, B, acc, Pz, Bz, Z, accz = _state_buffers(d_, dv, out.dtype)
+    has_acc = _init_state(S0, Z0, h, acc, accz, B, Bz)
+    has_p = False
+    for ci in range(c0):  # the state at the start of this segment
+        i0 = ci * chunk
+        _add_prefix(k, v, i0, min(chunk, length - i0), fm, Kf, SV, P, Pz, has_p, coef)
+        has_p = True
+        if (ci + 1) % FOLD_EVERY == 0:
+            _fold(acc, accz, B, Bz, P, Pz, has_acc)
+            has_acc, has_p = True, False
+    _current(B, Bz, P, Pz, SV, Z, has_acc, has_p)
+    for ci in range(c0, c1):
+        i0 = ci * chunk
+        c = min(chunk, length - i0)
+        load_rows(q, i0, c, fm, QA)
+        _load_chunk_kv(k, v, i0, c, fm, Kf, KT, Pz, SV, d_)
+        gemm(False, False, QA[:c, :d_], KT[:, :c], 0.0, QA[:c, d_:d_ + c], coef)  # scores
+        for t in range(c):
+            for u in range(t + 1, c):
+                QA[t, d_ + u] = 0
+        if has_acc or has_p:
+            gemm(False, False, QA[:c, :d_ + c], SV[:d_ + c], 0.0, out[i0:i0 + c], coef)
+        else:  # a zero state: the chunk's own part only
+            gemm(False, False, QA[:c, d_:d_ + c], SV[d_:d_ + c], 0.0, out[i0:i0 + c], coef)
+        if normalize:
+            _normalize_rows(out, i0, c, QA, Z, d_, True, eps)
+        gemm(False, False, KT[:, :c], SV[d_:d_ + c], 1.0 if has_p else 0.0, P, coef)  # pending state update
+        has_p = True
+        if ci < c1 - 1:
+            if (ci + 1) % FOLD_EVERY == 0:
+                _fold(acc, accz, B, Bz, P, Pz, has_acc)
+                has_acc, has_p = True, False
+            _current(B, Bz, P, Pz, SV, Z, has_acc, has_p)
+    if last:
+        for i in range(length, out.shape[0]):
+            for e in range(dv):
+                out[i, e] = 0
+        if S_out.shape[0] > 0:
+            _write_state(acc, accz, P, Pz, h, S_out, Z_out, has_acc, has_p)
 
-    q, k: (BH, N, D); v: (BH, N, Dv); S0, Z0: initial state (BH, D, Dv), (BH, D), or arrays with
-    no rows for a zero state; outputs go to out (BH, N, Dv), the final state to S_out, Z_out (unless
-    they have no rows). ``frac`` (nseg + 1 increasing fractions from 0 to 1) splits each head's
-    chunks into segments, one work item each.
-    """
-    bh, n, d_ = q.shape
-    dv = v.shape[2]
-    dt = out.dtype
+
+@njit(helper=True)
+def _causal_worker(q, k, v, fm, eps, normalize, lengths, chunk, frac, S0, Z0, out, S_out, Z_out, counter):
+    """One thread's share of _causal_forward: work items taken from ``counter`` until none are left."""
+    g2, n, d_ = q.shape[1], q.shape[2], q.shape[3]
+    dv, dt = v.shape[3], out.dtype
     nseg = frac.shape[0] - 1
-    for item in prange(bh * nseg):
+    items = q.shape[0] * g2 * nseg
+    QA = np.empty((chunk, d_ + chunk), dt)  # [phi(Q) | A]
+    SV = np.empty((d_ + chunk, dv), dt)  # [S ; V]
+    Kf = np.empty((chunk, d_), dt)
+    KT = np.empty((d_, chunk), dt)
+    coef = np.empty(2, dt)
+    item = take(counter)
+    while item < items:
         length = lengths[item // nseg]
         h, s, c0, c1 = _segment(item, nseg, frac, (length + chunk - 1) // chunk)
         last = s == nseg - 1
-        if c0 == c1 and not (last and (S_out.shape[0] > 0 or length < n)):
-            continue  # nothing to compute (the last item also writes the state and zero padding)
-        QA = np.empty((chunk, d_ + chunk), dt)  # [phi(Q) | A]
-        SV = np.empty((d_ + chunk, dv), dt)  # [S ; V]
-        Kf = np.empty((chunk, d_), dt)
-        KT = np.empty((d_, chunk), dt)
-        P, B, acc, Pz, Bz, Z, accz = _state_buffers(d_, dv, dt)
-        coef = np.empty(2, dt)
-        _init_state(S0, Z0, h, acc, accz, B, Bz)
-        for ci in range(c0):  # the state at the start of this segment
-            i0 = ci * chunk
-            _add_prefix(k, v, h, i0, min(chunk, length - i0), fm, Kf, SV, P, Pz, coef)
-            if (ci + 1) % FOLD_EVERY == 0:
-                _fold(acc, accz, B, Bz, P, Pz)
-        _current(B, Bz, P, Pz, SV, Z)
-        for ci in range(c0, c1):
-            i0 = ci * chunk
-            c = min(chunk, length - i0)
-            load_rows(q, h, i0, c, fm, QA)
-            _load_chunk_kv(k, v, h, i0, c, fm, Kf, KT, Pz, SV, d_)
-            gemm(False, False, QA[:c, :d_], KT[:, :c], 0.0, QA[:c, d_:d_ + c], coef)  # scores
-            for t in range(c):
-                for u in range(t + 1, c):
-                    QA[t, d_ + u] = 0
-            gemm(False, False, QA[:c, :d_ + c], SV[:d_ + c], 0.0, out[h, i0:i0 + c], coef)
-            if normalize:
-                _normalize_rows(out, h, i0, c, QA, Z, d_, True, eps)
-            gemm(False, False, KT[:, :c], SV[d_:d_ + c], 1.0, P, coef)  # pending state update
-            if ci < c1 - 1:
-                if (ci + 1) % FOLD_EVERY == 0:
-                    _fold(acc, accz, B, Bz, P, Pz)
-                _current(B, Bz, P, Pz, SV, Z)
-        if last:
-            for i in range(length, n):
-                for e in range(dv):
-                    out[h, i, e] = 0
-            if S_out.shape[0] > 0:
-                _write_state(acc, accz, P, Pz, h, S_out, Z_out)
+        if c0 < c1 or (last and (S_out.shape[0] > 0 or length < n)):
+            h1, h2 = h // g2, h % g2
+            _causal_segment(q[h1, h2], k[h1, h2], v[h1, h2], out[h1, h2], fm, eps, normalize, length, chunk,
+                            c0, c1, last, S0, Z0, h, S_out, Z_out, QA, SV, Kf, KT, coef)
+        item = take(counter)
 
 
-def _noncausal_forward(q, k, v, fm, eps, normalize, chunk, frac, out):
-    """Non-causal linear attention: every position attends to all N positions of its head.
+def _causal_forward(q, k, v, fm, eps, normalize, lengths, chunk, frac, nthreads, S0, Z0, out, S_out, Z_out):
+    """Causal linear attention of every head; head h stops at lengths[h] (later outputs are 0).
 
-    Each segment's item sums the whole head's state itself, then writes its segment's outputs.
+    q, k: (G1, G2, N, D); v, out: (G1, G2, N, Dv), any strides with unit stride along the last
+    axis of ``out``; S0, Z0: initial state (G1*G2, D, Dv), (G1*G2, D), or arrays with no rows for a
+    zero state; the final state goes to S_out, Z_out (unless they have no rows). ``frac`` (nseg + 1
+    increasing fractions from 0 to 1) splits each head's chunks into segments, one work item each.
+    ``nthreads`` threads take the items (the caller sets Numba's number of threads to it: one
+    prange iteration per thread); with one, the calling thread runs them and wakes no other.
     """
-    bh, n, d_ = q.shape
-    dv = v.shape[2]
-    dt = out.dtype
+    counter = np.empty(1, np.int64)  # np.zeros would become a parallel loop (a parfor) of its own
+    counter[0] = 0
+    if nthreads <= 1:
+        _causal_worker(q, k, v, fm, eps, normalize, lengths, chunk, frac, S0, Z0, out, S_out, Z_out, counter)
+    else:
+        for _ in prange(nthreads):
+            _causal_worker(q, k, v, fm, eps, normalize, lengths, chunk, frac, S0, Z0, out, S_out, Z_out, counter)
+
+
+@njit(helper=True)
+def _noncausal_segment(q, k, v, out, fm, eps, normalize, chunk, c0, c1, QA, Kf, V, S, coef):
+    """Outputs of chunks [c0, c1) of one head (views (N, X)), from the state of the whole head."""
+    n, d_ = q.shape
+    dv = v.shape[1]
+    nchunks = (n + chunk - 1) // chunk
+    P, B, acc, Pz, Bz, Z, accz = _state_buffers(d_, dv, out.dtype)
+    has_acc, has_p = False, False
+    for ci in range(nchunks):
+        i0 = ci * chunk
+        _add_prefix(k, v, i0, min(chunk, n - i0), fm, Kf, V, P, Pz, has_p, coef)
+        has_p = True
+        if (ci + 1) % FOLD_EVERY == 0 or ci == nchunks - 1:
+            _fold(acc, accz, B, Bz, P, Pz, has_acc)
+            has_acc, has_p = True, False
+    _current(B, Bz, P, Pz, S, Z, has_acc, has_p)
+    for ci in range(c0, c1):
+        i0 = ci * chunk
+        c = min(chunk, n - i0)
+        load_rows(q, i0, c, fm, QA)
+        gemm(False, False, QA[:c], S, 0.0, out[i0:i0 + c], coef)
+        if normalize:
+            _normalize_rows(out, i0, c, QA, Z, d_, False, eps)
+
+
+@njit(helper=True)
+def _noncausal_worker(q, k, v, fm, eps, normalize, chunk, frac, out, counter):
+    """One thread's share of _noncausal_forward (see _causal_worker)."""
+    g2, n, d_ = q.shape[1], q.shape[2], q.shape[3]
+    dv, dt = v.shape[3], out.dtype
     nseg = frac.shape[0] - 1
     nchunks = (n + chunk - 1) // chunk
-    for item in prange(bh * nseg):
-        h, s, c0, c1 = _segment(item, nseg, frac, nchunks)
-        if c0 == c1:
-            continue
-        QA = np.empty((chunk, d_), dt)
-        Kf = np.empty((chunk, d_), dt)
-        V = np.empty((chunk, dv), dt)
-        S = np.empty((d_, dv), dt)
-        P, B, acc, Pz, Bz, Z, accz = _state_buffers(d_, dv, dt)
-        coef = np.empty(2, dt)
-        for ci in range(nchunks):
-            i0 = ci * chunk
-            _add_prefix(k, v, h, i0, min(chunk, n - i0), fm, Kf, V, P, Pz, coef)
-            if (ci + 1) % FOLD_EVERY == 0:
-                _fold(acc, accz, B, Bz, P, Pz)
-        _fold(acc, accz, B, Bz, P, Pz)
-        _current(B, Bz, P, Pz, S, Z)
-        for ci in range(c0, c1):
-            i0 = ci * chunk
-            c = min(chunk, n - i0)
-            load_rows(q, h, i0, c, fm, QA)
-            gemm(False, False, QA[:c], S, 0.0, out[h, i0:i0 + c], coef)
-            if normalize:
-                _normalize_rows(out, h, i0, c, QA, Z, d_, False, eps)
+    items = q.shape[0] * g2 * nseg
+    QA = np.empty((chunk, d_), dt)
+    Kf = np.empty((chunk, d_), dt)
+    V = np.empty((chunk, dv), dt)
+    S = np.empty((d_, dv), dt)
+    coef = np.empty(2, dt)
+    item = take(counter)
+    while item < items:
+        h, _s, c0, c1 = _segment(item, nseg, frac, nchunks)
+        if c0 < c1:
+            h1, h2 = h // g2, h % g2
+            _noncausal_segment(q[h1, h2], k[h1, h2], v[h1, h2], out[h1, h2], fm, eps, normalize, chunk, c0, c1,
+                               QA, Kf, V, S, coef)
+        item = take(counter)
+
+
+def _noncausal_forward(q, k, v, fm, eps, normalize, chunk, frac, nthreads, out):
+    """Non-causal linear attention: every position attends to all N positions of its head.
+
+    Arrays and threads as for the causal kernel. Each segment's item sums the whole head's state
+    itself, then writes its segment's outputs.
+    """
+    counter = np.empty(1, np.int64)  # np.zeros would become a parallel loop (a parfor) of its own
+    counter[0] = 0
+    if nthreads <= 1:
+        _noncausal_worker(q, k, v, fm, eps, normalize, chunk, frac, out, counter)
+    else:
+        for _ in prange(nthreads):
+            _noncausal_worker(q, k, v, fm, eps, normalize, chunk, frac, out, counter)
 
 
 def _causal_signature(dt, layout):
-    seq, i64, f64 = array(dt, 3, layout, readonly=True), types.int64, types.float64
+    seq, i64, f64 = array(dt, 4, layout, readonly=True), types.int64, types.float64
     return types.void(seq, seq, seq, i64, dt, types.boolean, array(i64, 1, readonly=True), i64,
-                      array(f64, 1, readonly=True), array(dt, 3, readonly=True),
-                      array(dt, 2, readonly=True), array(dt, 3), array(dt, 3), array(dt, 2))
+                      array(f64, 1, readonly=True), i64, array(dt, 3, readonly=True),
+                      array(dt, 2, readonly=True), array(dt, 4, layout), array(dt, 3), array(dt, 2))
 
 
 def _noncausal_signature(dt, layout):
-    seq, i64 = array(dt, 3, layout, readonly=True), types.int64
+    seq, i64 = array(dt, 4, layout, readonly=True), types.int64
     return types.void(seq, seq, seq, i64, dt, types.boolean, i64,
-                      array(types.float64, 1, readonly=True), array(dt, 3))
+                      array(types.float64, 1, readonly=True), i64, array(dt, 4, layout))
 
 
 causal_forward = Kernel(_causal_forward, _causal_signature)

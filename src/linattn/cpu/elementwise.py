@@ -59,26 +59,26 @@ def relu(x):
 
 
 @njit(helper=True)
-def load_rows(src, h, i0, c, fm, dst):
-    """dst[t, :D] = phi(src[h, i0 + t, :]) for t < c, for feature map code ``fm``.
+def load_rows(src, i0, c, fm, dst):
+    """dst[t, :D] = phi(src[i0 + t, :]) for t < c, for feature map code ``fm`` (src: (N, D), any strides).
 
     ``dst`` may have more than D columns (the rest is left alone); pass a whole C-contiguous array,
     not a column slice, so that the loops vectorise.
     """
     wide_vectors()
-    d_ = src.shape[2]
+    d_ = src.shape[1]
     if fm == ELU:
         for t in range(c):
             for d in range(d_):
-                dst[t, d] = elu1(src[h, i0 + t, d])
+                dst[t, d] = elu1(src[i0 + t, d])
     elif fm == RELU:
         for t in range(c):
             for d in range(d_):
-                dst[t, d] = relu(src[h, i0 + t, d])
+                dst[t, d] = relu(src[i0 + t, d])
     else:
         for t in range(c):
             for d in range(d_):
-                dst[t, d] = src[h, i0 + t, d]
+                dst[t, d] = src[i0 + t, d]
 
 
 @njit(helper=True)

@@ -2,7 +2,7 @@
 single-threaded BLAS inside them, and a lock for Numba's non-thread-safe ``workqueue`` layer."""
 import os
 import threading
-from contextlib import contextmanager
+from contextlib import contextmanager, nullcontext
 
 import numba
 import numpy as np
@@ -10,6 +10,10 @@ import numpy as np
 # Below this many multiply-adds per chunk product BLAS does not thread (OpenBLAS: 64**3), and the
 # ~20 us threadpoolctl needs to switch thread counts (and the wake-ups it causes) are not worth it.
 _BLAS_THREADING_MIN = 64 ** 3
+
+#: Multiply-adds of chunk products (about N * (D' + chunk) * Dv per head) below which one more thread
+#: does not pay for waking it (tens of microseconds): the work per thread is at least this much.
+MIN_WORK_PER_THREAD = 1 << 21
 
 #: Cost of the prefix of one chunk (phi(K), phi(K)^T V) relative to a chunk's full work (measured
 #: 0.27-0.34 at D = Dv = 64, float32).
@@ -25,10 +29,12 @@ _GOMP_SPINCOUNT = "1000"
 
 _state_lock = threading.Lock()
 _blas_depth = 0
-_blas_limiter = None
-_controller = None
+_blas_saved = None
+_blas_libs = None
 _layer = None
 _layer_lock = threading.Lock()
+_plans = {}  # plan() results by arguments
+_get_num_threads = numba.get_num_threads  # replaced by start_threads
 
 
 def chunk_size(n):
@@ -46,12 +52,17 @@ def _segment_fractions(nseg, causal):
     return np.concatenate([[0.0], np.cumsum(w) / w.sum()])
 
 
-def plan(bh, n, causal=True):
-    """(chunk, frac): chunk size and segment fractions minimising the estimated time on this many
-    threads (heads are split into segments only when there are too few to keep threads busy)."""
+def plan(bh, n, dk, dv, causal=True):
+    """(chunk, frac, nthreads): chunk size, segment fractions and number of threads minimising the
+    estimated time (heads are split into segments only when there are too few to keep the threads
+    busy; small calls run on fewer threads, down to the calling thread alone, which wakes none)."""
+    threads = num_threads()
+    key = (bh, n, dk, dv, causal, threads)
+    found = _plans.get(key)
+    if found is not None:
+        return found
     chunk = chunk_size(n)
-    start_threads()
-    threads = numba.get_num_threads()
+    threads = max(1, min(threads, bh * n * (dk + chunk) * dv // MIN_WORK_PER_THREAD))
     nchunks = -(-n // chunk)
     best, best_nseg = None, 1
     for nseg in range(1, min(8 * threads, nchunks) + 1):
@@ -63,26 +74,35 @@ def plan(bh, n, causal=True):
         t = -(-bh * nseg // threads) * per_item
         if best is None or t < best * 0.97:
             best, best_nseg = t, nseg
-    return chunk, _segment_fractions(best_nseg, causal)
+    found = (chunk, _segment_fractions(best_nseg, causal), threads)
+    if len(_plans) > 1024:
+        _plans.clear()
+    _plans[key] = found
+    return found
 
 
-def _get_controller():
-    global _controller
-    if _controller is None:
+def _blas_libraries():
+    """threadpoolctl's controllers of the BLAS libraries loaded (the kernels call SciPy's)."""
+    global _blas_libs
+    if _blas_libs is None:
         import scipy.linalg.cython_blas  # noqa: F401  (the BLAS that the kernels call)
         from threadpoolctl import ThreadpoolController
 
-        _controller = ThreadpoolController()
-    return _controller
+        _blas_libs = ThreadpoolController().select(user_api="blas").lib_controllers
+    return _blas_libs
 
 
 @contextmanager
 def _blas_single_thread():
-    """Limit BLAS to one thread while any kernel runs (reference-counted across Python threads)."""
-    global _blas_depth, _blas_limiter
+    """Limit BLAS to one thread while any kernel runs (reference-counted across Python threads).
+    Each library's own set_num_threads: about a microsecond, where threadpoolctl's limit() takes 20."""
+    global _blas_depth, _blas_saved
     with _state_lock:
         if _blas_depth == 0:
-            _blas_limiter = _get_controller().limit(limits=1, user_api="blas")
+            libs = _blas_libraries()
+            _blas_saved = [lib.get_num_threads() for lib in libs]
+            for lib in libs:
+                lib.set_num_threads(1)
         _blas_depth += 1
     try:
         yield
@@ -90,8 +110,16 @@ def _blas_single_thread():
         with _state_lock:
             _blas_depth -= 1
             if _blas_depth == 0:
-                _blas_limiter.restore_original_limits()
-                _blas_limiter = None
+                for lib, num in zip(_blas_libs, _blas_saved):
+                    lib.set_num_threads(num)
+
+
+def num_threads():
+    """numba.get_num_threads() without its per-call checks once the pool runs (a third of a
+    microsecond instead of two thirds: it is asked on every call)."""
+    if _layer is None:
+        start_threads()
+    return _get_num_threads()
 
 
 def concurrent_calls_safe():
@@ -119,6 +147,11 @@ def start_threads():
             if ours:
                 del os.environ["GOMP_SPINCOUNT"]
         _layer = numba.threading_layer()
+        global _get_num_threads
+        from numba.np.ufunc import parallel
+
+        fast = getattr(parallel, "_get_num_threads", None)  # Numba's own ctypes call, set by the launch
+        _get_num_threads = fast if callable(fast) else numba.get_num_threads
 
 
 @contextmanager
@@ -133,17 +166,27 @@ def _threading_layer_guard():
         yield
 
 
-@contextmanager
-def kernel_section(largest_product, dynamic=True):
-    """Context for running a parallel kernel whose largest BLAS product does ``largest_product``
-    multiply-adds: BLAS is kept to one thread only when it could otherwise start threading.
+_NO_SECTION = nullcontext()
 
-    ``dynamic``: threads take work items one at a time as they finish (Numba's parallel chunk size
-    1) instead of equal blocks fixed in advance, so a core that another process is also using does
-    not hold up the whole call (one busy process beside, B=1, H=8, N=2048: 4.9 ms instead of 6.4).
-    """
+
+def kernel_section(largest_product, nthreads=None):
+    """Context for running a kernel whose largest BLAS product does ``largest_product`` multiply-adds
+    on ``nthreads`` threads (default: all of Numba's): BLAS is kept to one thread only when it could
+    otherwise start threading, and Numba's number of threads for this Python thread is ``nthreads``
+    for the call. A kernel run by the calling thread alone (``nthreads == 1``) launches no parallel
+    region: with small products it needs no section at all (a shared no-op context)."""
+    current = num_threads()
+    nthreads = current if nthreads is None else nthreads
+    if largest_product <= _BLAS_THREADING_MIN and (nthreads == 1 or (nthreads == current and concurrent_calls_safe())):
+        return _NO_SECTION
+    return _section(largest_product, nthreads, current)
+
+
+@contextmanager
+def _section(largest_product, nthreads, current):
     with _threading_layer_guard():
-        previous = numba.set_parallel_chunksize(1) if dynamic else None
+        if 1 < nthreads != current:
+            numba.set_num_threads(nthreads)
         try:
             if largest_product > _BLAS_THREADING_MIN:
                 with _blas_single_thread():
@@ -151,5 +194,5 @@ def kernel_section(largest_product, dynamic=True):
             else:
                 yield
         finally:
-            if dynamic:
-                numba.set_parallel_chunksize(previous)
+            if 1 < nthreads != current:
+                numba.set_num_threads(current)

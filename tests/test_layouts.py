@@ -1,0 +1,132 @@
+"""Memory layouts as a NumPy model has them: the heads of a fused QKV projection as strided views,
+``out=`` buffers (heads side by side for the next projection), and the work split over threads."""
+import numpy as np
+import pytest
+
+import linattn
+from linattn import attention, reference
+from linattn.cpu import chunked
+from linattn.cpu.runtime import chunk_size
+
+from conftest import assert_close, make_qkv
+
+
+def _fused_qkv(rng, b, n, h, d, dtype):
+    """q, k, v as a model gets them: views (B, H, N, D) into one (B, N, 3, H, D) projection."""
+    qkv = (rng.standard_normal((b, n, 3, h, d)) * 0.5).astype(dtype)
+    return qkv, tuple(qkv[:, :, i].transpose(0, 2, 1, 3) for i in range(3))
+
+
+@pytest.mark.parametrize("dtype", [np.float32, np.float64])
+@pytest.mark.parametrize("causal", [True, False])
+def test_fused_qkv_views_are_read_in_place(rng, dtype, causal):
+    qkv, (q, k, v) = _fused_qkv(rng, 2, 70, 3, 8, dtype)
+    assert not q.flags.c_contiguous
+    (q4, k4, v4), layout, copied = attention._seq4((q, k, v), q.shape[:-2])
+    assert copied == (False, False, False) and layout == "A"
+    assert all(np.shares_memory(x, qkv) for x in (q4, k4, v4))
+    fn = linattn.causal_linear_attention if causal else linattn.linear_attention
+    assert_close(fn(q, k, v), reference.masked(q, k, v, causal=causal), dtype)
+
+
+@pytest.mark.parametrize("causal", [True, False])
+def test_out_buffer_with_heads_side_by_side(rng, causal):
+    b, n, h, d = 2, 50, 3, 4
+    _, (q, k, v) = _fused_qkv(rng, b, n, h, d, np.float32)
+    buf = np.full((b, n, h, d), np.nan, np.float32)
+    fn = linattn.causal_linear_attention if causal else linattn.linear_attention
+    res = fn(q, k, v, out=buf.transpose(0, 2, 1, 3))
+    assert np.shares_memory(res, buf)
+    assert_close(buf.transpose(0, 2, 1, 3), reference.masked(q, k, v, causal=causal), np.float32)
+    np.testing.assert_array_equal(res, fn(np.ascontiguousarray(q), k, v))
+
+
+def test_out_every_kind(rng):
+    q, k, v = make_qkv(rng, (2, 3), 40, 5, 6)
+    ref = linattn.causal_linear_attention(q, k, v)
+    # a C-contiguous buffer, one with a column stride (written through a buffer of ours)
+    for out in (np.empty((2, 3, 40, 6), np.float32), np.empty((2, 3, 40, 12), np.float32)[..., ::2]):
+        res = linattn.causal_linear_attention(q, k, v, out=out)
+        assert res is out
+        np.testing.assert_array_equal(out, ref)
+    out16 = np.empty((2, 3, 40, 6), np.float16)  # float16 inputs, float16 out: computed in float32
+    res = linattn.causal_linear_attention(*(x.astype(np.float16) for x in (q, k, v)), out=out16)
+    assert res is out16 and np.abs(out16 - ref).max() < 2e-2
+    # out may be the memory of an input: the result is computed aside first
+    vv = v.copy()
+    linattn.causal_linear_attention(q, k, vv, out=vv)
+    np.testing.assert_array_equal(vv, ref)
+    # with the state and lengths
+    out = np.empty_like(ref)
+    res, st = linattn.causal_linear_attention(q, k, v, out=out, lengths=np.array([40, 7]), return_state=True)
+    assert res is out and np.all(out[1, :, 7:] == 0)
+    assert_close(out[1, :, :7], reference.masked(q[1, :, :7], k[1, :, :7], v[1, :, :7]), np.float32)
+
+
+def test_out_errors(rng):
+    q, k, v = make_qkv(rng, (2,), 10, 4, 3)
+    for fn in (linattn.causal_linear_attention, linattn.linear_attention):
+        with pytest.raises(ValueError, match=r"out: expected an ndarray of shape \(2, 10, 3\) and dtype float32"):
+            fn(q, k, v, out=np.empty((2, 10, 4), np.float32))
+        with pytest.raises(ValueError, match=r"out: expected an ndarray .* dtype float32, got .*float16"):
+            fn(q, k, v, out=np.empty((2, 10, 3), np.float16))
+        with pytest.raises(ValueError, match="out: expected an ndarray"):
+            fn(q, k, v, out=[[0.0]])
+        ro = np.empty((2, 10, 3), np.float32)
+        ro.setflags(write=False)
+        with pytest.raises(ValueError, match="out: expected a writable array"):
+            fn(q, k, v, out=ro)
+
+
+@pytest.mark.parametrize("nthreads", [1, 2, 3, 7])
+def test_any_number_of_threads_takes_all_items(rng, nthreads):
+    """Threads take work items from a shared counter: however many there are, every item is done
+    once (more threads than Numba runs, or than items, included)."""
+    n, d, dv = 300, 6, 5
+    q, k, v = make_qkv(rng, (2, 3), n, d, dv)
+    frac = np.array([0, 0.3, 0.7, 1.0])
+    lengths = np.array([300, 131, 0, 1, 299, 64], np.int64)
+    out = np.full((2, 3, n, dv), np.nan, np.float32)
+    S, Z = np.full((6, d, dv), np.nan, np.float32), np.full((6, d), np.nan, np.float32)
+    none = np.zeros((0, d, dv), np.float32), np.zeros((0, d), np.float32)
+    chunked.causal_forward.get(np.float32, "C")(q, k, v, 1, np.float32(1e-6), True, lengths, chunk_size(n), frac,
+                                                 nthreads, *none, out, S, Z)
+    for h, L in enumerate(lengths):
+        i, j = divmod(h, 3)
+        ref, (S_ref, Z_ref) = reference.loop(q[i, j, :L], k[i, j, :L], v[i, j, :L], return_state=True)
+        assert_close(out[i, j, :L], ref, np.float32)
+        np.testing.assert_array_equal(out[i, j, L:], 0)
+        assert_close(S[h], S_ref, np.float32)
+        assert_close(Z[h], Z_ref, np.float32)
+    out2 = np.full((2, 3, n, dv), np.nan, np.float32)
+    chunked.noncausal_forward.get(np.float32, "C")(q, k, v, 1, np.float32(1e-6), True, chunk_size(n), frac,
+                                                    nthreads, out2)
+    assert_close(out2, reference.masked(q, k, v, causal=False), np.float32)
+
+
+def test_fast_and_checked_paths_agree(rng):
+    """The plain call takes a short path; the same call with an option that does not change the
+    result takes the checked one: the same kernel, the same bits."""
+    for lead, n in (((), 1), ((3,), 17), ((2, 2), 200)):
+        q, k, v = make_qkv(rng, lead, n, 7, 5)
+        full = np.full(lead, n) if lead else n
+        np.testing.assert_array_equal(linattn.causal_linear_attention(q, k, v),
+                                      linattn.causal_linear_attention(q, k, v, lengths=full))
+        np.testing.assert_array_equal(linattn.linear_attention(q, k, v),
+                                      linattn.linear_attention(q, k, v, out=np.empty(lead + (n, 5), np.float32)))
+
+
+@pytest.mark.parametrize("dtype", [np.float32, np.float64])
+def test_step_out(rng, dtype):
+    q, k, v = make_qkv(rng, (2, 3), 4, 8, 5, dtype)
+    st, st2 = linattn.State.zeros((2, 3), 8, 5, dtype), linattn.State.zeros((2, 3), 8, 5, dtype)
+    out = np.full((2, 3, 5), np.nan, dtype)
+    strided = np.full((2, 3, 10), np.nan, dtype)[..., ::2]
+    for i in range(4):
+        before = linattn.State(st.S.copy(), st.Z.copy())
+        ref = linattn.step(q[..., i, :], k[..., i, :], v[..., i, :], st)
+        assert linattn.step(q[..., i, :], k[..., i, :], v[..., i, :], st2, out=out) is out
+        np.testing.assert_array_equal(out, ref)
+        np.testing.assert_array_equal(st2.S, st.S)
+        assert linattn.step(q[..., i, :], k[..., i, :], v[..., i, :], before, out=strided) is strided
+        np.testing.assert_allclose(strided, ref, rtol=1e-5)
