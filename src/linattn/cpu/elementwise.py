@@ -7,6 +7,7 @@ from numba.extending import overload
 
 from .._jit import FASTMATH, njit
 from .vector import wide_vectors
+from .views import as_contiguous
 
 #: Codes of the feature maps the kernels apply themselves (callables are applied before, as IDENTITY).
 IDENTITY, ELU, RELU = 0, 1, 2
@@ -88,26 +89,35 @@ def relu(x):
 
 
 @njit(helper=True)
+def map_row(src, fm, dst):
+    """dst[d] = phi(src[d]) for d < len(src), for feature map code ``fm`` (1-D arrays)."""
+    wide_vectors()
+    if fm == ELU:
+        for d in range(src.shape[0]):
+            dst[d] = elu1(src[d])
+    elif fm == RELU:
+        for d in range(src.shape[0]):
+            dst[d] = relu(src[d])
+    else:
+        for d in range(src.shape[0]):
+            dst[d] = src[d]
+
+
+@njit(helper=True)
 def load_rows(src, i0, c, fm, dst):
     """dst[t, :D] = phi(src[i0 + t, :]) for t < c, for feature map code ``fm`` (src: (N, D), any strides).
 
     ``dst`` may have more than D columns (the rest is left alone); pass a whole C-contiguous array,
-    not a column slice, so that the loops vectorise.
+    not a column slice, so that the loops vectorise. Rows of adjacent elements are read as such
+    (as_contiguous), so strided views of rows vectorise too.
     """
     wide_vectors()
-    d_ = src.shape[1]
-    if fm == ELU:
+    if src.strides[1] == src.itemsize:
         for t in range(c):
-            for d in range(d_):
-                dst[t, d] = elu1(src[i0 + t, d])
-    elif fm == RELU:
-        for t in range(c):
-            for d in range(d_):
-                dst[t, d] = relu(src[i0 + t, d])
+            map_row(as_contiguous(src[i0 + t]), fm, dst[t])
     else:
         for t in range(c):
-            for d in range(d_):
-                dst[t, d] = src[i0 + t, d]
+            map_row(src[i0 + t], fm, dst[t])
 
 
 @njit(helper=True)

@@ -7,6 +7,8 @@ from contextlib import contextmanager, nullcontext
 import numba
 import numpy as np
 
+from . import blas_pool
+
 # Below this many multiply-adds per chunk product BLAS does not thread (OpenBLAS: 64**3), and the
 # ~20 us threadpoolctl needs to switch thread counts (and the wake-ups it causes) are not worth it.
 _BLAS_THREADING_MIN = 64 ** 3
@@ -20,11 +22,13 @@ MIN_WORK_PER_THREAD = 1 << 21
 PREFIX_COST = 0.30
 
 # GNU OpenMP workers spin after every parallel region before they sleep: by default 300,000 times
-# (milliseconds), keeping a core busy. When a model alternates NumPy matrix products (OpenBLAS
-# threads) with attention, those spinning workers starve OpenBLAS's threads: measured 2.4-4x the
+# (a fraction of a millisecond), keeping a core busy. Where a BLAS keeps threads of its own (MKL, or
+# an OpenBLAS that cannot share Numba's pool: see blas_pool), a model that alternates NumPy matrix
+# products with attention had those spinning workers starve the BLAS threads: measured 2.4-4x the
 # time of a projection and causal attention run apart, 8x for a projection and a parallel step.
-# 1,000 spins keep back-to-back kernel calls as fast and end the starvation. Used only when the
-# user set neither GOMP_SPINCOUNT nor OMP_WAIT_POLICY.
+# Then 1,000 spins keep back-to-back kernel calls as fast and end the starvation. Set only when the
+# user set neither GOMP_SPINCOUNT nor OMP_WAIT_POLICY; where every threaded BLAS shares the pool,
+# the pool keeps GNU OpenMP's default, as OpenBLAS's own threads spun before.
 _GOMP_SPINCOUNT = "1000"
 
 _state_lock = threading.Lock()
@@ -35,6 +39,7 @@ _layer = None
 _layer_lock = threading.Lock()
 _plans = {}  # plan() results by arguments
 _get_num_threads = numba.get_num_threads  # replaced by start_threads
+_blas_sharing = {}
 
 
 def chunk_size(n):
@@ -128,30 +133,52 @@ def concurrent_calls_safe():
 
 
 def start_threads():
-    """Launch Numba's thread pool (once), with a bounded GNU OpenMP spin count (see _GOMP_SPINCOUNT),
-    and note its threading layer. Called before a parallel kernel is compiled or loaded, which would
-    launch the pool: libgomp reads its environment when the pool loads it, so the variable is set
-    only for that moment. A pool that user code already started is left as it is."""
-    global _layer
+    """Launch Numba's thread pool (once), with a GNU OpenMP spin count that suits the BLAS libraries
+    (see _GOMP_SPINCOUNT), let OpenBLAS run its threaded work on it (blas_pool), and note the
+    threading layer. Called before a parallel kernel is compiled or loaded, which would launch the
+    pool: libgomp reads its environment when the pool loads it, so the variable is set only for that
+    moment. A pool that user code already started is left as it is."""
+    global _layer, _get_num_threads, _blas_sharing
     if _layer is not None:
         return
     with _layer_lock:
         if _layer is not None:
             return
+        import scipy.linalg.cython_blas  # noqa: F401  (the kernels' BLAS: loaded now, so that it shares too)
+
+        libraries = _threaded_blas()
+        sharable = blas_pool.sharable([path for path, api in libraries if api == "openblas"])
+        all_shared = all(sharable.get(path, False) for path, _ in libraries)
         ours = "GOMP_SPINCOUNT" not in os.environ and "OMP_WAIT_POLICY" not in os.environ
-        if ours:
+        if ours and not all_shared:
             os.environ["GOMP_SPINCOUNT"] = _GOMP_SPINCOUNT
         try:
             numba.get_num_threads()  # launches the pool
         finally:
-            if ours:
+            if ours and not all_shared:
                 del os.environ["GOMP_SPINCOUNT"]
-        _layer = numba.threading_layer()
-        global _get_num_threads
+        layer = numba.threading_layer()
+        if layer in ("omp", "tbb"):  # layers that take parallel work from several threads at once
+            _blas_sharing = blas_pool.share([path for path, ok in sharable.items() if ok])
         from numba.np.ufunc import parallel
 
         fast = getattr(parallel, "_get_num_threads", None)  # Numba's own ctypes call, set by the launch
         _get_num_threads = fast if callable(fast) else numba.get_num_threads
+        _layer = layer
+
+
+def _threaded_blas():
+    """(path, internal API) of the BLAS libraries loaded that may run threads."""
+    from threadpoolctl import threadpool_info
+
+    return [(lib["filepath"], lib.get("internal_api")) for lib in threadpool_info()
+            if lib.get("user_api") == "blas" and lib.get("num_threads", 1) > 1]
+
+
+def blas_sharing():
+    """{library path: whether its threaded work runs on Numba's pool}, for ``python -m linattn info``."""
+    start_threads()
+    return dict(_blas_sharing)
 
 
 @contextmanager

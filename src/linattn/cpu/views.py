@@ -1,0 +1,57 @@
+"""How the kernels read strided inputs: ``as_contiguous`` (a 1-D view with unit stride, typed as such
+so that loops over it vectorise) and ``prefetch_rows`` (the next rows into the cache ahead of use).
+
+Kernels on strided inputs (the heads of a fused QKV projection) get arrays of Numba's "A" layout,
+whose every stride is known only at run time: LLVM then reads them an element at a time. A row
+whose elements are adjacent (the caller checks ``strides[-1] == itemsize``) can be typed as a
+C-contiguous array: the same pointer, shape and strides, only the compile-time type changes.
+"""
+from llvmlite import ir
+from numba.core import cgutils, types
+from numba.core.imputils import impl_ret_borrowed
+from numba.extending import intrinsic
+
+
+@intrinsic
+def as_contiguous(typingctx, x):
+    """x (1-D, any layout) typed as C-contiguous; x's stride must be its itemsize (unchecked).
+    Only callable from Numba code."""
+    if not (isinstance(x, types.Array) and x.ndim == 1):
+        return None
+    ret = x.copy(layout="C")
+    sig = ret(x)
+
+    def codegen(context, builder, sig, args):
+        return impl_ret_borrowed(context, builder, sig.return_type, args[0])
+
+    return sig, codegen
+
+
+@intrinsic
+def prefetch_rows(typingctx, x, i0, c):
+    """Ask the CPU to bring rows [i0, i0 + c) of the 2-D array x into its caches (one prefetch per
+    64-byte line of each row; a hint: nothing is read or checked). Rows far apart, as in the head
+    views of a fused QKV projection, are each on a page of their own, which the hardware's own
+    prefetchers do not cross. Only callable from Numba code."""
+    if not (isinstance(x, types.Array) and x.ndim == 2):
+        return None
+    sig = types.void(x, types.intp, types.intp)
+
+    def codegen(context, builder, sig, args):
+        arr = context.make_array(sig.args[0])(context, builder, args[0])
+        i8p = ir.IntType(8).as_pointer()
+        i32 = ir.IntType(32)
+        fnty = ir.FunctionType(ir.VoidType(), [i8p, i32, i32, i32])
+        fn = builder.module.declare_intrinsic("llvm.prefetch", [i8p], fnty)
+        base = builder.bitcast(arr.data, i8p)
+        row_stride = builder.extract_value(arr.strides, 0)
+        row_bytes = builder.mul(builder.extract_value(arr.shape, 1), builder.extract_value(arr.strides, 1))
+        with cgutils.for_range(builder, args[2]) as rows:
+            start = builder.gep(base, [builder.mul(builder.add(args[1], rows.index), row_stride)])
+            with cgutils.for_range_slice(builder, ir.Constant(row_bytes.type, 0), row_bytes,
+                                         ir.Constant(row_bytes.type, 64)) as (off, _):
+                builder.call(fn, [builder.gep(start, [off]), ir.Constant(i32, 0), ir.Constant(i32, 2),
+                                  ir.Constant(i32, 1)])
+        return context.get_dummy_value()
+
+    return sig, codegen

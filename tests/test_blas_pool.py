@@ -1,0 +1,101 @@
+"""NumPy's and SciPy's OpenBLAS run their threaded work on Numba's pool once linattn has started it
+(cpu/blas_pool.py): same results, OpenBLAS's own threads idle, safe across threads and fork()."""
+import multiprocessing
+import os
+import subprocess
+import sys
+from concurrent.futures import ThreadPoolExecutor
+
+import numpy as np
+import pytest
+
+import linattn
+from linattn.cpu import runtime
+
+_PROBE = r"""
+import os, sys, threading, time
+import numpy as np, scipy.linalg
+rng = np.random.default_rng(0)
+a = rng.standard_normal((700, 600)); b = rng.standard_normal((600, 800))
+a32, b32 = a.astype(np.float32), b.astype(np.float32)
+m = a @ a.T + 600 * np.eye(700)
+def ops():
+    return [a @ b, a32 @ b32, scipy.linalg.blas.sgemm(1.0, a32, b32), np.linalg.solve(m, a[:, :5]),
+            a.T @ a[:, 0]]
+before = ops()
+def cpu(tid):
+    f = open(f"/proc/self/task/{tid}/stat").read().rsplit(")", 1)[1].split()
+    return int(f[11]) + int(f[12])
+blas_threads = [int(t) for t in os.listdir("/proc/self/task") if int(t) != threading.get_native_id()]
+import linattn
+linattn.causal_linear_attention(*(np.ones((1, 2, 64, 8), np.float32),) * 3)  # starts Numba's pool
+from linattn.cpu import runtime
+shared = runtime.blas_sharing()
+after = ops()
+print("identical", all(np.array_equal(x, y) for x, y in zip(before, after)))
+print("shared", sorted(os.path.basename(p).split("-")[0] for p, ok in shared.items() if ok))
+time.sleep(0.3)  # until OpenBLAS's threads, busy with `before`, have stopped spinning
+t0 = {t: cpu(t) for t in blas_threads}
+for _ in range(40):
+    a32 @ b32
+time.sleep(0.2)  # OpenBLAS's own threads would still spin here
+print("own_thread_ticks", sum(cpu(t) - t0[t] for t in blas_threads))
+"""
+
+
+def _probe(**env):
+    full = dict(os.environ, **env)
+    res = subprocess.run([sys.executable, "-c", _PROBE], env=full, capture_output=True, text=True, timeout=300,
+                         check=False)
+    assert res.returncode == 0, res.stderr
+    return dict(line.split(" ", 1) for line in res.stdout.strip().splitlines())
+
+
+def _openblas_shares():
+    return any(runtime.blas_sharing().values())
+
+
+def test_blas_runs_on_numbas_pool_with_the_same_results():
+    if not sys.platform.startswith("linux"):
+        pytest.skip("reads per-thread CPU time from /proc")
+    out = _probe()
+    if out["shared"] == "[]":
+        pytest.skip("this NumPy's BLAS cannot share Numba's pool (not OpenBLAS 0.3.27 or later)")
+    assert out["identical"] == "True"
+    assert int(out["own_thread_ticks"]) <= 2  # OpenBLAS's own threads did (next to) nothing
+    own = _probe(LINATTN_SHARE_BLAS_THREADS="0")
+    assert own["shared"] == "[]" and own["identical"] == "True"
+    assert int(own["own_thread_ticks"]) > 5  # without sharing they work, then spin
+
+
+def _child_matmul(seed):
+    rng = np.random.default_rng(seed)
+    a = rng.standard_normal((500, 500))
+    return float((a @ a).sum())
+
+
+def test_fork_after_sharing():
+    # GNU OpenMP does not survive fork(): a forked child gets OpenBLAS's own threads back.
+    if "fork" not in multiprocessing.get_all_start_methods():
+        pytest.skip("no fork() here")
+    linattn.causal_linear_attention(*(np.ones((1, 2, 64, 8), np.float32),) * 3)
+    with multiprocessing.get_context("fork").Pool(2) as pool:
+        got = pool.map(_child_matmul, [1, 2, 3])
+    assert got == [_child_matmul(s) for s in (1, 2, 3)]
+
+
+def test_threads_calling_blas_and_kernels_at_once():
+    rng = np.random.default_rng(0)
+    mats = [rng.standard_normal((400, 400)).astype(np.float32) for _ in range(6)]
+    expected = [m @ m for m in mats]
+    q = rng.standard_normal((2, 4, 300, 16)).astype(np.float32)
+    att = linattn.causal_linear_attention(q, q, q)
+
+    def work(i):
+        return mats[i] @ mats[i], linattn.causal_linear_attention(q, q, q)
+
+    with ThreadPoolExecutor(max_workers=4) as ex:
+        for _ in range(3):
+            for (mm, a), e in zip(ex.map(work, range(6)), expected):
+                np.testing.assert_array_equal(mm, e)
+                np.testing.assert_array_equal(a, att)
