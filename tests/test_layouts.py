@@ -130,3 +130,21 @@ def test_step_out(rng, dtype):
         np.testing.assert_array_equal(st2.S, st.S)
         assert linattn.step(q[..., i, :], k[..., i, :], v[..., i, :], before, out=strided) is strided
         np.testing.assert_allclose(strided, ref, rtol=1e-5)
+
+
+@pytest.mark.parametrize("lead", [(5,), (3, 4), (2, 2, 3), (2, 1, 2, 2)])
+def test_step_on_fused_qkv_views(rng, lead):
+    # a decoding step of a model: q, k, v are views of one projection (..., 3, D); heads are read
+    # in place on the fast path (any number of leading dims)
+    qkv = (rng.standard_normal(lead + (3, 6)) * 0.5).astype(np.float32)
+    q, k, v = qkv[..., 0, :], qkv[..., 1, :], qkv[..., 2, :]
+    assert not q.flags.c_contiguous
+    st, ref_st = linattn.State.zeros(lead, 6, 6), linattn.State.zeros(lead, 6, 6)
+    out = np.empty(lead + (6,), np.float32)
+    for _ in range(3):
+        res = linattn.step(q, k, v, st, out=out)
+        ref = linattn.step(*(np.ascontiguousarray(x) for x in (q, k, v)), ref_st)
+        assert res is out
+        np.testing.assert_array_equal(out, ref)
+    np.testing.assert_array_equal(st.S, ref_st.S)
+    np.testing.assert_array_equal(st.Z, ref_st.Z)

@@ -8,8 +8,9 @@ import numpy as np
 from numba import prange, types
 
 from .._jit import Kernel, array, njit
-from .elementwise import map_flat
+from .elementwise import map_flat, map_row
 from .vector import state_pass
+from .views import as_contiguous, head_matrix, head_row
 
 
 @njit(helper=True)
@@ -69,25 +70,31 @@ def _step(q, k, v, fm, eps, normalize, S, Z, out):
 
 
 def _step_nd(q, k, v, fm, eps, normalize, S, Z, out):
-    """The same on C-contiguous arrays with any number of leading dims, reshaped here for free.
+    """The same on arrays with any number of leading dims and any strides along them (the heads of
+    a fused QKV projection, say), each row of adjacent elements; heads are indexed in place.
 
-    Checks the shapes itself and returns 1, touching nothing, when they do not fit (the caller then
-    takes the validating path, which raises the error); 0 on success.
+    Checks the shapes and strides itself and returns 1, touching nothing, when they do not fit
+    (the caller then takes the validating path, which raises the error or copies); 0 on success.
     """
     lead = q.shape[:-1]
     if (k.shape != q.shape or v.shape[:-1] != lead or S.shape[:-1] != q.shape
             or S.shape[-1] != v.shape[-1] or Z.shape != q.shape or out.shape != v.shape):
         return 1
     d_, dv = S.shape[S.ndim - 2], S.shape[S.ndim - 1]
-    if d_ == 0:
+    isz = S.itemsize
+    if d_ == 0 or q.strides[-1] != isz or k.strides[-1] != isz or v.strides[-1] != isz or S.strides[-1] != isz:
+        return 1
+    if out.strides[-1] != isz or Z.strides[-1] != isz:
         return 1
     bh = q.size // d_
     qf, kf = np.empty(bh * d_, out.dtype), np.empty(bh * d_, out.dtype)
-    map_flat(q.reshape(bh * d_), fm, qf)
-    map_flat(k.reshape(bh * d_), fm, kf)
-    v2, S3, Z2, out2 = v.reshape((bh, dv)), S.reshape((bh, d_, dv)), Z.reshape((bh, d_)), out.reshape((bh, dv))
+    for h in range(bh):
+        map_row(as_contiguous(head_row(q, h)), fm, qf[h * d_:(h + 1) * d_])
+        map_row(as_contiguous(head_row(k, h)), fm, kf[h * d_:(h + 1) * d_])
     for h in prange(bh):
-        state_pass(S3[h], Z2[h], v2[h], qf[h * d_:(h + 1) * d_], kf[h * d_:(h + 1) * d_], out2[h], dv, eps, normalize)
+        Sh = head_matrix(S, h)
+        state_pass(Sh, head_row(Z, h), head_row(v, h), qf[h * d_:(h + 1) * d_], kf[h * d_:(h + 1) * d_],
+                   head_row(out, h), Sh.strides[0] // isz, eps, normalize)
     return 0
 
 
@@ -98,12 +105,12 @@ def _strided_signature(dt, _):
 
 
 def _nd_signature(dt, lead_ndim):
-    vec, i64 = array(dt, lead_ndim + 1, "C", readonly=True), types.int64
-    return types.int64(vec, vec, vec, i64, types.float64, types.boolean, array(dt, lead_ndim + 2),
-                      array(dt, lead_ndim + 1), array(dt, lead_ndim + 1))
+    vec, i64 = array(dt, lead_ndim + 1, "A", readonly=True), types.int64
+    return types.int64(vec, vec, vec, i64, types.float64, types.boolean, array(dt, lead_ndim + 2, "A"),
+                      array(dt, lead_ndim + 1, "A"), array(dt, lead_ndim + 1, "A"))
 
 
-#: variant: number of leading dims (C-contiguous arrays, reshaped inside the kernel)
+#: variant: number of leading dims (any strides along them, rows of adjacent elements)
 step_nd_serial = Kernel(_step_nd, _nd_signature, parallel=False)
 step_nd_parallel = Kernel(_step_nd, _nd_signature, parallel=True)
 #: any strides, already flattened to (BH, ...); variant unused

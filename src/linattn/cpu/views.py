@@ -1,15 +1,19 @@
 """How the kernels read strided inputs: ``as_contiguous`` (a 1-D view with unit stride, typed as such
-so that loops over it vectorise) and ``prefetch_rows`` (the next rows into the cache ahead of use).
+so that loops over it vectorise), ``head_row``/``head_matrix`` (the row or matrix of one head of an
+array with any number of leading dims, by its flat index) and ``prefetch_rows`` (the next rows into
+the cache ahead of use).
 
 Kernels on strided inputs (the heads of a fused QKV projection) get arrays of Numba's "A" layout,
 whose every stride is known only at run time: LLVM then reads them an element at a time. A row
 whose elements are adjacent (the caller checks ``strides[-1] == itemsize``) can be typed as a
 C-contiguous array: the same pointer, shape and strides, only the compile-time type changes.
 """
+import numpy as np
 from llvmlite import ir
 from numba.core import cgutils, types
 from numba.core.imputils import impl_ret_borrowed
-from numba.extending import intrinsic
+from numba.extending import intrinsic, overload
+from numba.np.unsafe.ndarray import to_fixed_tuple
 
 
 @intrinsic
@@ -55,3 +59,50 @@ def prefetch_rows(typingctx, x, i0, c):
         return context.get_dummy_value()
 
     return sig, codegen
+
+
+def head_row(x, h):
+    """x[i, j, ..., :] for the flat index h over x's leading dims (C order), a 1-D view.
+    Only callable from Numba code."""
+    raise NotImplementedError("runs inside Numba kernels only")
+
+
+def head_matrix(x, h):
+    """x[i, j, ..., :, :] for the flat index h over x's leading dims (C order), a 2-D view.
+    Only callable from Numba code."""
+    raise NotImplementedError("runs inside Numba kernels only")
+
+
+def _head_impl(lead):
+    """The view of head h of an array with ``lead`` leading dims (a compile-time constant)."""
+    if lead == 0:
+        return lambda x, h: x
+    if lead == 1:
+        return lambda x, h: x[h]
+    if lead == 2:
+        return lambda x, h: x[h // x.shape[1], h % x.shape[1]]
+    if lead == 3:
+        return lambda x, h: x[h // (x.shape[1] * x.shape[2]), (h // x.shape[2]) % x.shape[1], h % x.shape[2]]
+
+    def impl(x, h):
+        idx = np.empty(lead, np.intp)
+        for i in range(lead - 1, -1, -1):
+            idx[i] = h % x.shape[i]
+            h //= x.shape[i]
+        return x[to_fixed_tuple(idx, lead)]
+
+    return impl
+
+
+@overload(head_row)
+def _head_row(x, h):
+    if isinstance(x, types.Array) and x.ndim >= 1:
+        return _head_impl(x.ndim - 1)
+    return None
+
+
+@overload(head_matrix)
+def _head_matrix(x, h):
+    if isinstance(x, types.Array) and x.ndim >= 2:
+        return _head_impl(x.ndim - 2)
+    return None
