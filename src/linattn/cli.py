@@ -39,7 +39,7 @@ def info():
     from .cpu import chunked
 
     causal_linear_attention(np.ones((2, 2, 8, 2), np.float32), np.ones((2, 2, 8, 2), np.float32),
-                            np.ones((2, 2, 8, 2), np.float32))  # runs a parallel kernel
+                            np.ones((2, 2, 8, 2), np.float32))  # starts the thread pool, loads a kernel
     try:
         layer = numba.threading_layer()
     except ValueError:
@@ -55,7 +55,40 @@ def info():
         "cache_problem": _jit.cache_problem,
         "cuda": _cuda_status(),
     })
+    facts["blas"], facts["advice"] = _blas_report()
     return facts
+
+
+def _blas_report():
+    """The BLAS libraries loaded (whether they share linattn's thread pool), and what to set when a
+    threaded one cannot: its idle threads would spin on the cores linattn's kernels need next."""
+    from threadpoolctl import threadpool_info
+
+    from .cpu.runtime import blas_sharing
+
+    shared = blas_sharing()
+    libs, advice = [], []
+    for lib in threadpool_info():
+        if lib.get("user_api") != "blas":
+            continue
+        path, api, threads = lib["filepath"], lib.get("internal_api"), lib.get("num_threads", 1)
+        sharing = shared.get(path, False)
+        libs.append(f"{os.path.basename(path)} ({api} {lib.get('version')}, {threads} threads"
+                    f"{', runs on linattn pool' if sharing else ''})")
+        if threads <= 1 or sharing:
+            continue
+        if api == "openblas":
+            advice.append(f"{os.path.basename(path)} keeps its own threads, which spin ~0.1 s after each "
+                          "call on the cores linattn needs next: start Python with OPENBLAS_THREAD_TIMEOUT=4 "
+                          "(or use OpenBLAS 0.3.27 or later, whose threads linattn shares)"
+                          + (" [LINATTN_SHARE_BLAS_THREADS=0 is set]"
+                             if os.environ.get("LINATTN_SHARE_BLAS_THREADS") else ""))
+        elif api == "mkl":
+            advice.append(f"{os.path.basename(path)} (MKL) keeps its own threads, which spin after each call "
+                          "(Intel OpenMP: 200 ms by default): start Python with KMP_BLOCKTIME=0")
+        else:
+            advice.append(f"{os.path.basename(path)} ({api}) keeps threads of its own that linattn cannot share")
+    return libs, advice or None
 
 
 def _cuda_status():
@@ -155,6 +188,9 @@ def main(argv=None):
                          help="a case to run instead of the defaults (repeatable)")
     p_bench.add_argument("--no-progress", action="store_true", help="no progress bar")
     p_bench.add_argument("--json", action="store_true", help="also print the rows as JSON")
+    p_bench.add_argument("--model", action="store_true",
+                         help="time a small transformer in NumPy with linattn (prefill and decoding), next to "
+                              "the same model in PyTorch when torch is installed")
     args = parser.parse_args(argv)
     if args.command == "info":
         facts = info()
@@ -162,7 +198,18 @@ def main(argv=None):
             print(json.dumps(facts, indent=2))
         else:
             for key, val in facts.items():
-                print(f"{key:18s} {val}")
+                if isinstance(val, list):
+                    for i, item in enumerate(val):
+                        print(f"{key if i == 0 else '':18s} {item}")
+                else:
+                    print(f"{key:18s} {val}")
+        return 0
+    if args.model:
+        from .benchmarks import model
+
+        rows, _ = model.run(quick=args.quick)
+        if args.json:
+            print(json.dumps(rows))
         return 0
     cases = None
     if args.case:

@@ -1,0 +1,135 @@
+"""The speed targets of the "speed where users run it" work, each as a ratio measured in one process
+(``track_``: the dashboard shows a regression as the ratio rising), plus the tiny call's time."""
+import time
+
+import numpy as np
+
+import linattn
+
+from .common import SMOKE, best_of, inputs
+
+
+def _median(fn, repeat):
+    fn()
+    times = []
+    for _ in range(repeat):
+        t = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - t)
+    return float(np.median(times))
+
+
+def _gemm_roof(shape, dtype):
+    """Best time of a BLAS GEMM doing the 4*N*D*Dv flops per head of the shape's heads."""
+    *lead, n, d = shape
+    rows = int(np.prod(lead)) * n
+    rng = np.random.default_rng(1)
+    a, b = rng.standard_normal((rows, d)).astype(dtype), rng.standard_normal((d, d)).astype(dtype)
+    c = np.empty((rows, d), dtype)
+    return best_of(lambda: (np.matmul(a, b, out=c), np.matmul(a, b, out=c)), 5)
+
+
+class AfterNumpyMatmul:
+    """Causal forward right after a NumPy matmul (a model's QKV projection) over the same call alone
+    (target <= 1.15): NumPy's OpenBLAS used to leave threads spinning on the kernel's cores."""
+
+    params = ["B1 H8 N2048", "B1 H1 N16384"]
+    param_names = ["case"]
+    timeout = 300
+
+    def setup(self, case):
+        shape = {"B1 H8 N2048": (1, 8, 2048, 64), "B1 H1 N16384": (1, 1, 16384, 64)}[case]
+        if SMOKE:
+            shape = shape[:2] + (256,) + shape[3:]
+        self.q, self.k, self.v = inputs(shape)
+        rng = np.random.default_rng(1)
+        rows = 256 if SMOKE else 2048
+        self.x = rng.standard_normal((rows, 512)).astype(np.float32)
+        self.w = rng.standard_normal((512, 1536)).astype(np.float32)
+        linattn.causal_linear_attention(self.q, self.k, self.v)
+
+    def track_ratio_after_matmul(self, case):
+        def alone():
+            linattn.causal_linear_attention(self.q, self.k, self.v)
+
+        time.sleep(0.3)  # no BLAS thread of an earlier call may still be spinning
+        by_itself = _median(alone, 15)
+        after = []
+        for _ in range(15):
+            self.x @ self.w
+            t = time.perf_counter()
+            alone()
+            after.append(time.perf_counter() - t)
+        return float(np.median(after)) / by_itself
+
+    track_ratio_after_matmul.unit = "x alone"
+
+
+class StepOut:
+    """step(..., out=buf) over step(...) (target <= 1)."""
+
+    params = [1, 32]
+    param_names = ["batch"]
+
+    def setup(self, batch):
+        rng = np.random.default_rng(0)
+        self.q, self.k, self.v = ((rng.standard_normal((batch, 8, 64)) * 0.5).astype(np.float32) for _ in range(3))
+        self.state = linattn.State.zeros((batch, 8), 64, 64)
+        self.out = np.empty((batch, 8, 64), np.float32)
+
+    def track_out_over_plain(self, batch):
+        with_out = _median(lambda: linattn.step(self.q, self.k, self.v, self.state, out=self.out), 300)
+        plain = _median(lambda: linattn.step(self.q, self.k, self.v, self.state), 300)
+        return with_out / plain
+
+    track_out_over_plain.unit = "x"
+
+
+class StepFloat64:
+    """step in float64 over float32, B=32 H=8 D=Dv=64 (target <= 3: twice the bytes)."""
+
+    def setup(self):
+        rng = np.random.default_rng(0)
+        self.args = {}
+        for dt in (np.float32, np.float64):
+            qkv = [(rng.standard_normal((32, 8, 64)) * 0.5).astype(dt) for _ in range(3)]
+            self.args[dt] = qkv + [linattn.State.zeros((32, 8), 64, 64, dt)]
+
+    def track_float64_over_float32(self):
+        t = {dt: _median(lambda a=a: linattn.step(*a), 100) for dt, a in self.args.items()}
+        return t[np.float64] / t[np.float32]
+
+    track_float64_over_float32.unit = "x"
+
+
+class Tiny:
+    """A tiny causal forward, B1 H1 N16 D64 (target <= 12 us): the call on the calling thread alone."""
+
+    def setup(self):
+        self.q, self.k, self.v = inputs((1, 1, 16, 64))
+        linattn.causal_linear_attention(self.q, self.k, self.v)
+
+    def time_tiny_causal(self):
+        linattn.causal_linear_attention(self.q, self.k, self.v)
+
+
+class RoofRatios:
+    """Non-causal forward (its two products do exactly the roof's FLOPs; target <= 1.5 in float32,
+    <= 2 in float64) and causal float64 (target <= 3) over a same-FLOP GEMM of their dtype."""
+
+    params = ["float32", "float64"]
+    param_names = ["dtype"]
+    timeout = 300
+
+    def setup(self, dtype):
+        shape = (1, 8, 256 if SMOKE else 2048, 64)
+        self.q, self.k, self.v = inputs(shape, np.dtype(dtype))
+        self.roof = _gemm_roof(shape, np.dtype(dtype))
+
+    def track_noncausal_over_roof(self, dtype):
+        return best_of(lambda: linattn.linear_attention(self.q, self.k, self.v), 7) / self.roof
+
+    def track_causal_over_roof(self, dtype):
+        return best_of(lambda: linattn.causal_linear_attention(self.q, self.k, self.v), 7) / self.roof
+
+    track_noncausal_over_roof.unit = track_causal_over_roof.unit = "x GEMM time"
