@@ -49,3 +49,25 @@ def test_bench_bad_case(bad):
     with pytest.raises(SystemExit) as exc:
         cli.main(["bench", "--case", bad])
     assert exc.value.code == 2
+
+
+def test_bench_model_quick():
+    from linattn.benchmarks import model
+
+    buf = io.StringIO()
+    rows, results = model.run(quick=True, stream=buf, with_torch=False)
+    assert [r["case"] for r in rows] == [name for name, _, _ in model.QUICK_PREFILLS]
+    for r in rows:
+        assert r["numpy_prefill_tok_s"] > 0 and r["numpy_decode_tok_s"] > 0
+        assert r["in_model_over_alone_calls"] > 0 and 0 <= r["attention_share"] < 1
+    assert "prefill tokens/s" in buf.getvalue() and "torch not installed" in buf.getvalue()
+
+
+def test_bench_model_logits_agree_with_pytorch():
+    pytest.importorskip("torch")
+    from linattn.benchmarks import model
+
+    rows, _ = model.run(quick=True, stream=io.StringIO(), with_torch=True)
+    for r in rows:  # the PyTorch chunked model computes the same function
+        assert r["logits_max_rel_diff"] < 1e-5
+        assert r["torch_chunked_prefill_tok_s"] > 0 and r["torch_sdpa_decode_tok_s"] > 0
