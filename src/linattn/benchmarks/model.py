@@ -83,7 +83,7 @@ def _attention_in_model(model, tokens, repeat):
     return float(np.median(per_call))
 
 
-def run_framework(framework, quick=False, repeat=5):
+def run_framework(framework, quick=False, repeat=9):
     """Time every variant of one framework in this process; returns a JSON-able dict."""
     from .transformer import NumpyTransformer, Weights
 
@@ -102,12 +102,18 @@ def run_framework(framework, quick=False, repeat=5):
     else:
         make = (lambda att: NumpyTransformer(weights, att))  # noqa: E731
         to_input, to_output = (lambda x: x), (lambda x: x)  # noqa: E731
-    for variant in VARIANTS[framework]:
-        model = make(variant)
-        for name, batch, n in prefills:
-            tokens = to_input(_tokens(batch, n))
+    models = {variant: make(variant) for variant in VARIANTS[framework]}
+    for name, batch, n in prefills:
+        tokens = to_input(_tokens(batch, n))
+        times = {variant: [] for variant in models}
+        for model in models.values():
             model.prefill(tokens)  # compile / warm up
-            t_prefill = _median_time(lambda: model.prefill(tokens), repeat)
+        for _ in range(repeat):  # the variants in turn, so that the machine's drift hits them alike
+            for variant, model in models.items():
+                t = time.perf_counter()
+                model.prefill(tokens)
+                times[variant].append(time.perf_counter() - t)
+        for variant, model in models.items():
             logits, states = model.prefill(tokens)
             if variant == "skip" and framework == "numpy":
                 states = model.empty_states(batch)
@@ -120,8 +126,9 @@ def run_framework(framework, quick=False, repeat=5):
                 steps.append(time.perf_counter() - t)
                 decoded.append(to_output(logits))
                 nxt = to_input(np.asarray(decoded[-1].argmax(-1)))
-            row = {"prefill_s": t_prefill, "decode_s": float(np.median(steps[1:] or steps)),
-                   "batch": batch, "n": n, "logits": [first.tolist(), decoded[0].tolist()]}
+            row = {"prefill_s": float(np.median(times[variant])), "prefill_all_s": times[variant],
+                   "decode_s": float(np.median(steps[1:] or steps)), "batch": batch, "n": n,
+                   "logits": [first.tolist(), decoded[0].tolist()]}
             if framework == "numpy" and variant == "linattn":
                 row["attention_in_model_s"] = _attention_in_model(model, tokens, repeat)
                 row["attention_alone_s"] = _attention_alone(weights, batch, n, repeat * 3) * len(weights.layers)
@@ -167,16 +174,19 @@ def summarize(results):
         tokens = la["batch"] * la["n"]
         row = {"case": name, "batch": la["batch"],
                "numpy_prefill_tok_s": tokens / la["prefill_s"],
+               "numpy_skip_prefill_tok_s": tokens / skip["prefill_s"],
                "numpy_decode_tok_s": la["batch"] / la["decode_s"],
                "attention_share": max(0.0, 1 - skip["prefill_s"] / la["prefill_s"]),
                "in_model_over_alone_calls": la["attention_in_model_s"] / la["attention_alone_s"],
-               "in_model_over_alone_model": (la["prefill_s"] - skip["prefill_s"]) / la["attention_alone_s"]}
+               "in_model_over_alone_model": float(np.median(np.subtract(la["prefill_all_s"], skip["prefill_all_s"])))
+               / la["attention_alone_s"]}
         if "torch" in results:
             t_rows = results["torch"]["rows"]
             for att in ("chunked", "sdpa"):
                 tr = t_rows[f"{att} {name}"]
                 row[f"torch_{att}_prefill_tok_s"] = tokens / tr["prefill_s"]
                 row[f"torch_{att}_decode_tok_s"] = tr["batch"] / tr["decode_s"]
+            row["torch_skip_prefill_tok_s"] = tokens / t_rows[f"skip {name}"]["prefill_s"]
             ref = np.asarray(t_rows[f"chunked {name}"]["logits"], np.float64)
             got = np.asarray(la["logits"], np.float64)
             row["logits_max_rel_diff"] = float(np.max(np.abs(got - ref)) / np.max(np.abs(ref)))
@@ -196,6 +206,10 @@ def print_table(rows, results, stream=sys.stdout):
             if torch_on:
                 line += f" {r['torch_chunked_' + key]:16.0f} {r['torch_sdpa_' + key]:13.0f}"
             print(line, file=stream)
+        line = f"{r['case']:8s} {'prefill, no attention':22s} {r['numpy_skip_prefill_tok_s']:14.0f}"
+        if torch_on:
+            line += f" {r['torch_skip_prefill_tok_s']:16.0f} {'':>13s}"
+        print(line + "   (the framework alone)", file=stream)
     print(file=stream)
     for r in rows:
         extra = f", logits vs PyTorch chunked: max rel diff {r['logits_max_rel_diff']:.1e}" if torch_on else ""
