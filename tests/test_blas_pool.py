@@ -14,14 +14,18 @@ from linattn.cpu import runtime
 
 _PROBE = r"""
 import os, sys, threading, time
-import numpy as np, scipy.linalg
+import numpy as np
+try:
+    import scipy.linalg  # its own OpenBLAS, when installed: shared too
+except ImportError:
+    scipy = None
 rng = np.random.default_rng(0)
 a = rng.standard_normal((700, 600)); b = rng.standard_normal((600, 800))
 a32, b32 = a.astype(np.float32), b.astype(np.float32)
 m = a @ a.T + 600 * np.eye(700)
 def ops():
-    return [a @ b, a32 @ b32, scipy.linalg.blas.sgemm(1.0, a32, b32), np.linalg.solve(m, a[:, :5]),
-            a.T @ a[:, 0]]
+    extra = [scipy.linalg.blas.sgemm(1.0, a32, b32)] if scipy else []
+    return [a @ b, a32 @ b32, np.linalg.solve(m, a[:, :5]), a.T @ a[:, 0]] + extra
 before = ops()
 def cpu(tid):
     f = open(f"/proc/self/task/{tid}/stat").read().rsplit(")", 1)[1].split()

@@ -62,12 +62,12 @@ def _fast(causal, q, k, v, feature_map, eps, normalize):
     if causal:
         S0, Z0, S, Z = _no_state(dt, d, dv)
         kernel = chunked.causal_forward.get(dt, "C")
-        with kernel_section(chunk * (d + chunk) * dv, nthreads):
+        with kernel_section(nthreads):
             kernel(q4, k4, v4, code, dt.type(eps), normalize, _full_lengths(bh, n), chunk, frac, nthreads, S0, Z0,
                    o4, S, Z)
     else:
         kernel = chunked.noncausal_forward.get(dt, "C")
-        with kernel_section(d * chunk * dv, nthreads):
+        with kernel_section(nthreads):
             kernel(q4, k4, v4, code, dt.type(eps), normalize, chunk, frac, nthreads, o4)
     return out
 
@@ -272,7 +272,7 @@ def causal_linear_attention(q, k, v, *, feature_map="elu", eps=1e-6, normalize=T
             chunk, frac, nthreads = plan(bh, n, dk, dv, causal=True)
             (q4, k4, v4, o4), layout, copied = _seq4((q, k, v, res), lead)
             kernel = chunked.causal_forward.get(comp, layout)
-            with kernel_section(chunk * (dk + chunk) * dv, nthreads):
+            with kernel_section(nthreads):
                 kernel(q4, k4, v4, code, comp.type(eps), normalize, lens, chunk, frac, nthreads, S0, Z0, o4, S, Z)
             if copied[3]:  # res allowed no 4-D view with the inputs' split
                 res[...] = o4.reshape(res.shape)
@@ -325,7 +325,7 @@ def linear_attention(q, k, v, *, feature_map="elu", eps=1e-6, normalize=True, ou
             chunk, frac, nthreads = plan(bh, n, dk, dv, causal=False)
             (q4, k4, v4, o4), layout, copied = _seq4((q, k, v, res), lead)
             kernel = chunked.noncausal_forward.get(comp, layout)
-            with kernel_section(dk * chunk * dv, nthreads):
+            with kernel_section(nthreads):
                 kernel(q4, k4, v4, code, comp.type(eps), normalize, chunk, frac, nthreads, o4)
             if copied[3]:
                 res[...] = o4.reshape(res.shape)

@@ -15,12 +15,11 @@ QUICK_CASES = [(1, 4, 256, 32), (2, 2, 512, 16)]
 
 def _versions():
     import numba
-    import scipy
 
     from . import __version__
 
     out = {"linattn": __version__, "python": platform.python_version(), "numpy": np.__version__,
-           "numba": numba.__version__, "scipy": scipy.__version__}
+           "numba": numba.__version__}
     try:
         import llvmlite
 

@@ -7,7 +7,7 @@ import numpy as np
 
 from . import checks
 from .cpu import step as step_kernels
-from .cpu.runtime import concurrent_calls_safe, kernel_section
+from .cpu.runtime import kernel_section
 from .feature_maps import NAMED, resolve, resolve_for_device
 from .state import State
 
@@ -100,7 +100,7 @@ def step(q, k, v, state, *, feature_map="elu", eps=1e-6, normalize=True, out=Non
                     status = fast[1](q, k, v, fast[0], eps, normalize, S, Z, res)
                 else:
                     kernel = step_kernels.step_nd_parallel.get(dt, q.ndim - 1)
-                    with nullcontext() if concurrent_calls_safe() else kernel_section(0):
+                    with kernel_section():
                         status = kernel(q, k, v, fast[0], eps, normalize, S, Z, res)
                 if status == 0:
                     return res
@@ -152,7 +152,7 @@ def _step_checked(q, k, v, state, feature_map, eps, normalize, out, device):
     elif bh:
         parallel = bh * dk * dv >= _PARALLEL_MIN
         kernels = step_kernels.step_strided_parallel if parallel else step_kernels.step_strided_serial
-        with kernel_section(0) if parallel else nullcontext():
+        with kernel_section() if parallel else nullcontext():
             kernels.get(comp, None)(q.reshape(bh, dk), k.reshape(bh, dk), v.reshape(bh, dv), code, eps,
                                     normalize, S3c, Z2c, res2)
     if S3 is None:  # write the contiguous copy back

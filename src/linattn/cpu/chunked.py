@@ -23,9 +23,9 @@ import numpy as np
 from numba import prange, types
 
 from .._jit import Kernel, array, njit
-from .blas import gemm
 from .elementwise import load_rows
 from .schedule import take
+from .smallgemm import small_gemm
 from .views import as_contiguous, prefetch_rows
 from .vector import TRANSPOSE_BYTES, transpose_blocks
 
@@ -42,32 +42,8 @@ def _segment(item, nseg, frac, nchunks):
 
 
 @njit(helper=True)
-def _load_k(k, i0, c, fm, Kf, Pz):
-    """Kf[:c] = phi(k[i0:i0+c]) and Pz += its column sums (the chunk's part of Z)."""
-    load_rows(k, i0, c, fm, Kf)
-    for t in range(c):
-        for a in range(Kf.shape[1]):
-            Pz[a] += Kf[t, a]
-
-
-@njit(helper=True)
-def _add_prefix(k, v, i0, c, fm, Kf, V, P, Pz, has_p, coef):
-    """P += phi(K)^T V (P = phi(K)^T V when not ``has_p``: it holds nothing yet) and Pz += phi(K)^T 1
-    for positions [i0, i0 + c) of one head (no outputs)."""
-    _load_k(k, i0, c, fm, Kf, Pz)
-    beta = 1.0 if has_p else 0.0
-    if v.strides[1] == v.itemsize:  # rows of v can go to BLAS as they are
-        gemm(True, False, Kf[:c], v[i0:i0 + c], beta, P, coef)
-    else:
-        for t in range(c):
-            for e in range(v.shape[1]):
-                V[t, e] = v[i0 + t, e]
-        gemm(True, False, Kf[:c], V[:c], beta, P, coef)
-
-
-@njit(helper=True)
-def _load_chunk_kv(k, v, i0, c, fm, Kf, KT, Pz, SV, r0):
-    """KT[:, :c] = phi(k[i0:i0+c])^T, Pz += its row sums, SV[r0:r0+c] = v[i0:i0+c] (one head)."""
+def _load_kt(k, i0, c, fm, Kf, KT, Pz):
+    """KT[:, :c] = phi(k[i0:i0+c])^T (one head) and Pz += its row sums (the chunk's part of Z)."""
     load_rows(k, i0, c, fm, Kf)
     transpose_blocks(Kf, KT, Pz, c)  # whole blocks of w x w; the loops below do the edges
     w = TRANSPOSE_BYTES // Kf.itemsize
@@ -76,12 +52,29 @@ def _load_chunk_kv(k, v, i0, c, fm, Kf, KT, Pz, SV, r0):
         for a in range(d_end if t < c_end else 0, Kf.shape[1]):
             KT[a, t] = Kf[t, a]
             Pz[a] += Kf[t, a]
+
+
+@njit(helper=True)
+def _copy_rows(v, i0, c, V, r0):
+    """V[r0:r0+c] = v[i0:i0+c] (one head)."""
     if v.strides[1] == v.itemsize:
         for t in range(c):
-            _copy_row(as_contiguous(v[i0 + t]), SV[r0 + t])
+            _copy_row(as_contiguous(v[i0 + t]), V[r0 + t])
     else:
         for t in range(c):
-            _copy_row(v[i0 + t], SV[r0 + t])
+            _copy_row(v[i0 + t], V[r0 + t])
+
+
+@njit(helper=True)
+def _add_prefix(k, v, i0, c, fm, Kf, KT, V, P, Pz, has_p):
+    """P += phi(K)^T V (P = phi(K)^T V when not ``has_p``: it holds nothing yet) and Pz += phi(K)^T 1
+    for positions [i0, i0 + c) of one head (no outputs)."""
+    _load_kt(k, i0, c, fm, Kf, KT, Pz)
+    if v.strides[1] == v.itemsize:  # rows of v serve as they are
+        small_gemm(KT[:, :c], v[i0:i0 + c], P, has_p, -1, -1)
+    else:
+        _copy_rows(v, i0, c, V, 0)
+        small_gemm(KT[:, :c], V[:c], P, has_p, -1, -1)
 
 
 @njit(helper=True)
@@ -190,7 +183,7 @@ def _normalize_rows(out, i0, c, QA, Z, d_, causal, eps):
 
 @njit(helper=True)
 def _causal_segment(q, k, v, out, fm, eps, normalize, length, chunk, c0, c1, last, S0, Z0, h, S_out, Z_out,
-                    QA, SV, Kf, KT, coef):
+                    QA, SV, Kf, KT):
     """Outputs of chunks [c0, c1) of one head (q, k, v, out: (N, X) views), from the state before
     chunk c0 (recomputed from the head's start); the last segment also zeroes the padding past
     ``length`` and writes the final state to S_out[h], Z_out[h] (when they have rows)."""
@@ -200,7 +193,7 @@ def _causal_segment(q, k, v, out, fm, eps, normalize, length, chunk, c0, c1, las
     has_p = False
     for ci in range(c0):  # the state at the start of this segment
         i0 = ci * chunk
-        _add_prefix(k, v, i0, min(chunk, length - i0), fm, Kf, SV, P, Pz, has_p, coef)
+        _add_prefix(k, v, i0, min(chunk, length - i0), fm, Kf, KT, SV, P, Pz, has_p)
         has_p = True
         if (ci + 1) % FOLD_EVERY == 0:
             _fold(acc, accz, B, Bz, P, Pz, has_acc)
@@ -218,18 +211,19 @@ def _causal_segment(q, k, v, out, fm, eps, normalize, length, chunk, c0, c1, las
             prefetch_rows(k, i0 + chunk, cn)
             prefetch_rows(v, i0 + chunk, cn)
         load_rows(q, i0, c, fm, QA)
-        _load_chunk_kv(k, v, i0, c, fm, Kf, KT, Pz, SV, d_)
-        gemm(False, False, QA[:c, :d_], KT[:, :c], 0.0, QA[:c, d_:d_ + c], coef)  # scores
+        _load_kt(k, i0, c, fm, Kf, KT, Pz)
+        _copy_rows(v, i0, c, SV, d_)
+        small_gemm(QA[:c, :d_], KT[:, :c], QA[:c, d_:d_ + c], False, -1, 0)  # scores, to the diagonal's tile
         for t in range(c):
             for u in range(t + 1, c):
                 QA[t, d_ + u] = 0
-        if has_acc or has_p:
-            gemm(False, False, QA[:c, :d_ + c], SV[:d_ + c], 0.0, out[i0:i0 + c], coef)
+        if has_acc or has_p:  # [phi(Q) | A] @ [S ; V], each row tile up to its last nonzero score
+            small_gemm(QA[:c, :d_ + c], SV[:d_ + c], out[i0:i0 + c], False, d_, -1)
         else:  # a zero state: the chunk's own part only
-            gemm(False, False, QA[:c, d_:d_ + c], SV[d_:d_ + c], 0.0, out[i0:i0 + c], coef)
+            small_gemm(QA[:c, d_:d_ + c], SV[d_:d_ + c], out[i0:i0 + c], False, 0, -1)
         if normalize:
             _normalize_rows(out, i0, c, QA, Z, d_, True, eps)
-        gemm(False, False, KT[:, :c], SV[d_:d_ + c], 1.0 if has_p else 0.0, P, coef)  # pending state update
+        small_gemm(KT[:, :c], SV[d_:d_ + c], P, has_p, -1, -1)  # pending state update
         has_p = True
         if ci < c1 - 1:
             if (ci + 1) % FOLD_EVERY == 0:
@@ -255,7 +249,6 @@ def _causal_worker(q, k, v, fm, eps, normalize, lengths, chunk, frac, S0, Z0, ou
     SV = np.empty((d_ + chunk, dv), dt)  # [S ; V]
     Kf = np.empty((chunk, d_), dt)
     KT = np.empty((d_, chunk), dt)
-    coef = np.empty(2, dt)
     item = take(counter)
     while item < items:
         length = lengths[item // nseg]
@@ -264,7 +257,7 @@ def _causal_worker(q, k, v, fm, eps, normalize, lengths, chunk, frac, S0, Z0, ou
         if c0 < c1 or (last and (S_out.shape[0] > 0 or length < n)):
             h1, h2 = h // g2, h % g2
             _causal_segment(q[h1, h2], k[h1, h2], v[h1, h2], out[h1, h2], fm, eps, normalize, length, chunk,
-                            c0, c1, last, S0, Z0, h, S_out, Z_out, QA, SV, Kf, KT, coef)
+                            c0, c1, last, S0, Z0, h, S_out, Z_out, QA, SV, Kf, KT)
         item = take(counter)
 
 
@@ -288,7 +281,7 @@ def _causal_forward(q, k, v, fm, eps, normalize, lengths, chunk, frac, nthreads,
 
 
 @njit(helper=True)
-def _noncausal_segment(q, k, v, out, fm, eps, normalize, chunk, c0, c1, QA, Kf, V, S, coef):
+def _noncausal_segment(q, k, v, out, fm, eps, normalize, chunk, c0, c1, QA, Kf, KT, V, S):
     """Outputs of chunks [c0, c1) of one head (views (N, X)), from the state of the whole head."""
     n, d_ = q.shape
     dv = v.shape[1]
@@ -297,7 +290,7 @@ def _noncausal_segment(q, k, v, out, fm, eps, normalize, chunk, c0, c1, QA, Kf, 
     has_acc, has_p = False, False
     for ci in range(nchunks):
         i0 = ci * chunk
-        _add_prefix(k, v, i0, min(chunk, n - i0), fm, Kf, V, P, Pz, has_p, coef)
+        _add_prefix(k, v, i0, min(chunk, n - i0), fm, Kf, KT, V, P, Pz, has_p)
         has_p = True
         if (ci + 1) % FOLD_EVERY == 0 or ci == nchunks - 1:
             _fold(acc, accz, B, Bz, P, Pz, has_acc)
@@ -307,7 +300,7 @@ def _noncausal_segment(q, k, v, out, fm, eps, normalize, chunk, c0, c1, QA, Kf, 
         i0 = ci * chunk
         c = min(chunk, n - i0)
         load_rows(q, i0, c, fm, QA)
-        gemm(False, False, QA[:c], S, 0.0, out[i0:i0 + c], coef)
+        small_gemm(QA[:c], S, out[i0:i0 + c], False, -1, -1)
         if normalize:
             _normalize_rows(out, i0, c, QA, Z, d_, False, eps)
 
@@ -322,16 +315,16 @@ def _noncausal_worker(q, k, v, fm, eps, normalize, chunk, frac, out, counter):
     items = q.shape[0] * g2 * nseg
     QA = np.empty((chunk, d_), dt)
     Kf = np.empty((chunk, d_), dt)
+    KT = np.empty((d_, chunk), dt)
     V = np.empty((chunk, dv), dt)
     S = np.empty((d_, dv), dt)
-    coef = np.empty(2, dt)
     item = take(counter)
     while item < items:
         h, _s, c0, c1 = _segment(item, nseg, frac, nchunks)
         if c0 < c1:
             h1, h2 = h // g2, h % g2
             _noncausal_segment(q[h1, h2], k[h1, h2], v[h1, h2], out[h1, h2], fm, eps, normalize, chunk, c0, c1,
-                               QA, Kf, V, S, coef)
+                               QA, Kf, KT, V, S)
         item = take(counter)
 
 

@@ -1,5 +1,6 @@
-"""How the CPU kernels are run: the work split, the thread pool's start-up and schedule,
-single-threaded BLAS inside them, and a lock for Numba's non-thread-safe ``workqueue`` layer."""
+"""How the CPU kernels are run: the work split, the thread pool's start-up (and the BLAS libraries
+that share it), the number of threads per call, and a lock for Numba's non-thread-safe
+``workqueue`` layer."""
 import os
 import threading
 from contextlib import contextmanager, nullcontext
@@ -8,10 +9,6 @@ import numba
 import numpy as np
 
 from . import blas_pool
-
-# Below this many multiply-adds per chunk product BLAS does not thread (OpenBLAS: 64**3), and the
-# ~20 us threadpoolctl needs to switch thread counts (and the wake-ups it causes) are not worth it.
-_BLAS_THREADING_MIN = 64 ** 3
 
 #: Multiply-adds of chunk products (about N * (D' + chunk) * Dv per head) below which one more thread
 #: does not pay for waking it (tens of microseconds): the work per thread is at least this much.
@@ -32,9 +29,6 @@ PREFIX_COST = 0.30
 _GOMP_SPINCOUNT = "1000"
 
 _state_lock = threading.Lock()
-_blas_depth = 0
-_blas_saved = None
-_blas_libs = None
 _layer = None
 _layer_lock = threading.Lock()
 _plans = {}  # plan() results by arguments
@@ -86,39 +80,6 @@ def plan(bh, n, dk, dv, causal=True):
     return found
 
 
-def _blas_libraries():
-    """threadpoolctl's controllers of the BLAS libraries loaded (the kernels call SciPy's)."""
-    global _blas_libs
-    if _blas_libs is None:
-        import scipy.linalg.cython_blas  # noqa: F401  (the BLAS that the kernels call)
-        from threadpoolctl import ThreadpoolController
-
-        _blas_libs = ThreadpoolController().select(user_api="blas").lib_controllers
-    return _blas_libs
-
-
-@contextmanager
-def _blas_single_thread():
-    """Limit BLAS to one thread while any kernel runs (reference-counted across Python threads).
-    Each library's own set_num_threads: about a microsecond, where threadpoolctl's limit() takes 20."""
-    global _blas_depth, _blas_saved
-    with _state_lock:
-        if _blas_depth == 0:
-            libs = _blas_libraries()
-            _blas_saved = [lib.get_num_threads() for lib in libs]
-            for lib in libs:
-                lib.set_num_threads(1)
-        _blas_depth += 1
-    try:
-        yield
-    finally:
-        with _state_lock:
-            _blas_depth -= 1
-            if _blas_depth == 0:
-                for lib, num in zip(_blas_libs, _blas_saved):
-                    lib.set_num_threads(num)
-
-
 def num_threads():
     """numba.get_num_threads() without its per-call checks once the pool runs (a third of a
     microsecond instead of two thirds: it is asked on every call)."""
@@ -144,8 +105,6 @@ def start_threads():
     with _layer_lock:
         if _layer is not None:
             return
-        import scipy.linalg.cython_blas  # noqa: F401  (the kernels' BLAS: loaded now, so that it shares too)
-
         libraries = _threaded_blas()
         sharable = blas_pool.sharable([path for path, api in libraries if api == "openblas"])
         all_shared = all(sharable.get(path, False) for path, _ in libraries)
@@ -196,30 +155,25 @@ def _threading_layer_guard():
 _NO_SECTION = nullcontext()
 
 
-def kernel_section(largest_product, nthreads=None):
-    """Context for running a kernel whose largest BLAS product does ``largest_product`` multiply-adds
-    on ``nthreads`` threads (default: all of Numba's): BLAS is kept to one thread only when it could
-    otherwise start threading, and Numba's number of threads for this Python thread is ``nthreads``
-    for the call. A kernel run by the calling thread alone (``nthreads == 1``) launches no parallel
-    region: with small products it needs no section at all (a shared no-op context)."""
+def kernel_section(nthreads=None):
+    """Context for running a kernel on ``nthreads`` threads (default: all of Numba's): Numba's number of
+    threads for this Python thread is ``nthreads`` for the call, and the workqueue layer (which
+    cannot run two parallel kernels at once) is locked. A kernel run by the calling thread alone
+    (``nthreads == 1``) launches no parallel region: it needs no section at all (a shared no-op)."""
     current = num_threads()
     nthreads = current if nthreads is None else nthreads
-    if largest_product <= _BLAS_THREADING_MIN and (nthreads == 1 or (nthreads == current and concurrent_calls_safe())):
+    if nthreads == 1 or (nthreads == current and concurrent_calls_safe()):
         return _NO_SECTION
-    return _section(largest_product, nthreads, current)
+    return _section(nthreads, current)
 
 
 @contextmanager
-def _section(largest_product, nthreads, current):
+def _section(nthreads, current):
     with _threading_layer_guard():
-        if 1 < nthreads != current:
+        if nthreads != current:
             numba.set_num_threads(nthreads)
         try:
-            if largest_product > _BLAS_THREADING_MIN:
-                with _blas_single_thread():
-                    yield
-            else:
-                yield
+            yield
         finally:
-            if 1 < nthreads != current:
+            if nthreads != current:
                 numba.set_num_threads(current)
