@@ -1,5 +1,6 @@
-"""small_gemm, the chunk's register-tiled matrix product, against NumPy: every tile and panel edge,
-strided rows, accumulation, the causal bands; with 512-bit vectors (AVX-512) and 256-bit (AVX2)."""
+"""small_gemm(_tn), the chunk's register-tiled matrix products, against NumPy: every tile and panel
+edge, strided rows, accumulation, the causal bands, a transposed A; with 512-bit vectors (AVX-512)
+and 256-bit (AVX2)."""
 import os
 import subprocess
 import sys
@@ -7,12 +8,17 @@ import sys
 import numpy as np
 from numba import njit
 
-from linattn.cpu.smallgemm import ROWS, small_gemm
+from linattn.cpu.smallgemm import ROWS, small_gemm, small_gemm_tn
 
 
 @njit
 def _run(a, b, c, accumulate, kband, nband):
     small_gemm(a, b, c, accumulate, kband, nband)
+
+
+@njit
+def _run_tn(a, b, c, accumulate):
+    small_gemm_tn(a, b, c, accumulate)
 
 
 SHAPES = [(1, 1, 1), (3, 5, 7), (4, 64, 64), (5, 17, 33), (32, 64, 64), (32, 96, 64), (64, 32, 64), (33, 70, 129),
@@ -45,6 +51,14 @@ def check_all(seed=0):
                         rest = c[i, nend:]  # beyond the band: either untouched or computed
                         ok = (rest == before[i, nend:n]) | (np.abs(rest - want[nend:]) <= tol * scale * np.sqrt(k + 1))
                         failures += int(not ok.all())
+            for accumulate in (False, True):  # a stored transposed, (K, M) with rows apart
+                at = rng.standard_normal((k, m + 2)).astype(dtype)[:, 1:m + 1]
+                b = rng.standard_normal((k, n)).astype(dtype)
+                before = rng.standard_normal((m, n)).astype(dtype)
+                c = before.copy()
+                _run_tn(at, b, c, accumulate)
+                want = at.T.astype(np.float64) @ b + (before if accumulate else 0)
+                failures += int(np.abs(c - want).max() > tol * max(1.0, float(np.abs(want).max())) * np.sqrt(k + 1))
     return failures
 
 

@@ -25,7 +25,7 @@ from numba import prange, types
 from .._jit import Kernel, array, njit
 from .elementwise import load_rows
 from .schedule import take
-from .smallgemm import small_gemm
+from .smallgemm import small_gemm, small_gemm_tn
 from .views import as_contiguous, prefetch_rows
 from .vector import TRANSPOSE_BYTES, transpose_blocks
 
@@ -66,15 +66,18 @@ def _copy_rows(v, i0, c, V, r0):
 
 
 @njit(helper=True)
-def _add_prefix(k, v, i0, c, fm, Kf, KT, V, P, Pz, has_p):
+def _add_prefix(k, v, i0, c, fm, Kf, V, P, Pz, has_p):
     """P += phi(K)^T V (P = phi(K)^T V when not ``has_p``: it holds nothing yet) and Pz += phi(K)^T 1
-    for positions [i0, i0 + c) of one head (no outputs)."""
-    _load_kt(k, i0, c, fm, Kf, KT, Pz)
+    for positions [i0, i0 + c) of one head (no outputs; phi(K) is used as it is, not transposed)."""
+    load_rows(k, i0, c, fm, Kf)
+    for t in range(c):
+        for a in range(Kf.shape[1]):
+            Pz[a] += Kf[t, a]
     if v.strides[1] == v.itemsize:  # rows of v serve as they are
-        small_gemm(KT[:, :c], v[i0:i0 + c], P, has_p, -1, -1)
+        small_gemm_tn(Kf[:c], v[i0:i0 + c], P, has_p)
     else:
         _copy_rows(v, i0, c, V, 0)
-        small_gemm(KT[:, :c], V[:c], P, has_p, -1, -1)
+        small_gemm_tn(Kf[:c], V[:c], P, has_p)
 
 
 @njit(helper=True)
@@ -193,7 +196,7 @@ def _causal_segment(q, k, v, out, fm, eps, normalize, length, chunk, c0, c1, las
     has_p = False
     for ci in range(c0):  # the state at the start of this segment
         i0 = ci * chunk
-        _add_prefix(k, v, i0, min(chunk, length - i0), fm, Kf, KT, SV, P, Pz, has_p)
+        _add_prefix(k, v, i0, min(chunk, length - i0), fm, Kf, SV, P, Pz, has_p)
         has_p = True
         if (ci + 1) % FOLD_EVERY == 0:
             _fold(acc, accz, B, Bz, P, Pz, has_acc)
@@ -281,7 +284,7 @@ def _causal_forward(q, k, v, fm, eps, normalize, lengths, chunk, frac, nthreads,
 
 
 @njit(helper=True)
-def _noncausal_segment(q, k, v, out, fm, eps, normalize, chunk, c0, c1, QA, Kf, KT, V, S):
+def _noncausal_segment(q, k, v, out, fm, eps, normalize, chunk, c0, c1, QA, Kf, V, S):
     """Outputs of chunks [c0, c1) of one head (views (N, X)), from the state of the whole head."""
     n, d_ = q.shape
     dv = v.shape[1]
@@ -290,7 +293,7 @@ def _noncausal_segment(q, k, v, out, fm, eps, normalize, chunk, c0, c1, QA, Kf, 
     has_acc, has_p = False, False
     for ci in range(nchunks):
         i0 = ci * chunk
-        _add_prefix(k, v, i0, min(chunk, n - i0), fm, Kf, KT, V, P, Pz, has_p)
+        _add_prefix(k, v, i0, min(chunk, n - i0), fm, Kf, V, P, Pz, has_p)
         has_p = True
         if (ci + 1) % FOLD_EVERY == 0 or ci == nchunks - 1:
             _fold(acc, accz, B, Bz, P, Pz, has_acc)
@@ -315,7 +318,6 @@ def _noncausal_worker(q, k, v, fm, eps, normalize, chunk, frac, out, counter):
     items = q.shape[0] * g2 * nseg
     QA = np.empty((chunk, d_), dt)
     Kf = np.empty((chunk, d_), dt)
-    KT = np.empty((d_, chunk), dt)
     V = np.empty((chunk, dv), dt)
     S = np.empty((d_, dv), dt)
     item = take(counter)
@@ -324,7 +326,7 @@ def _noncausal_worker(q, k, v, fm, eps, normalize, chunk, frac, out, counter):
         if c0 < c1:
             h1, h2 = h // g2, h % g2
             _noncausal_segment(q[h1, h2], k[h1, h2], v[h1, h2], out[h1, h2], fm, eps, normalize, chunk, c0, c1,
-                               QA, Kf, KT, V, S)
+                               QA, Kf, V, S)
         item = take(counter)
 
 

@@ -15,8 +15,8 @@ from . import blas_pool
 MIN_WORK_PER_THREAD = 1 << 21
 
 #: Cost of the prefix of one chunk (phi(K), phi(K)^T V) relative to a chunk's full work (measured
-#: 0.27-0.34 at D = Dv = 64, float32).
-PREFIX_COST = 0.30
+#: 0.33-0.41 at D = Dv = 64 and 0.33-0.37 at 128, float32, with the register products).
+PREFIX_COST = 0.36
 
 # GNU OpenMP workers spin after every parallel region before they sleep: by default 300,000 times
 # (a fraction of a millisecond), keeping a core busy. Where a BLAS keeps threads of its own (MKL, or

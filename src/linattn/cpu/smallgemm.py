@@ -31,21 +31,38 @@ def _vector_bytes(context):
     return 64 if "+avx512f" in features else 32
 
 
+def _typed(a, b, c):
+    arrays = (a, b, c)
+    return (all(isinstance(x, types.Array) and x.ndim == 2 and x.dtype in (types.float32, types.float64)
+                for x in arrays) and len({x.dtype for x in arrays}) == 1)
+
+
 @intrinsic
 def small_gemm(typingctx, a, b, c, accumulate, kband, nband):
     """c[i, j] = sum_k a[i, k] b[k, j] (+ c[i, j] when ``accumulate``), for i < rows of c, j < columns
     of c, k < columns of a; rows of each array are ``strides[0]`` apart, columns adjacent (unchecked).
     ``kband``/``nband`` >= 0 limit the inner dimension / the columns of each tile as the module says
     (columns past the band are left as they were); -1 for none. Only callable from Numba code."""
-    arrays = (a, b, c)
-    if not all(isinstance(x, types.Array) and x.ndim == 2 and x.dtype in (types.float32, types.float64)
-               for x in arrays) or len({x.dtype for x in arrays}) != 1:
+    if not _typed(a, b, c):
         return None
-    sig = types.void(a, b, c, types.boolean, types.intp, types.intp)
+    return types.void(a, b, c, types.boolean, types.intp, types.intp), _codegen(False)
+
+
+@intrinsic
+def small_gemm_tn(typingctx, a, b, c, accumulate):
+    """c[i, j] = sum_k a[k, i] b[k, j] (+ c[i, j] when ``accumulate``): the product with a transposed
+    (k < rows of a), as small_gemm without bands. Only callable from Numba code."""
+    if not _typed(a, b, c):
+        return None
+    return types.void(a, b, c, types.boolean), _codegen(True)
+
+
+def _codegen(trans_a):
+    """Code of the product (``trans_a``: a is stored transposed, (K, M))."""
 
     def codegen(context, builder, sig, args):
         arr_a, arr_b, arr_c = (context.make_array(t)(context, builder, v) for t, v in zip(sig.args[:3], args[:3]))
-        accumulate_v, kband_v, nband_v = args[3], args[4], args[5]
+        accumulate_v = args[3]
         fty = context.get_data_type(sig.args[0].dtype)
         size = context.get_abi_sizeof(fty)
         lanes = _vector_bytes(context) // size
@@ -56,12 +73,14 @@ def small_gemm(typingctx, a, b, c, accumulate, kband, nband):
         def const(x):
             return ir.Constant(i64, x)
 
+        kband_v, nband_v = (const(-1), const(-1)) if trans_a else (args[4], args[5])
+
         def rstride(arr):
             return builder.sdiv(builder.extract_value(arr.strides, 0), const(size))
 
         m = builder.extract_value(arr_c.shape, 0)
         n = builder.extract_value(arr_c.shape, 1)
-        kdim = builder.extract_value(arr_a.shape, 1)
+        kdim = builder.extract_value(arr_a.shape, 0 if trans_a else 1)
         sa, sb, sc = rstride(arr_a), rstride(arr_b), rstride(arr_c)
         undef = ir.Constant(vec, ir.Undefined)
         zero_mask = ir.Constant(ir.VectorType(i32, lanes), [0] * lanes)
@@ -69,6 +88,9 @@ def small_gemm(typingctx, a, b, c, accumulate, kband, nband):
         def ptr(arr, stride, row, col, ty):
             return builder.bitcast(builder.gep(arr.data, [builder.add(builder.mul(row, stride), col)]),
                                    ty.as_pointer())
+
+        def a_ptr(i, kk):
+            return ptr(arr_a, sa, kk, i, fty) if trans_a else ptr(arr_a, sa, i, kk, fty)
 
         def splat(x, ty):
             return x if ty is fty else builder.shuffle_vector(builder.insert_element(undef, x, ir.Constant(i32, 0)),
@@ -91,7 +113,7 @@ def small_gemm(typingctx, a, b, c, accumulate, kband, nband):
                 bv = [builder.load(ptr(arr_b, sb, kk, builder.add(j0, const(j * width)), ty), align=size)
                       for j in range(nvec)]
                 for i in range(rows):
-                    ai = splat(builder.load(ptr(arr_a, sa, builder.add(r0, const(i)), kk, fty), align=size), ty)
+                    ai = splat(builder.load(a_ptr(builder.add(r0, const(i)), kk), align=size), ty)
                     for j in range(nvec):
                         acc = accs[i][j]
                         prod = builder.fmul(ai, bv[j], flags=_FLAGS)
@@ -126,4 +148,4 @@ def small_gemm(typingctx, a, b, c, accumulate, kband, nband):
         row_blocks(end, m, 1)
         return context.get_dummy_value()
 
-    return sig, codegen
+    return codegen
