@@ -191,8 +191,10 @@ def test_segments(rng, frac):
     out = np.full((3, n, dv), np.nan, np.float32)
     S, Z = np.full_like(S0, np.nan), np.full_like(Z0, np.nan)
     frac = np.asarray(frac, np.float64)
-    chunked.causal_forward.get(np.float32, "C")(q[None], k[None], v[None], 1, np.float32(1e-6), True, lengths,
-                                                 chunk_size(n), frac, 2, S0, Z0, out[None], S, Z)
+    no_gates = (np.zeros(0, np.float32), np.zeros(0), np.zeros(3, np.int64))
+    chunked.causal_forward.get(np.float32, ("C", 0))(q[None], k[None], v[None], 1, np.float32(1e-6), True,
+                                                      np.float32(1), lengths, chunk_size(n), frac, 2, S0, Z0, out[None],
+                                                      S, Z, *no_gates)
     for h, L in enumerate(lengths):
         ref, (S_ref, Z_ref) = reference.loop(q[h, :L], k[h, :L], v[h, :L], initial_state=(S0[h], Z0[h]),
                                              return_state=True)
@@ -202,7 +204,7 @@ def test_segments(rng, frac):
         assert_close(Z[h], Z_ref, np.float32)
     out2 = np.full((3, n, dv), np.nan, np.float32)
     chunked.noncausal_forward.get(np.float32, "C")(q[None], k[None], v[None], 1, np.float32(1e-6), True,
-                                                    chunk_size(n), frac, 2, out2[None])
+                                                    np.float32(1), chunk_size(n), frac, 2, out2[None])
     assert_close(out2, reference.masked(q, k, v, causal=False), np.float32)
 
 

@@ -19,6 +19,11 @@ FASTMATH = OPTIONS["fastmath"]
 #: Set to the reason when compiled code cannot be cached on disk (nothing writable), else None.
 cache_problem = None
 
+#: Callables run once before the first kernel is compiled or loaded (modules whose compiled code kernels
+#: call by symbol name register their symbols there).
+before_kernels = []
+_before_done = False
+
 
 def njit(*, parallel=False, helper=False, signature=None):
     """``numba.njit`` with linattn's options, caching on disk where a cache directory is writable.
@@ -63,6 +68,14 @@ def array(dtype, ndim, layout="C", readonly=False):
     return types.Array(dtype, ndim, layout, readonly=readonly)
 
 
+def _run_before_kernels():
+    global _before_done
+    if not _before_done:
+        for hook in before_kernels:
+            hook()
+        _before_done = True
+
+
 class Kernel:
     """A Python kernel function compiled on first use for one explicit signature per
     (dtype, variant). ``signature(numba_dtype, variant)`` builds the signature; for the sequence
@@ -99,6 +112,7 @@ class Kernel:
             key = (np.dtype(dtype), variant)
             fn = self._compiled.get(key)
             if fn is None:
+                _run_before_kernels()
                 if self._parallel:
                     from .cpu.runtime import start_threads
 

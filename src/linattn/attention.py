@@ -5,6 +5,7 @@ import math
 import numpy as np
 
 from . import checks
+from . import gates as gates_mod
 from .cpu import chunked
 from .cpu.runtime import kernel_section, plan
 from .feature_maps import NAMED, resolve, resolve_for_device
@@ -13,6 +14,10 @@ from .state import State
 _ndarray, _INF = np.ndarray, math.inf
 _CODES = {name: code for name, (_, code) in NAMED.items()}
 _FLOATS = (np.dtype(np.float32), np.dtype(np.float64))
+_NO_GATES = {dt: np.zeros(0, dt) for dt in _FLOATS}  # the kernels' "no gates"
+_ZERO_DECAY = np.zeros(0)
+for _x in list(_NO_GATES.values()) + [_ZERO_DECAY]:
+    _x.setflags(write=False)
 _constants = {}  # (bh, n) -> lengths all n; (dtype, D', Dv) -> state arrays with no rows
 
 
@@ -61,14 +66,15 @@ def _fast(causal, q, k, v, feature_map, eps, normalize):
     q4, k4, v4, o4 = (x.reshape(1, bh, n, x.shape[-1]) for x in (q, k, v, out))
     if causal:
         S0, Z0, S, Z = _no_state(dt, d, dv)
-        kernel = chunked.causal_forward.get(dt, "C")
+        kernel = chunked.causal_forward.get(dt, ("C", 0))
+        status = np.zeros(3, np.int64)
         with kernel_section(nthreads):
-            kernel(q4, k4, v4, code, dt.type(eps), normalize, _full_lengths(bh, n), chunk, frac, nthreads, S0, Z0,
-                   o4, S, Z)
+            kernel(q4, k4, v4, code, dt.type(eps), normalize, dt.type(1.0), _full_lengths(bh, n), chunk, frac,
+                   nthreads, S0, Z0, o4, S, Z, _NO_GATES[dt], _ZERO_DECAY, status)
     else:
         kernel = chunked.noncausal_forward.get(dt, "C")
         with kernel_section(nthreads):
-            kernel(q4, k4, v4, code, dt.type(eps), normalize, chunk, frac, nthreads, o4)
+            kernel(q4, k4, v4, code, dt.type(eps), normalize, dt.type(1.0), chunk, frac, nthreads, o4)
     return out
 
 
@@ -97,9 +103,10 @@ def _view(x, shape):
     return view
 
 
-def _seq4(arrays, lead):
+def _seq4(arrays, lead, layout_of=4):
     """The (..., N, X) arrays as 4-D (G1, G2, N, X) arrays with their leading dims merged into two
-    groups, the kernel layout ("C" when all are C-contiguous, else "A"), and which were copied.
+    groups, the kernel layout ("C" when the first ``layout_of`` are C-contiguous, else "A"), and
+    which were copied.
 
     The split of the leading dims is chosen so that as many arrays as possible are views (the
     heads of a fused QKV projection, (B, H) with heads D apart, merge into no single dim but fit
@@ -116,7 +123,8 @@ def _seq4(arrays, lead):
     g, views = best
     out = tuple(v if v is not None else np.ascontiguousarray(x).reshape(g + x.shape[-2:])
                 for x, v in zip(arrays, views))
-    return out, "C" if all(x.flags.c_contiguous for x in out) else "A", tuple(v is None for v in views)
+    layout = "C" if all(x.flags.c_contiguous for x in out[:layout_of]) else "A"
+    return out, layout, tuple(v is None for v in views)
 
 
 def _placement(device, *arrays, names):
@@ -169,11 +177,15 @@ def _prepare(q, k, v, feature_map, eps, normalize, where="cpu"):
 
 
 def causal_linear_attention(q, k, v, *, feature_map="elu", eps=1e-6, normalize=True,
-                            initial_state=None, return_state=False, lengths=None, out=None, device=None):
+                            initial_state=None, return_state=False, lengths=None, decay=None, gate=None,
+                            scale=None, out=None, device=None):
     r"""Causal linear attention: position i attends to positions j <= i.
 
     .. math:: out_i = \frac{\phi(q_i)^T S_i}{\phi(q_i)^T Z_i + eps},\quad
               S_i = S_0 + \sum_{j\le i} \phi(k_j) v_j^T,\quad Z_i = Z_0 + \sum_{j\le i} \phi(k_j)
+
+    With ``decay`` or ``gate`` the state forgets: :math:`S_i = a_i \odot S_{i-1} + \phi(k_i) v_i^T`
+    (and Z likewise), where :math:`a_i` (decay times exp(gate_i)) applies to the state before i.
 
     Parameters
     ----------
@@ -197,6 +209,17 @@ def causal_linear_attention(q, k, v, *, feature_map="elu", eps=1e-6, normalize=T
         True lengths of right-padded sequences, of the shape of the leading dims or of their first
         dims (``(B,)`` for ``(B, H, N, D)`` inputs). Positions at or past a sequence's length do not
         enter its state, their outputs are 0, and the returned state is the one at its length.
+    decay : array_like, optional
+        A constant decay in (0, 1] per sequence, broadcastable to the leading dims (shape ``(H,)``
+        for ``(B, H, N, D)`` inputs: one per head, RetNet's and Lightning Attention's gamma).
+    gate : array_like, optional
+        Log gates (<= 0, natural log, as flash-linear-attention's ``g`` and Mamba-2's dt*A), of shape
+        ``(..., N)`` (one per position: the state before position i is multiplied by exp(gate_i))
+        or ``(..., N, D')`` (one per key dimension, GLA: row d of S and Z[d] by exp(gate_i,d)).
+        ``-inf`` resets the state. With ``decay`` as well the factors multiply. A positive or NaN
+        gate is a ValueError (found while computing: ``out``'s contents are then unspecified).
+    scale : float, optional
+        Multiplies phi(q) (default 1; flash-linear-attention's ops default to D**-0.5).
     out : ndarray, shape (..., N, Dv), optional
         Where to write the result (a writable array of the result's dtype, any strides): a view
         such as ``buf.transpose(0, 2, 1, 3)`` of a (B, N, H, Dv) buffer puts the heads side by side
@@ -232,7 +255,7 @@ def causal_linear_attention(q, k, v, *, feature_map="elu", eps=1e-6, normalize=T
     True
     """
     if (type(q) is _ndarray and initial_state is None and lengths is None and out is None and device is None
-            and return_state is False):
+            and return_state is False and decay is None and gate is None and scale is None):
         res = _fast(True, q, k, v, feature_map, eps, normalize)
         if res is not None:
             return res
@@ -241,6 +264,8 @@ def causal_linear_attention(q, k, v, *, feature_map="elu", eps=1e-6, normalize=T
     q, k, v, lead, n, dk, dv, comp, out_dt, eps, normalize, code = _prepare(
         q, k, v, feature_map, eps, normalize, where)
     return_state = checks.check_flag(return_state, "return_state")
+    kind, gates, log_decay = gates_mod.prepare(decay, gate, lead, n, dk, comp)
+    scale = gates_mod.check_scale(scale)
     if out is not None:
         out = _check_out(out, lead + (n, dv), out_dt, where)
     if where == "device" and initial_state is not None and Z_in is not None:
@@ -270,10 +295,17 @@ def causal_linear_attention(q, k, v, *, feature_map="elu", eps=1e-6, normalize=T
         res = _result_array(out, lead, n, dv, comp, (q, k, v))
         if bh and n:
             chunk, frac, nthreads = plan(bh, n, dk, dv, causal=True)
-            (q4, k4, v4, o4), layout, copied = _seq4((q, k, v, res), lead)
-            kernel = chunked.causal_forward.get(comp, layout)
+            arrays = (q, k, v, res) + (() if gates is None else (gates if kind == gates_mod.VECTOR else gates[..., None],))
+            arrays, layout, copied = _seq4(arrays, lead)
+            q4, k4, v4, o4 = arrays[:4]
+            g4 = _NO_GATES[comp] if gates is None else (arrays[4] if kind == gates_mod.VECTOR else arrays[4][..., 0])
+            ld = log_decay if log_decay is not None else (np.zeros(bh) if kind else _ZERO_DECAY)
+            status = np.zeros(3, np.int64)
+            kernel = chunked.causal_forward.get(comp, (layout, kind))
             with kernel_section(nthreads):
-                kernel(q4, k4, v4, code, comp.type(eps), normalize, lens, chunk, frac, nthreads, S0, Z0, o4, S, Z)
+                kernel(q4, k4, v4, code, comp.type(eps), normalize, comp.type(scale), lens, chunk, frac, nthreads, S0,
+                       Z0, o4, S, Z, g4, ld, status)
+            gates_mod.raise_bad_gate(status, lead)
             if copied[3]:  # res allowed no 4-D view with the inputs' split
                 res[...] = o4.reshape(res.shape)
         elif return_state:
@@ -285,14 +317,15 @@ def causal_linear_attention(q, k, v, *, feature_map="elu", eps=1e-6, normalize=T
     return res
 
 
-def linear_attention(q, k, v, *, feature_map="elu", eps=1e-6, normalize=True, out=None, device=None):
+def linear_attention(q, k, v, *, feature_map="elu", eps=1e-6, normalize=True, scale=None, out=None, device=None,
+                     **unsupported):
     r"""Non-causal linear attention: every position attends to all N positions.
 
     .. math:: out_i = \frac{\phi(q_i)^T S}{\phi(q_i)^T Z + eps},\quad
               S = \sum_j \phi(k_j) v_j^T,\quad Z = \sum_j \phi(k_j)
 
-    Parameters and returns are as for :func:`causal_linear_attention`, without the state and
-    ``lengths``; ``out`` as there.
+    Parameters and returns are as for :func:`causal_linear_attention`, without the state,
+    ``lengths``, ``decay`` and ``gate`` (only causal attention forgets); ``scale`` and ``out`` as there.
 
     Examples
     --------
@@ -304,13 +337,19 @@ def linear_attention(q, k, v, *, feature_map="elu", eps=1e-6, normalize=True, ou
            [3., 4.],
            [3., 4.]], dtype=float32)
     """
-    if type(q) is _ndarray and out is None and device is None:
+    if unsupported:
+        name = next(iter(unsupported))
+        why = (" (decay and gates make the state forget the past: only causal attention has one; use "
+               "causal_linear_attention)" if name in ("decay", "gate") else "")
+        raise TypeError(f"linear_attention() got an unexpected keyword argument {name!r}{why}")
+    if type(q) is _ndarray and out is None and device is None and scale is None:
         res = _fast(False, q, k, v, feature_map, eps, normalize)
         if res is not None:
             return res
     where = _placement(device, q, k, v, names=("q", "k", "v"))
     q, k, v, lead, n, dk, dv, comp, out_dt, eps, normalize, code = _prepare(
         q, k, v, feature_map, eps, normalize, where)
+    scale = gates_mod.check_scale(scale)
     if out is not None:
         out = _check_out(out, lead + (n, dv), out_dt, where)
     bh = math.prod(lead)
@@ -326,7 +365,7 @@ def linear_attention(q, k, v, *, feature_map="elu", eps=1e-6, normalize=True, ou
             (q4, k4, v4, o4), layout, copied = _seq4((q, k, v, res), lead)
             kernel = chunked.noncausal_forward.get(comp, layout)
             with kernel_section(nthreads):
-                kernel(q4, k4, v4, code, comp.type(eps), normalize, chunk, frac, nthreads, o4)
+                kernel(q4, k4, v4, code, comp.type(eps), normalize, comp.type(scale), chunk, frac, nthreads, o4)
             if copied[3]:
                 res[...] = o4.reshape(res.shape)
     return _deliver(res, out, out_dt, where)

@@ -23,9 +23,11 @@ import numpy as np
 from numba import prange, types
 
 from .._jit import Kernel, array, njit
-from .elementwise import load_rows
+from .elementwise import exp_le0, load_rows
+from .gating import (chunk_gates, gate_buffers, gate_key_columns, gate_key_rows, gate_pending, gate_queries,
+                     gate_scores, like)
 from .schedule import take
-from .smallgemm import small_gemm, small_gemm_tn
+from .smallgemm import noinline, small_gemm, small_gemm_tn
 from .views import as_contiguous, prefetch_rows
 from .vector import TRANSPOSE_BYTES, transpose_blocks
 
@@ -66,13 +68,12 @@ def _copy_rows(v, i0, c, V, r0):
 
 
 @njit(helper=True)
-def _add_prefix(k, v, i0, c, fm, Kf, V, P, Pz, has_p):
+def _add_prefix(k, v, i0, c, fm, Kf, V, P, Pz, has_p, gates, G, R):
     """P += phi(K)^T V (P = phi(K)^T V when not ``has_p``: it holds nothing yet) and Pz += phi(K)^T 1
-    for positions [i0, i0 + c) of one head (no outputs; phi(K) is used as it is, not transposed)."""
+    for positions [i0, i0 + c) of one head (no outputs; phi(K) is used as it is, not transposed),
+    each key times its factor at the chunk's end when there are gates (G, R: the chunk's)."""
     load_rows(k, i0, c, fm, Kf)
-    for t in range(c):
-        for a in range(Kf.shape[1]):
-            Pz[a] += Kf[t, a]
+    gate_key_rows(gates, Kf, c, G, R, Pz)
     if v.strides[1] == v.itemsize:  # rows of v serve as they are
         small_gemm_tn(Kf[:c], v[i0:i0 + c], P, has_p)
     else:
@@ -88,12 +89,14 @@ def _copy_row(src, dst):
 
 @njit(helper=True)
 def _state_buffers(d_, dv, dt):
-    """(P, B, acc, Pz, Bz, Z, accz): pending sums, the accumulator rounded to the compute dtype, the
-    float64 accumulator, and the same for Z plus the current Z. The Z parts start at zero; P, B
-    and acc are not initialised (zeroing them cost a tiny call more than its arithmetic): the
-    caller's flags ``has_acc`` and ``has_p`` say whether they hold values."""
+    """(P, B, acc, Pz, Bz, Z, accz, lam): pending sums, the accumulator rounded to the compute dtype,
+    the float64 accumulator, and the same for Z plus the current Z; lam, the log-decay of each key
+    dimension since the last fold (float64). The Z parts and lam start at zero; P, B and acc are not
+    initialised (zeroing them cost a tiny call more than its arithmetic): the caller's flags
+    ``has_acc`` and ``has_p`` say whether they hold values."""
     return (np.empty((d_, dv), dt), np.empty((d_, dv), dt), np.empty((d_, dv), np.float64),
-            np.zeros(d_, dt), np.zeros(d_, dt), np.zeros(d_, dt), np.zeros(d_, np.float64))
+            np.zeros(d_, dt), np.zeros(d_, dt), np.zeros(d_, dt), np.zeros(d_, np.float64),
+            np.zeros(d_, np.float64))
 
 
 @njit(helper=True)
@@ -114,11 +117,16 @@ def _init_state(S0, Z0, h, acc, accz, B, Bz):
 
 
 @njit(helper=True)
-def _fold(acc, accz, B, Bz, P, Pz, has_acc):
+def _fold(acc, accz, B, Bz, P, Pz, has_acc, lam, decayed):
     """Move the pending sums P, Pz into the float64 accumulators (P holds values; acc does when
-    ``has_acc``); B, Bz = their rounded values. P is then free (the caller's has_p is False)."""
+    ``has_acc``), the accumulators decayed by exp(lam) first when ``decayed``; B, Bz = their
+    rounded values. P is then free (the caller's has_p is False) and lam zero."""
     for a in range(P.shape[0]):
-        if has_acc:
+        f = exp_le0(lam[a]) if decayed else 1.0
+        if has_acc and decayed:
+            for e in range(P.shape[1]):
+                acc[a, e] = f * acc[a, e] + P[a, e]
+        elif has_acc:
             for e in range(P.shape[1]):
                 acc[a, e] += P[a, e]
         else:
@@ -126,51 +134,55 @@ def _fold(acc, accz, B, Bz, P, Pz, has_acc):
                 acc[a, e] = P[a, e]
         for e in range(P.shape[1]):
             B[a, e] = acc[a, e]
-    for a in range(P.shape[0]):
-        accz[a] += Pz[a]
+        accz[a] = f * accz[a] + Pz[a]
         Bz[a] = accz[a]
+        lam[a] = 0.0
     Pz[:] = 0
 
 
 @njit(helper=True)
-def _current(B, Bz, P, Pz, S, Z, has_acc, has_p):
-    """S[:D] = B + P and Z = Bz + Pz (B and P taken as zero where the flags say they hold nothing):
-    the state the next chunk reads.
+def _current(B, Bz, P, Pz, S, Z, has_acc, has_p, lam, decayed):
+    """S[:D] = exp(lam) B + P and Z = exp(lam) Bz + Pz (B and P taken as zero where the flags say
+    they hold nothing; exp(lam) as 1 when not ``decayed``): the state the next chunk reads.
 
     (Loops touch at most three arrays: LLVM leaves loops over more arrays unvectorised.)
     """
     for a in range(P.shape[0]):
-        if has_acc and has_p:
+        f = like(exp_le0(lam[a]) if decayed else 1.0, B)
+        if has_acc and has_p and decayed:
+            for e in range(P.shape[1]):
+                S[a, e] = f * B[a, e] + P[a, e]
+        elif has_acc and has_p:
             for e in range(P.shape[1]):
                 S[a, e] = B[a, e] + P[a, e]
         elif has_acc:
             for e in range(P.shape[1]):
-                S[a, e] = B[a, e]
+                S[a, e] = f * B[a, e]
         elif has_p:
             for e in range(P.shape[1]):
                 S[a, e] = P[a, e]
         else:
             for e in range(P.shape[1]):
                 S[a, e] = 0
-    for a in range(P.shape[0]):
-        Z[a] = Bz[a] + Pz[a]
+        Z[a] = f * Bz[a] + Pz[a]
 
 
 @njit(helper=True)
-def _write_state(acc, accz, P, Pz, h, S_out, Z_out, has_acc, has_p):
-    """S_out[h] = acc + P, Z_out[h] = accz + Pz (in float64, then rounded once; acc and P taken as
-    zero where the flags say they hold nothing)."""
+def _write_state(acc, accz, P, Pz, h, S_out, Z_out, has_acc, has_p, lam, decayed):
+    """S_out[h] = exp(lam) acc + P, Z_out[h] = exp(lam) accz + Pz (in float64, then rounded once; acc
+    and P taken as zero where the flags say they hold nothing)."""
     for a in range(P.shape[0]):
+        f = exp_le0(lam[a]) if decayed else 1.0
         for e in range(P.shape[1]):
-            x = acc[a, e] if has_acc else 0.0
+            x = f * acc[a, e] if has_acc else 0.0
             S_out[h, a, e] = x + P[a, e] if has_p else x
-    for a in range(P.shape[0]):
-        Z_out[h, a] = accz[a] + Pz[a]
+        Z_out[h, a] = f * accz[a] + Pz[a]
 
 
 @njit(helper=True)
-def _normalize_rows(out, i0, c, QA, Z, d_, causal, eps):
-    """Divide out[i0+t] (one head) by phi(q_t).Z (+ sum_{s<=t} A[t, s] when causal) + eps."""
+def _normalize_rows(out, i0, c, QA, Z, d_, causal, eps, scale):
+    """Divide out[i0+t] (one head) by phi(q_t).Z (+ sum_{s<=t} A[t, s] when causal) + eps / scale,
+    and multiply it by 1 (phi(q) times ``scale``: scale phi(q).S / (scale phi(q).Z + eps))."""
     for t in range(c):
         den = Z[0] - Z[0]  # zero in the compute dtype
         for a in range(d_):
@@ -178,30 +190,44 @@ def _normalize_rows(out, i0, c, QA, Z, d_, causal, eps):
         if causal:
             for s in range(t + 1):
                 den += QA[t, d_ + s]
-        inv = np.float32(1.0) / (den + eps)  # a float32 one keeps the compute dtype
+        inv = scale / (scale * den + eps)
         row = as_contiguous(out[i0 + t])  # out has unit stride along its rows (the wrappers see to it)
         for e in range(row.shape[0]):
             row[e] *= inv
 
 
 @njit(helper=True)
-def _causal_segment(q, k, v, out, fm, eps, normalize, length, chunk, c0, c1, last, S0, Z0, h, S_out, Z_out,
-                    QA, SV, Kf, KT):
+def _scale_rows(out, i0, c, scale):
+    """out[i0:i0+c] *= scale (outputs without normalisation)."""
+    for t in range(c):
+        row = as_contiguous(out[i0 + t])
+        for e in range(row.shape[0]):
+            row[e] *= scale
+
+
+@njit(helper=True)
+def _causal_segment(q, k, v, out, fm, eps, normalize, scale, length, chunk, c0, c1, last, S0, Z0, h, S_out, Z_out,
+                    gates, ld, status, QA, SV, Kf, KT, G, R, sums):
     """Outputs of chunks [c0, c1) of one head (q, k, v, out: (N, X) views), from the state before
     chunk c0 (recomputed from the head's start); the last segment also zeroes the padding past
-    ``length`` and writes the final state to S_out[h], Z_out[h] (when they have rows)."""
+    ``length`` and writes the final state to S_out[h], Z_out[h] (when they have rows). With gates
+    (cpu/gating.py), every chunk's decay factors come from its log gates first."""
     d_, dv = q.shape[1], v.shape[1]
-    P, B, acc, Pz, Bz, Z, accz = _state_buffers(d_, dv, out.dtype)
+    decayed = gates.ndim > 1
+    P, B, acc, Pz, Bz, Z, accz, lam = _state_buffers(d_, dv, out.dtype)
     has_acc = _init_state(S0, Z0, h, acc, accz, B, Bz)
     has_p = False
     for ci in range(c0):  # the state at the start of this segment
         i0 = ci * chunk
-        _add_prefix(k, v, i0, min(chunk, length - i0), fm, Kf, SV, P, Pz, has_p)
+        c = min(chunk, length - i0)
+        chunk_gates(gates, h, ld, i0, c, G, R, status)
+        gate_pending(gates, P, Pz, lam, c, G, R, has_p)
+        _add_prefix(k, v, i0, c, fm, Kf, SV, P, Pz, has_p, gates, G, R)
         has_p = True
         if (ci + 1) % FOLD_EVERY == 0:
-            _fold(acc, accz, B, Bz, P, Pz, has_acc)
+            _fold(acc, accz, B, Bz, P, Pz, has_acc, lam, decayed)
             has_acc, has_p = True, False
-    _current(B, Bz, P, Pz, SV, Z, has_acc, has_p)
+    _current(B, Bz, P, Pz, SV, Z, has_acc, has_p, lam, decayed)
     # rows far apart (head views of a fused projection) are fetched a chunk ahead: 0.93x the time
     # in a model; adjacent rows gain nothing (the hardware prefetches them)
     spread = q.strides[0] != d_ * q.itemsize or v.strides[0] != dv * v.itemsize
@@ -213,37 +239,42 @@ def _causal_segment(q, k, v, out, fm, eps, normalize, length, chunk, c0, c1, las
             prefetch_rows(q, i0 + chunk, cn)
             prefetch_rows(k, i0 + chunk, cn)
             prefetch_rows(v, i0 + chunk, cn)
+        chunk_gates(gates, h, ld, i0, c, G, R, status)
         load_rows(q, i0, c, fm, QA)
-        _load_kt(k, i0, c, fm, Kf, KT, Pz)
+        _load_kt(k, i0, c, fm, Kf, KT, sums if decayed else Pz)  # gated keys add their sums later
         _copy_rows(v, i0, c, SV, d_)
-        small_gemm(QA[:c, :d_], KT[:, :c], QA[:c, d_:d_ + c], False, -1, 0)  # scores, to the diagonal's tile
-        for t in range(c):
-            for u in range(t + 1, c):
-                QA[t, d_ + u] = 0
+        gate_scores(gates, QA, KT, Kf, d_, c, G, R)  # A, lower triangle, decayed
+        gate_queries(gates, QA, d_, c, G, R)
         if has_acc or has_p:  # [phi(Q) | A] @ [S ; V], each row tile up to its last nonzero score
             small_gemm(QA[:c, :d_ + c], SV[:d_ + c], out[i0:i0 + c], False, d_, -1)
         else:  # a zero state: the chunk's own part only
             small_gemm(QA[:c, d_:d_ + c], SV[d_:d_ + c], out[i0:i0 + c], False, 0, -1)
         if normalize:
-            _normalize_rows(out, i0, c, QA, Z, d_, True, eps)
+            _normalize_rows(out, i0, c, QA, Z, d_, True, eps, scale)
+        elif scale != 1:
+            _scale_rows(out, i0, c, scale)
+        gate_pending(gates, P, Pz, lam, c, G, R, has_p)
+        gate_key_columns(gates, KT, c, G, R, Pz)
         small_gemm(KT[:, :c], SV[d_:d_ + c], P, has_p, -1, -1)  # pending state update
         has_p = True
         if ci < c1 - 1:
             if (ci + 1) % FOLD_EVERY == 0:
-                _fold(acc, accz, B, Bz, P, Pz, has_acc)
+                _fold(acc, accz, B, Bz, P, Pz, has_acc, lam, decayed)
                 has_acc, has_p = True, False
-            _current(B, Bz, P, Pz, SV, Z, has_acc, has_p)
+            _current(B, Bz, P, Pz, SV, Z, has_acc, has_p, lam, decayed)
     if last:
         for i in range(length, out.shape[0]):
             for e in range(dv):
                 out[i, e] = 0
         if S_out.shape[0] > 0:
-            _write_state(acc, accz, P, Pz, h, S_out, Z_out, has_acc, has_p)
+            _write_state(acc, accz, P, Pz, h, S_out, Z_out, has_acc, has_p, lam, decayed)
 
 
 @njit(helper=True)
-def _causal_worker(q, k, v, fm, eps, normalize, lengths, chunk, frac, S0, Z0, out, S_out, Z_out, counter):
+def _causal_worker(q, k, v, fm, eps, normalize, scale, lengths, chunk, frac, S0, Z0, out, S_out, Z_out, gates, ld,
+                   status, counter):
     """One thread's share of _causal_forward: work items taken from ``counter`` until none are left."""
+    noinline()  # called from two places (serial and parallel): one compiled copy
     g2, n, d_ = q.shape[1], q.shape[2], q.shape[3]
     dv, dt = v.shape[3], out.dtype
     nseg = frac.shape[0] - 1
@@ -252,6 +283,8 @@ def _causal_worker(q, k, v, fm, eps, normalize, lengths, chunk, frac, S0, Z0, ou
     SV = np.empty((d_ + chunk, dv), dt)  # [S ; V]
     Kf = np.empty((chunk, d_), dt)
     KT = np.empty((d_, chunk), dt)
+    sums = np.empty(d_, dt)
+    G, R = gate_buffers(gates, chunk)
     item = take(counter)
     while item < items:
         length = lengths[item // nseg]
@@ -259,12 +292,13 @@ def _causal_worker(q, k, v, fm, eps, normalize, lengths, chunk, frac, S0, Z0, ou
         last = s == nseg - 1
         if c0 < c1 or (last and (S_out.shape[0] > 0 or length < n)):
             h1, h2 = h // g2, h % g2
-            _causal_segment(q[h1, h2], k[h1, h2], v[h1, h2], out[h1, h2], fm, eps, normalize, length, chunk,
-                            c0, c1, last, S0, Z0, h, S_out, Z_out, QA, SV, Kf, KT)
+            _causal_segment(q[h1, h2], k[h1, h2], v[h1, h2], out[h1, h2], fm, eps, normalize, scale, length, chunk,
+                            c0, c1, last, S0, Z0, h, S_out, Z_out, gates, ld, status, QA, SV, Kf, KT, G, R, sums)
         item = take(counter)
 
 
-def _causal_forward(q, k, v, fm, eps, normalize, lengths, chunk, frac, nthreads, S0, Z0, out, S_out, Z_out):
+def _causal_forward(q, k, v, fm, eps, normalize, scale, lengths, chunk, frac, nthreads, S0, Z0, out, S_out, Z_out,
+                    gates, ld, status):
     """Causal linear attention of every head; head h stops at lengths[h] (later outputs are 0).
 
     q, k: (G1, G2, N, D); v, out: (G1, G2, N, Dv), any strides with unit stride along the last
@@ -273,44 +307,53 @@ def _causal_forward(q, k, v, fm, eps, normalize, lengths, chunk, frac, nthreads,
     increasing fractions from 0 to 1) splits each head's chunks into segments, one work item each.
     ``nthreads`` threads take the items (the caller sets Numba's number of threads to it: one
     prange iteration per thread); with one, the calling thread runs them and wakes no other.
+    ``gates`` (see cpu/gating.py: empty, (G1, G2, N) or (G1, G2, N, D) log gates) and ``ld`` (a log
+    decay per head, float64) decay the state; a bad gate value is reported in ``status``.
+    ``scale`` multiplies phi(q).
     """
     counter = np.empty(1, np.int64)  # np.zeros would become a parallel loop (a parfor) of its own
     counter[0] = 0
     if nthreads <= 1:
-        _causal_worker(q, k, v, fm, eps, normalize, lengths, chunk, frac, S0, Z0, out, S_out, Z_out, counter)
+        _causal_worker(q, k, v, fm, eps, normalize, scale, lengths, chunk, frac, S0, Z0, out, S_out, Z_out, gates,
+                       ld, status, counter)
     else:
         for _ in prange(nthreads):
-            _causal_worker(q, k, v, fm, eps, normalize, lengths, chunk, frac, S0, Z0, out, S_out, Z_out, counter)
+            _causal_worker(q, k, v, fm, eps, normalize, scale, lengths, chunk, frac, S0, Z0, out, S_out, Z_out,
+                           gates, ld, status, counter)
 
 
 @njit(helper=True)
-def _noncausal_segment(q, k, v, out, fm, eps, normalize, chunk, c0, c1, QA, Kf, V, S):
+def _noncausal_segment(q, k, v, out, fm, eps, normalize, scale, chunk, c0, c1, QA, Kf, V, S):
     """Outputs of chunks [c0, c1) of one head (views (N, X)), from the state of the whole head."""
     n, d_ = q.shape
     dv = v.shape[1]
     nchunks = (n + chunk - 1) // chunk
-    P, B, acc, Pz, Bz, Z, accz = _state_buffers(d_, dv, out.dtype)
+    P, B, acc, Pz, Bz, Z, accz, lam = _state_buffers(d_, dv, out.dtype)
+    no_gates, no_g, no_r = np.empty(0, out.dtype), np.empty(0, np.float64), np.empty(0, np.int64)
     has_acc, has_p = False, False
     for ci in range(nchunks):
         i0 = ci * chunk
-        _add_prefix(k, v, i0, min(chunk, n - i0), fm, Kf, V, P, Pz, has_p)
+        _add_prefix(k, v, i0, min(chunk, n - i0), fm, Kf, V, P, Pz, has_p, no_gates, no_g, no_r)
         has_p = True
         if (ci + 1) % FOLD_EVERY == 0 or ci == nchunks - 1:
-            _fold(acc, accz, B, Bz, P, Pz, has_acc)
+            _fold(acc, accz, B, Bz, P, Pz, has_acc, lam, False)
             has_acc, has_p = True, False
-    _current(B, Bz, P, Pz, S, Z, has_acc, has_p)
+    _current(B, Bz, P, Pz, S, Z, has_acc, has_p, lam, False)
     for ci in range(c0, c1):
         i0 = ci * chunk
         c = min(chunk, n - i0)
         load_rows(q, i0, c, fm, QA)
         small_gemm(QA[:c], S, out[i0:i0 + c], False, -1, -1)
         if normalize:
-            _normalize_rows(out, i0, c, QA, Z, d_, False, eps)
+            _normalize_rows(out, i0, c, QA, Z, d_, False, eps, scale)
+        elif scale != 1:
+            _scale_rows(out, i0, c, scale)
 
 
 @njit(helper=True)
-def _noncausal_worker(q, k, v, fm, eps, normalize, chunk, frac, out, counter):
+def _noncausal_worker(q, k, v, fm, eps, normalize, scale, chunk, frac, out, counter):
     """One thread's share of _noncausal_forward (see _causal_worker)."""
+    noinline()
     g2, n, d_ = q.shape[1], q.shape[2], q.shape[3]
     dv, dt = v.shape[3], out.dtype
     nseg = frac.shape[0] - 1
@@ -325,12 +368,12 @@ def _noncausal_worker(q, k, v, fm, eps, normalize, chunk, frac, out, counter):
         h, _s, c0, c1 = _segment(item, nseg, frac, nchunks)
         if c0 < c1:
             h1, h2 = h // g2, h % g2
-            _noncausal_segment(q[h1, h2], k[h1, h2], v[h1, h2], out[h1, h2], fm, eps, normalize, chunk, c0, c1,
-                               QA, Kf, V, S)
+            _noncausal_segment(q[h1, h2], k[h1, h2], v[h1, h2], out[h1, h2], fm, eps, normalize, scale, chunk, c0,
+                               c1, QA, Kf, V, S)
         item = take(counter)
 
 
-def _noncausal_forward(q, k, v, fm, eps, normalize, chunk, frac, nthreads, out):
+def _noncausal_forward(q, k, v, fm, eps, normalize, scale, chunk, frac, nthreads, out):
     """Non-causal linear attention: every position attends to all N positions of its head.
 
     Arrays and threads as for the causal kernel. Each segment's item sums the whole head's state
@@ -339,22 +382,29 @@ def _noncausal_forward(q, k, v, fm, eps, normalize, chunk, frac, nthreads, out):
     counter = np.empty(1, np.int64)  # np.zeros would become a parallel loop (a parfor) of its own
     counter[0] = 0
     if nthreads <= 1:
-        _noncausal_worker(q, k, v, fm, eps, normalize, chunk, frac, out, counter)
+        _noncausal_worker(q, k, v, fm, eps, normalize, scale, chunk, frac, out, counter)
     else:
         for _ in prange(nthreads):
-            _noncausal_worker(q, k, v, fm, eps, normalize, chunk, frac, out, counter)
+            _noncausal_worker(q, k, v, fm, eps, normalize, scale, chunk, frac, out, counter)
 
 
-def _causal_signature(dt, layout):
+def _gates_type(dt, kind):
+    """The gate array's type by kind (cpu/gating.py): empty, per position, per key dimension."""
+    return array(dt, 1, readonly=True) if kind == 0 else array(dt, 2 + kind, "A", readonly=True)
+
+
+def _causal_signature(dt, variant):
+    layout, kind = variant
     seq, i64, f64 = array(dt, 4, layout, readonly=True), types.int64, types.float64
-    return types.void(seq, seq, seq, i64, dt, types.boolean, array(i64, 1, readonly=True), i64,
+    return types.void(seq, seq, seq, i64, dt, types.boolean, dt, array(i64, 1, readonly=True), i64,
                       array(f64, 1, readonly=True), i64, array(dt, 3, readonly=True),
-                      array(dt, 2, readonly=True), array(dt, 4, layout), array(dt, 3), array(dt, 2))
+                      array(dt, 2, readonly=True), array(dt, 4, layout), array(dt, 3), array(dt, 2),
+                      _gates_type(dt, kind), array(f64, 1, readonly=True), array(i64, 1))
 
 
 def _noncausal_signature(dt, layout):
     seq, i64 = array(dt, 4, layout, readonly=True), types.int64
-    return types.void(seq, seq, seq, i64, dt, types.boolean, i64,
+    return types.void(seq, seq, seq, i64, dt, types.boolean, dt, i64,
                       array(types.float64, 1, readonly=True), i64, array(dt, 4, layout))
 
 

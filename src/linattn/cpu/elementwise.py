@@ -1,4 +1,5 @@
-"""Feature maps as Numba loops (over a chunk of rows, or a flat array), with a vectorisable float32 elu+1."""
+"""Feature maps as Numba loops (over a chunk of rows, or a flat array), with an elu+1 that vectorises,
+and the exp of decay factors (exp_le0) from the same polynomials."""
 import math
 
 import numpy as np
@@ -24,9 +25,9 @@ def elu1(x):
 
 
 @njit(helper=True)
-def _elu1_f32(x):
-    # exp(xn) = 2**n * exp(r), n = round(xn / ln2), |r| <= ln2/2, degree-6 polynomial (Cephes expf).
-    xn = max(min(x, np.float32(0.0)), np.float32(-87.33654))  # exp(-87.34) is the smallest normal
+def _exp_f32(xn):
+    """exp(xn) for -87.33654 <= xn <= 0 (the caller clamps): 2**n * exp(r), n = round(xn / ln2),
+    |r| <= ln2/2, degree-6 polynomial (Cephes expf)."""
     n = np.floor(xn * np.float32(1.44269504088896341) + np.float32(0.5))
     r = xn - n * np.float32(0.693359375)
     r = r - n * np.float32(-2.12194440e-4)
@@ -37,16 +38,14 @@ def _elu1_f32(x):
     p = p * r + np.float32(1.6666665459e-1)
     p = p * r + np.float32(5.0000001201e-1)
     p = p * r * r + r + np.float32(1.0)
-    e = p * np.int32((np.int32(n) + np.int32(127)) << np.int32(23)).view(np.float32)
-    y = x + np.float32(1.0) if x > np.float32(0.0) else e
-    return y if x == x else x
+    return p * np.int32((np.int32(n) + np.int32(127)) << np.int32(23)).view(np.float32)
 
 
 @njit(helper=True)
-def _elu1_f64(x):
-    # exp(xn) = 2**n * exp(r), n = round(xn / ln2), |r| <= ln2/2, ln2 in two parts so that n * hi is
-    # exact; exp(r) by its Taylor series to r**13 (truncation < 5e-18 relative: below float64's eps).
-    xn = max(min(x, 0.0), -708.39)  # exp(-708.39) is about the smallest normal float64
+def _exp_f64(xn):
+    """exp(xn) for -708.39 <= xn <= 0 (the caller clamps): 2**n * exp(r), n = round(xn / ln2),
+    |r| <= ln2/2, ln2 in two parts so that n * hi is exact; exp(r) by its Taylor series to r**13
+    (truncation < 5e-18 relative: below float64's eps)."""
     n = np.floor(xn * 1.4426950408889634 + 0.5)
     r = xn - n * 0.6931471803691238
     r = r - n * 1.9082149292705877e-10
@@ -63,9 +62,43 @@ def _elu1_f64(x):
     p = p * r + 0.16666666666666666
     p = p * r + 0.5
     p = p * r * r + r + 1.0
-    e = p * np.int64((np.int64(n) + np.int64(1023)) << np.int64(52)).view(np.float64)
+    return p * np.int64((np.int64(n) + np.int64(1023)) << np.int64(52)).view(np.float64)
+
+
+@njit(helper=True)
+def _elu1_f32(x):
+    e = _exp_f32(max(min(x, np.float32(0.0)), np.float32(-87.33654)))  # exp(-87.34): the smallest normal
+    y = x + np.float32(1.0) if x > np.float32(0.0) else e
+    return y if x == x else x
+
+
+@njit(helper=True)
+def _elu1_f64(x):
+    e = _exp_f64(max(min(x, 0.0), -708.39))  # exp(-708.39): about the smallest normal float64
     y = x + 1.0 if x > 0.0 else e
     return y if x == x else x
+
+
+def exp_le0(x):
+    """exp(x) for x <= 0 (a decay factor): exactly 1 at 0, exactly 0 from exp(x) < the smallest
+    normal (-inf included), the same vectorising polynomial as elu1 in float32 and float64.
+    Only callable from Numba code."""
+    raise NotImplementedError("runs inside Numba kernels only")
+
+
+@overload(exp_le0, jit_options={"fastmath": set(FASTMATH), "error_model": "numpy"})
+def _exp_le0_overload(x):
+    if x == types.float32:
+        def impl(x):
+            e = _exp_f32(max(x, np.float32(-87.33654)))
+            return e if x >= np.float32(-87.33654) else np.float32(0.0)
+        return impl
+    if x == types.float64:
+        def impl(x):
+            e = _exp_f64(max(x, -708.39))
+            return e if x >= -708.39 else 0.0
+        return impl
+    return None
 
 
 @njit(helper=True)

@@ -16,6 +16,8 @@ from llvmlite import ir
 from numba.core import cgutils, types
 from numba.extending import intrinsic
 
+from .._jit import OPTIONS, SOURCE_STAMP, before_kernels
+
 #: Rows of A (and of C) per register tile.
 ROWS = 4
 _FLAGS = ("contract", "reassoc", "nsz", "arcp")
@@ -37,6 +39,88 @@ def _typed(a, b, c):
                 for x in arrays) and len({x.dtype for x in arrays}) == 1)
 
 
+# The products are compiled once per dtype and form as C functions (cached on disk like the kernels)
+# and registered under a symbol name; kernels call them by that name. Their code is then neither
+# copied into every kernel nor optimised again with each (it was: +7 s of a kernel's compile time).
+_registered = {}
+
+
+def _symbol(dtype, trans_a):
+    return f"linattn_small_gemm_{'tn' if trans_a else 'nn'}_{dtype}_{SOURCE_STAMP}"
+
+
+def _c_signature(dtype):
+    """(a, m, kdim, sa, b, sb, c, n, sc, accumulate, kband, nband): pointers, dims and row strides
+    in elements; accumulate 0 or 1."""
+    ptr, i = types.CPointer(dtype), types.intp
+    return types.void(ptr, i, i, i, ptr, i, ptr, i, i, i, i, i)
+
+
+@intrinsic
+def _raw_nn(typingctx, a, m, kdim, sa, b, sb, c, n, sc, accumulate, kband, nband):
+    return _c_signature(a.dtype), _codegen(False)
+
+
+@intrinsic
+def _raw_tn(typingctx, a, m, kdim, sa, b, sb, c, n, sc, accumulate, kband, nband):
+    return _c_signature(a.dtype), _codegen(True)
+
+
+def _product_nn(a, m, kdim, sa, b, sb, c, n, sc, accumulate, kband, nband):
+    _raw_nn(a, m, kdim, sa, b, sb, c, n, sc, accumulate, kband, nband)
+
+
+def _product_tn(a, m, kdim, sa, b, sb, c, n, sc, accumulate, kband, nband):
+    _raw_tn(a, m, kdim, sa, b, sb, c, n, sc, accumulate, kband, nband)
+
+
+def register():
+    """Compile (or load) the four products and register their symbols, once per process; called
+    before a kernel that calls them is compiled or loaded from the cache."""
+    if _registered:
+        return
+    from numba import cfunc
+
+    for dtype in (types.float32, types.float64):
+        for trans_a, fn in ((False, _product_nn), (True, _product_tn)):
+            try:
+                compiled = cfunc(_c_signature(dtype), cache=True, **OPTIONS)(fn)
+            except RuntimeError as exc:  # no writable cache directory: compile in this process
+                if "cannot cache" not in str(exc):
+                    raise
+                compiled = cfunc(_c_signature(dtype), **OPTIONS)(fn)
+            llvm_binding.add_symbol(_symbol(dtype, trans_a), compiled.address)
+            _registered[dtype, trans_a] = compiled
+
+
+before_kernels.append(register)
+
+
+def _call(trans_a):
+    """Intrinsic body: unpack the arrays and call the registered product by its symbol."""
+
+    def codegen(context, builder, sig, args):
+        arr_a, arr_b, arr_c = (context.make_array(t)(context, builder, v) for t, v in zip(sig.args[:3], args[:3]))
+        dtype = sig.args[0].dtype
+        size = context.get_abi_sizeof(context.get_data_type(dtype))
+        i64 = context.get_value_type(types.intp)
+
+        def rstride(arr):
+            return builder.sdiv(builder.extract_value(arr.strides, 0), ir.Constant(i64, size))
+
+        accumulate = builder.zext(context.cast(builder, args[3], sig.args[3], types.boolean), i64)
+        kband, nband = (ir.Constant(i64, -1), ir.Constant(i64, -1)) if trans_a else (args[4], args[5])
+        values = [arr_a.data, builder.extract_value(arr_c.shape, 0),
+                  builder.extract_value(arr_a.shape, 0 if trans_a else 1), rstride(arr_a),
+                  arr_b.data, rstride(arr_b), arr_c.data, builder.extract_value(arr_c.shape, 1), rstride(arr_c),
+                  accumulate, kband, nband]
+        fnty = ir.FunctionType(ir.VoidType(), [v.type for v in values])
+        builder.call(cgutils.get_or_insert_function(builder.module, fnty, _symbol(dtype, trans_a)), values)
+        return context.get_dummy_value()
+
+    return codegen
+
+
 @intrinsic
 def small_gemm(typingctx, a, b, c, accumulate, kband, nband):
     """c[i, j] = sum_k a[i, k] b[k, j] (+ c[i, j] when ``accumulate``), for i < rows of c, j < columns
@@ -45,7 +129,8 @@ def small_gemm(typingctx, a, b, c, accumulate, kband, nband):
     (columns past the band are left as they were); -1 for none. Only callable from Numba code."""
     if not _typed(a, b, c):
         return None
-    return types.void(a, b, c, types.boolean, types.intp, types.intp), _codegen(False)
+    register()
+    return types.void(a, b, c, types.boolean, types.intp, types.intp), _call(False)
 
 
 @intrinsic
@@ -54,43 +139,47 @@ def small_gemm_tn(typingctx, a, b, c, accumulate):
     (k < rows of a), as small_gemm without bands. Only callable from Numba code."""
     if not _typed(a, b, c):
         return None
-    return types.void(a, b, c, types.boolean), _codegen(True)
+    register()
+    return types.void(a, b, c, types.boolean), _call(True)
+
+
+@intrinsic
+def noinline(typingctx):
+    """Keep the calling function out of its callers: LLVM would copy large code into each, and compile
+    it as many times. Only callable from Numba code."""
+
+    def codegen(context, builder, sig, args):
+        builder.function.attributes.add("noinline")
+        return context.get_dummy_value()
+
+    return types.none(), codegen
 
 
 def _codegen(trans_a):
-    """Code of the product (``trans_a``: a is stored transposed, (K, M))."""
+    """Code of the product on raw pointers, dims and row strides (``trans_a``: a stored transposed,
+    (K, M)), the arguments of ``_c_signature``."""
 
     def codegen(context, builder, sig, args):
-        arr_a, arr_b, arr_c = (context.make_array(t)(context, builder, v) for t, v in zip(sig.args[:3], args[:3]))
-        accumulate_v = args[3]
+        a_data, m, kdim, sa, b_data, sb, c_data, n, sc, accumulate_v, kband_v, nband_v = args
         fty = context.get_data_type(sig.args[0].dtype)
         size = context.get_abi_sizeof(fty)
         lanes = _vector_bytes(context) // size
         panel = 4 if lanes * size == 64 else 2  # vectors per tile row: 16 (AVX-512) or 8 (AVX2) registers
         vec = ir.VectorType(fty, lanes)
         i64, i32 = context.get_value_type(types.intp), ir.IntType(32)
+        accumulate_v = builder.icmp_signed("!=", accumulate_v, ir.Constant(accumulate_v.type, 0))
 
         def const(x):
             return ir.Constant(i64, x)
 
-        kband_v, nband_v = (const(-1), const(-1)) if trans_a else (args[4], args[5])
-
-        def rstride(arr):
-            return builder.sdiv(builder.extract_value(arr.strides, 0), const(size))
-
-        m = builder.extract_value(arr_c.shape, 0)
-        n = builder.extract_value(arr_c.shape, 1)
-        kdim = builder.extract_value(arr_a.shape, 0 if trans_a else 1)
-        sa, sb, sc = rstride(arr_a), rstride(arr_b), rstride(arr_c)
         undef = ir.Constant(vec, ir.Undefined)
         zero_mask = ir.Constant(ir.VectorType(i32, lanes), [0] * lanes)
 
-        def ptr(arr, stride, row, col, ty):
-            return builder.bitcast(builder.gep(arr.data, [builder.add(builder.mul(row, stride), col)]),
-                                   ty.as_pointer())
+        def ptr(base, stride, row, col, ty):
+            return builder.bitcast(builder.gep(base, [builder.add(builder.mul(row, stride), col)]), ty.as_pointer())
 
         def a_ptr(i, kk):
-            return ptr(arr_a, sa, kk, i, fty) if trans_a else ptr(arr_a, sa, i, kk, fty)
+            return ptr(a_data, sa, kk, i, fty) if trans_a else ptr(a_data, sa, i, kk, fty)
 
         def splat(x, ty):
             return x if ty is fty else builder.shuffle_vector(builder.insert_element(undef, x, ir.Constant(i32, 0)),
@@ -110,7 +199,7 @@ def _codegen(trans_a):
                     for _ in range(rows)]
             with cgutils.for_range(builder, kend) as loop:
                 kk = loop.index
-                bv = [builder.load(ptr(arr_b, sb, kk, builder.add(j0, const(j * width)), ty), align=size)
+                bv = [builder.load(ptr(b_data, sb, kk, builder.add(j0, const(j * width)), ty), align=size)
                       for j in range(nvec)]
                 for i in range(rows):
                     ai = splat(builder.load(a_ptr(builder.add(r0, const(i)), kk), align=size), ty)
@@ -120,7 +209,7 @@ def _codegen(trans_a):
                         builder.store(builder.fadd(builder.load(acc), prod, flags=_FLAGS), acc)
             for i in range(rows):
                 for j in range(nvec):
-                    p = ptr(arr_c, sc, builder.add(r0, const(i)), builder.add(j0, const(j * width)), ty)
+                    p = ptr(c_data, sc, builder.add(r0, const(i)), builder.add(j0, const(j * width)), ty)
                     total = builder.load(accs[i][j])
                     with builder.if_then(accumulate_v):
                         builder.store(builder.fadd(builder.load(p, align=size), total, flags=_FLAGS), accs[i][j])
