@@ -156,3 +156,38 @@ def test_no_gpu_error():
         linattn.causal_linear_attention(q, q, q, device="cuda")
     with pytest.raises(ValueError, match="device: expected None, 'cpu' or 'cuda', got 'gpu'"):
         linattn.causal_linear_attention(q, q, q, device="gpu")
+
+
+def _gate_options(rng, lead, n, d, dtype):
+    g1 = -rng.random(lead + (n,)).astype(dtype)
+    g2 = np.where(rng.random(lead + (n, d)) < 0.15, -np.inf, -rng.random(lead + (n, d))).astype(dtype)
+    return [dict(decay=0.8), dict(gate=g1, scale=0.5), dict(gate=g2, decay=np.linspace(0.6, 1.0, lead[-1]))]
+
+
+@pytest.mark.parametrize("dtype", [np.float64])
+def test_gates_on_device(cuda, dtype):
+    rng = np.random.default_rng(6)
+    q, k, v = qkv(rng, (2,), 9, 3, 5, dtype)
+    dq, dk, dv = (dev(cuda, x) for x in (q, k, v))
+    for kw in _gate_options(rng, (2,), 9, 3, dtype):
+        ref, st_ref = linattn.causal_linear_attention(q, k, v, return_state=True, **kw)
+        out, st = linattn.causal_linear_attention(dq, dk, dv, return_state=True, **kw)
+        close(out.copy_to_host(), ref, dtype)
+        close(st.S.copy_to_host(), st_ref.S, dtype)
+        close(st.Z.copy_to_host(), st_ref.Z, dtype)
+        close(linattn.causal_linear_attention(q, k, v, device="cuda", **kw), ref, dtype)
+        # prefill 6 positions on the device, then step the last 3 on the device
+        part = {key: (val[:, :6] if key == "gate" else val) for key, val in kw.items()}
+        _, dst = linattn.causal_linear_attention(dev(cuda, q[:, :6]), dev(cuda, k[:, :6]), dev(cuda, v[:, :6]),
+                                                 return_state=True, **part)
+        host_st = linattn.State(dst.S.copy_to_host(), dst.Z.copy_to_host())
+        for i in range(6, 9):
+            one = {key: (val[:, i] if key == "gate" else val) for key, val in kw.items()}
+            o = linattn.step(dev(cuda, q[:, i]), dev(cuda, k[:, i]), dev(cuda, v[:, i]), dst, **one)
+            close(o.copy_to_host(), ref[:, i], dtype)
+            o = linattn.step(q[:, i], k[:, i], v[:, i], host_st, device="cuda", **one)
+            close(o, ref[:, i], dtype)
+    bad = np.zeros((2, 9), dtype)
+    bad[1, 4] = 0.5
+    with pytest.raises(ValueError, match=r"gate: expected log gates <= 0 .* at sequence \(1,\), position 4"):
+        linattn.causal_linear_attention(dq, dk, dv, gate=bad)

@@ -286,8 +286,11 @@ def causal_linear_attention(q, k, v, *, feature_map="elu", eps=1e-6, normalize=T
 
         if initial_state is not None:
             S0, Z0 = cuda_api.flat_state(S0, Z0, bh, dk, dv, where)
-        res, S, Z = cuda_api.causal(_flat(q, bh, 2), _flat(k, bh, 2), _flat(v, bh, 2), code, eps,
-                                    normalize, lens, S0, Z0, return_state, comp)
+        g = None if gates is None else np.ascontiguousarray(gates if kind == gates_mod.VECTOR else gates[..., None])
+        res, S, Z, status = cuda_api.causal(
+            _flat(q, bh, 2), _flat(k, bh, 2), _flat(v, bh, 2), code, eps, normalize, lens, S0, Z0, return_state, comp,
+            None if g is None else g.reshape((bh,) + g.shape[-2:]), kind, log_decay, scale)
+        gates_mod.raise_bad_gate(status, lead)
         res = res.reshape(lead + (n, dv))
     else:
         rows = bh if return_state else 0  # no rows: the kernel skips writing the state

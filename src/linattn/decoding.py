@@ -5,14 +5,16 @@ from contextlib import nullcontext
 
 import numpy as np
 
-from . import checks
+from . import checks, reference
+from . import gates as gates_mod
 from .cpu import step as step_kernels
 from .cpu.runtime import kernel_section
 from .feature_maps import NAMED, resolve, resolve_for_device
 from .state import State
 
 _NAMED_CODES = {name: code for name, (_, code) in NAMED.items()}
-_FAST = {}  # (feature map name, dtype, ndim) -> (map code, serial step kernel) for step's fast path
+_FAST = {}  # (feature map name, dtype, ndim, gate kind, has decay) -> (map code, serial kernel, variant)
+_DECAYS = {}  # (float decay, leading dims) -> its broadcast view
 _ndarray, _empty, _INF = np.ndarray, np.empty, math.inf  # module globals: cheaper to look up per step
 
 # Batches with at least this many state elements (B*H*D*Dv) are stepped in parallel. Measured: from 8
@@ -31,20 +33,41 @@ def _flat_view(x, shape):
     return view
 
 
-def _fast_entry(feature_map, dtype, ndim):
+def _fast_entry(feature_map, dtype, ndim, gate_kind, has_decay):
     """The fast-path entry for a named map and a float32/float64 dtype (compiled once), else None."""
     code = _NAMED_CODES.get(feature_map)
     if code is None or dtype not in (np.float32, np.float64) or ndim < 1:
         return None
-    entry = _FAST[feature_map, dtype, ndim] = (code, step_kernels.step_nd_serial.get(dtype, ndim - 1))
+    variant = (ndim - 1, gate_kind, has_decay)
+    entry = _FAST[feature_map, dtype, ndim, gate_kind, has_decay] = (
+        code, step_kernels.step_nd_serial.get(dtype, variant), variant)
     return entry
 
 
-def step(q, k, v, state, *, feature_map="elu", eps=1e-6, normalize=True, out=None, device=None):
+def _decay_view(decay, lead):
+    """The decay as a float64 array of the leading dims (a broadcast view), for the fast path; None
+    when it cannot be one (the checked path then says why)."""
+    if type(decay) is float:
+        found = _DECAYS.get((decay, lead))
+        if found is None:
+            if len(_DECAYS) > 64:
+                _DECAYS.clear()
+            found = _DECAYS[decay, lead] = np.broadcast_to(np.float64(decay), lead)
+        return found
+    if type(decay) is _ndarray:
+        try:
+            return np.broadcast_to(decay.astype(np.float64, copy=False), lead)
+        except ValueError:
+            return None
+    return None
+
+
+def step(q, k, v, state, *, feature_map="elu", eps=1e-6, normalize=True, decay=None, gate=None, scale=None,
+         out=None, device=None):
     r"""Advance causal linear attention by one position for every sequence of a batch.
 
-    Updates ``state`` **in place** (:math:`S \mathrel{+}= \phi(k) v^T`, :math:`Z \mathrel{+}= \phi(k)`)
-    and returns :math:`\phi(q)^T S / (\phi(q)^T Z + eps)`. The work is O(D'·Dv) per sequence; nothing
+    Updates ``state`` **in place** (:math:`S = a S + \phi(k) v^T`, :math:`Z = a Z + \phi(k)`, with
+    a = 1 unless ``decay`` or ``gate`` is given) and returns :math:`\phi(q)^T S / (\phi(q)^T Z + eps)`. The work is O(D'·Dv) per sequence; nothing
     the size of the state is allocated (only the output, unless ``out`` is given, and phi(q), phi(k)).
 
     Parameters
@@ -57,8 +80,11 @@ def step(q, k, v, state, *, feature_map="elu", eps=1e-6, normalize=True, out=Non
         ``S`` of shape (..., D', Dv) and ``Z`` of (..., D'), writable, of the computation's dtype
         (float32 for float16/float32 inputs, float64 otherwise): from :meth:`State.zeros` or from
         ``causal_linear_attention(..., return_state=True)`` (prefill).
-    feature_map, eps, normalize
+    feature_map, eps, normalize, decay, scale
         As for :func:`causal_linear_attention`; a callable maps (..., D) to (..., D').
+    gate : array_like, optional
+        The new position's log gate (<= 0; -inf resets the state): shaped like the leading dims
+        (one per sequence), or leading dims + (D',) (one per key dimension).
     out : ndarray, shape (..., Dv), optional
         Where to write the result (the inputs' float dtype).
     device : {None, "cpu", "cuda"}, optional
@@ -83,38 +109,45 @@ def step(q, k, v, state, *, feature_map="elu", eps=1e-6, normalize=True, out=Non
     >>> bool(np.allclose(np.stack(steps, axis=-2), full[..., 7:, :], rtol=1e-5, atol=1e-6))
     True
     """
-    # Fast path for the common call (C-contiguous float32/float64 arrays, a named feature map): the
-    # compiled kernel checks dtypes and layouts by its signature and shapes itself, so a decoding
-    # step costs little more than the arithmetic. Anything else takes the validating path below.
+    # Fast path for the common call (float32/float64 NumPy arrays with rows of adjacent elements, a
+    # named feature map): the compiled kernel checks dtypes and layouts by its signature and shapes
+    # and values itself, so a decoding step costs little more than the arithmetic. Anything else
+    # takes the validating path below.
     if (device is None and type(state) is State and type(q) is _ndarray and type(v) is _ndarray
             and type(feature_map) is str and type(eps) is float):
         dt = q.dtype
-        fast = _FAST.get((feature_map, dt, q.ndim)) or _fast_entry(feature_map, dt, q.ndim)
-        if (fast is not None and (normalize is True or normalize is False) and 0.0 <= eps < _INF
-                and (out is None or (type(out) is _ndarray and out.dtype is dt))):
+        kind = 0 if gate is None else (1 if gate.ndim == q.ndim - 1 else 2) if type(gate) is _ndarray else -1
+        decay_arr = None if decay is None else _decay_view(decay, q.shape[:-1])
+        key = (feature_map, dt, q.ndim, kind, decay is not None)
+        fast = _FAST.get(key) or (kind >= 0 and _fast_entry(*key))
+        if (fast and (normalize is True or normalize is False) and 0.0 <= eps < _INF
+                and (out is None or (type(out) is _ndarray and out.dtype is dt))
+                and (decay is None or decay_arr is not None) and (gate is None or gate.dtype is dt)
+                and (scale is None or (type(scale) is float and 0.0 < scale < _INF))):
             S, Z = state
-            # the kernel checks out's shape and layout (C-contiguous, writable) like the others'
+            qscale = 1.0 if scale is None else scale
+            # the kernel checks out's shape and layout (rows of adjacent elements, writable) like the others'
             res = _empty(v.shape, dt) if out is None else out
             try:
                 if type(S) is not _ndarray or S.size < _PARALLEL_MIN:
-                    status = fast[1](q, k, v, fast[0], eps, normalize, S, Z, res)
+                    status = fast[1](q, k, v, fast[0], eps, normalize, S, Z, res, gate, decay_arr, qscale)
                 else:
-                    kernel = step_kernels.step_nd_parallel.get(dt, q.ndim - 1)
+                    kernel = step_kernels.step_nd_parallel.get(dt, fast[2])
                     with kernel_section():
-                        status = kernel(q, k, v, fast[0], eps, normalize, S, Z, res)
+                        status = kernel(q, k, v, fast[0], eps, normalize, S, Z, res, gate, decay_arr, qscale)
                 if status == 0:
                     return res
             except TypeError:  # no compiled signature fits: let the checks below say why
                 pass
-    return _step_checked(q, k, v, state, feature_map, eps, normalize, out, device)
+    return _step_checked(q, k, v, state, feature_map, eps, normalize, decay, gate, scale, out, device)
 
 
-def _step_checked(q, k, v, state, feature_map, eps, normalize, out, device):
+def _step_checked(q, k, v, state, feature_map, eps, normalize, decay, gate, scale, out, device):
     S_in, Z_in = checks.state_parts(state)
     where = checks.check_placement({"q": q, "k": k, "v": v, "state.S": S_in, "state.Z": Z_in, "out": out},
                                    device)
     if where == "device":
-        return _step_device(q, k, v, state, feature_map, eps, normalize, out)
+        return _step_device(q, k, v, state, feature_map, eps, normalize, decay, gate, scale, out)
     q, k, v, lead, _, _, dv, comp, out_dt = checks.check_qkv(q, k, v, seq_axis=False)
     eps = checks.check_eps(eps)
     normalize = checks.check_flag(normalize, "normalize")
@@ -125,6 +158,13 @@ def _step_checked(q, k, v, state, feature_map, eps, normalize, out, device):
         k = checks.check_mapped(fn(k), "k", lead, None, q.shape[-1]).astype(comp, copy=False)
     dk = q.shape[-1]
     S, Z = checks.check_state(state, "state", lead, dk, dv, comp)
+    qscale = gates_mod.check_scale(scale)
+    decay_flat = None if decay is None else gates_mod.check_decay(decay, lead)
+    gate_kind, gate_flat = 0, None
+    if gate is not None:
+        gate_kind, gate_arr = gates_mod.check_gate(gate, lead, None, dk, comp, per_position=False)
+        gates_mod.check_gate_values(gate_arr)
+        gate_flat = gate_arr.reshape((-1,) + gate_arr.shape[len(lead):])
     for name, arr in (("state.S", S), ("state.Z", Z)):
         if not isinstance(arr, np.ndarray) or not arr.flags.writeable:
             raise ValueError(f"{name}: expected a writable NumPy array (step updates the state in place)")
@@ -146,15 +186,16 @@ def _step_checked(q, k, v, state, feature_map, eps, normalize, out, device):
 
         S_dev, Z_dev = cuda_api.to_device(np.ascontiguousarray(S3c)), cuda_api.to_device(np.ascontiguousarray(Z2c))
         res2[...] = cuda_api.step(q.reshape(bh, dk), k.reshape(bh, dk), v.reshape(bh, dv), code, eps,
-                                  normalize, S_dev, Z_dev, None, comp)
+                                  normalize, S_dev, Z_dev, None, comp, gate_flat, gate_kind, decay_flat, qscale)
         S3c[...] = S_dev.copy_to_host()
         Z2c[...] = Z_dev.copy_to_host()
     elif bh:
         parallel = bh * dk * dv >= _PARALLEL_MIN
         kernels = step_kernels.step_strided_parallel if parallel else step_kernels.step_strided_serial
         with kernel_section() if parallel else nullcontext():
-            kernels.get(comp, None)(q.reshape(bh, dk), k.reshape(bh, dk), v.reshape(bh, dv), code, eps,
-                                    normalize, S3c, Z2c, res2)
+            kernels.get(comp, (gate_kind, decay is not None))(
+                q.reshape(bh, dk), k.reshape(bh, dk), v.reshape(bh, dv), code, eps, normalize, S3c, Z2c, res2,
+                gate_flat, decay_flat, qscale)
     if S3 is None:  # write the contiguous copy back
         S[...] = S3c.reshape(S.shape)
     if Z2 is None:
@@ -165,7 +206,7 @@ def _step_checked(q, k, v, state, feature_map, eps, normalize, out, device):
     return res.astype(out_dt, copy=False)
 
 
-def _step_device(q, k, v, state, feature_map, eps, normalize, out):
+def _step_device(q, k, v, state, feature_map, eps, normalize, decay, gate, scale, out):
     """step on CUDA device arrays: validated like the host path, computed on the GPU in place."""
     from .cuda import api as cuda_api
 
@@ -188,17 +229,28 @@ def _step_device(q, k, v, state, feature_map, eps, normalize, out):
                              f"got shape {tuple(out.shape)}, dtype {out.dtype}")
         checks.check_device_inputs({"out": out}, comp, comp)
         out = out.reshape(bh, dv)
+    qscale = gates_mod.check_scale(scale)
+    decay_flat = None if decay is None else gates_mod.check_decay(decay, lead)
+    gate_kind, gate_flat = 0, None
+    if gate is not None:  # a step's gates are small: checked (and copied) on the host
+        gate_kind, gate_arr = gates_mod.check_gate(gate, lead, None, d, comp, per_position=False)
+        gates_mod.check_gate_values(gate_arr)
+        gate_flat = np.ascontiguousarray(gate_arr).reshape(bh, -1)
     res = cuda_api.step(q.reshape(bh, d), k.reshape(bh, d), v.reshape(bh, dv), code, eps, normalize,
-                        S.reshape(bh, d, dv), Z.reshape(bh, d), out, comp)
+                        S.reshape(bh, d, dv), Z.reshape(bh, d), out, comp, gate_flat, gate_kind, decay_flat, qscale)
     return res.reshape(lead + (dv,))
 
 
-def attention_weights(q, k, *, causal=True, feature_map="elu", eps=1e-6):
+def attention_weights(q, k, *, causal=True, feature_map="elu", eps=1e-6, decay=None, gate=None, scale=None):
     r"""The (..., N, N) matrix of normalised weights that linear attention applies implicitly.
 
     ``W[i, j] = phi(q_i).phi(k_j) / (sum_j' phi(q_i).phi(k_j') + eps)`` over j <= i when causal (the
     upper triangle is 0), over all j otherwise, so row i sums to ~1 and ``W @ v`` equals the
-    attention output. O(N²) memory: for inspection and teaching on small N.
+    attention output. With ``decay``/``gate`` (causal only; as for :func:`causal_linear_attention`)
+    each term is decayed, ``phi(q_i)_d phi(k_j)_d prod_{j<u<=i} a_u,d`` (RetNet's parallel form: the
+    scores times its D matrix), and ``W @ v`` equals that call's output; ``scale`` multiplies
+    phi(q). O(N²) memory (O(N²·D') with a gate per key dimension): for inspection and teaching on
+    small N.
 
     Examples
     --------
@@ -210,6 +262,9 @@ def attention_weights(q, k, *, causal=True, feature_map="elu", eps=1e-6):
     (True, True)
     >>> bool(np.allclose(w @ v, linattn.causal_linear_attention(q, k, v)))
     True
+    >>> w = linattn.attention_weights(q, k, decay=0.5)  # RetNet-style: older positions weigh less
+    >>> bool(np.allclose(w @ v, linattn.causal_linear_attention(q, k, v, decay=0.5)))
+    True
     """
     q = checks.as_array(q, "q", 2)
     k = checks.as_array(k, "k", 2)
@@ -218,6 +273,7 @@ def attention_weights(q, k, *, causal=True, feature_map="elu", eps=1e-6):
                          f"got shape {k.shape}")
     eps = checks.check_eps(eps)
     causal = checks.check_flag(causal, "causal")
+    scale = gates_mod.check_scale(scale)
     comp, out_dt = checks.compute_dtypes(q.dtype, k.dtype)
     fn, _, is_callable = resolve(feature_map)
     lead, n = q.shape[:-2], q.shape[-2]
@@ -226,7 +282,20 @@ def attention_weights(q, k, *, causal=True, feature_map="elu", eps=1e-6):
     if is_callable:
         qf = checks.check_mapped(qf, "q", lead, n)
         kf = checks.check_mapped(kf, "k", lead, k.shape[-2], qf.shape[-1])
-    a = (qf @ np.swapaxes(kf, -1, -2)).astype(comp, copy=False)
-    if causal:
-        a = np.tril(a)
+    if (decay is not None or gate is not None) and not causal:
+        raise TypeError("decay, gate: only causal attention decays (the state forgets the past); use causal=True")
+    if scale != 1.0:
+        qf = qf * comp.type(scale)
+    if decay is None and gate is None:
+        a = (qf @ np.swapaxes(kf, -1, -2)).astype(comp, copy=False)
+        if causal:
+            a = np.tril(a)
+    else:
+        kind, gates, log_decay = gates_mod.prepare(decay, gate, lead, n, qf.shape[-1], comp)
+        gates_mod.check_gate_values(gates)
+        log_a = gates.astype(np.float64)
+        log_a = (log_a if kind == gates_mod.VECTOR else log_a[..., None]) + (
+            0.0 if log_decay is None else log_decay.reshape(lead + (1, 1)))
+        factors = reference.decay_matrix(np.broadcast_to(log_a, lead + (n, qf.shape[-1])))
+        a = np.einsum("...td,...sd,...tsd->...ts", qf, kf, factors).astype(comp, copy=False)
     return (a / (a.sum(-1, keepdims=True) + comp.type(eps))).astype(out_dt, copy=False)

@@ -19,8 +19,8 @@ NONE, SCALAR, VECTOR = 0, 1, 2
 
 
 def check_decay(decay, lead):
-    """A decay in (0, 1] broadcastable to the leading dims; returns its log per sequence (float64,
-    flattened over ``lead``)."""
+    """A decay in (0, 1] broadcastable to the leading dims; returns it per sequence (float64, flattened
+    over ``lead``)."""
     arr = np.asarray(decay) if not isinstance(decay, (str, bytes)) else np.asarray(None)
     if arr.dtype.kind not in "fiu":
         raise TypeError(f"decay: expected a real number or an array of them, got {type(decay).__name__}")
@@ -32,7 +32,7 @@ def check_decay(decay, lead):
     bad = ~((full > 0) & (full <= 1))
     if bad.any():
         raise ValueError(f"decay: expected values in (0, 1], got {full[bad].ravel()[0]}")
-    return np.log(full).reshape(-1)
+    return full.reshape(-1)
 
 
 def check_gate(gate, lead, n, dk, comp, per_position=True):
@@ -65,7 +65,7 @@ def check_scale(scale):
 def prepare(decay, gate, lead, n, dk, comp):
     """(kind, gates, log_decay) for the kernels: gates of shape ``lead + (N,)`` or ``lead + (N, D')``
     (None for no decay at all), log_decay one per sequence (float64) or None."""
-    log_decay = None if decay is None else check_decay(decay, lead)
+    log_decay = None if decay is None else np.log(check_decay(decay, lead))
     if gate is not None:
         kind, gates = check_gate(gate, lead, n, dk, comp)
     elif log_decay is not None:
@@ -75,10 +75,20 @@ def prepare(decay, gate, lead, n, dk, comp):
     return kind, gates, log_decay
 
 
+def check_gate_values(gate):
+    """ValueError for a positive or NaN log gate (small gates: a decoding step's)."""
+    bad = (gate > 0) | np.isnan(gate)
+    if bad.any():
+        where = tuple(int(i) for i in np.argwhere(bad)[0])
+        what = "NaN" if np.isnan(gate[where]) else "a positive value"
+        raise ValueError(f"gate: expected log gates <= 0 (natural log; -inf resets the state), got {what} at {where}")
+
+
 def raise_bad_gate(status, lead):
     """Raise the ValueError for a bad gate value a kernel reported (status: kind, flat sequence, position)."""
     if status[0] == 0:
         return
     what = "a positive value" if status[0] == 1 else "NaN"
-    where = f"sequence {np.unravel_index(int(status[1]), lead) if lead else ()}, position {int(status[2])}"
+    seq = tuple(int(i) for i in np.unravel_index(int(status[1]), lead)) if lead else ()
+    where = f"sequence {seq}, position {int(status[2])}"
     raise ValueError(f"gate: expected log gates <= 0 (natural log; -inf resets the state), got {what} at {where}")

@@ -1,22 +1,146 @@
-"""One decoding step for every sequence of a batch: S += phi(k) v^T, Z += phi(k), then read out.
+"""One decoding step for every sequence of a batch: S = a S + phi(k) v^T, Z = a Z + phi(k), then read
+out (a = 1, or the decay and gate of the step: see cpu/gating.py and linattn.gates).
 
 Per head it is one pass over S (vector.state_pass: each element updated once, the output kept in
-registers, Z and the normalisation folded in; plain loops for states without unit-stride rows), so
-the work is O(D * Dv) and the memory traffic is reading and writing the state once.
+registers, the decay, Z and the normalisation folded in; plain loops for states without unit-stride
+rows), so the work is O(D * Dv) and the memory traffic is reading and writing the state once.
+
+Gates and decay are compile-time variants (``None`` when absent): a gate per sequence, shaped like
+the leading dims, or per key dimension, leading dims + (D',); a decay of the leading dims' ndim
+(broadcast views allowed), float64. Their values are checked here: a bad one returns 2.
 """
 import numpy as np
 from numba import prange, types
+from numba.extending import overload
+from numba.np.unsafe.ndarray import to_fixed_tuple
 
-from .._jit import Kernel, array, njit
-from .elementwise import map_flat, map_row
+from .._jit import FASTMATH, Kernel, array, njit
+from .elementwise import exp_le0, map_flat, map_row
 from .vector import state_pass
 from .views import as_contiguous, head_matrix, head_row
 
+_OPTS = {"fastmath": set(FASTMATH), "error_model": "numpy"}
+
+
+def head_scalar(x, h):
+    """x[i, j, ...] for the flat index h over all of x's dims (C order). Only callable from Numba code."""
+    raise NotImplementedError("runs inside Numba kernels only")
+
+
+@overload(head_scalar, jit_options=_OPTS)
+def _head_scalar(x, h):
+    if not isinstance(x, types.Array):
+        return None
+    nd = x.ndim
+    if nd == 1:
+        return lambda x, h: x[h]
+    if nd == 2:
+        return lambda x, h: x[h // x.shape[1], h % x.shape[1]]
+    if nd == 3:
+        return lambda x, h: x[h // (x.shape[1] * x.shape[2]), (h // x.shape[2]) % x.shape[1], h % x.shape[2]]
+
+    def impl(x, h):
+        idx = np.empty(nd, np.intp)
+        for i in range(nd - 1, -1, -1):
+            idx[i] = h % x.shape[i]
+            h //= x.shape[i]
+        return x[to_fixed_tuple(idx, nd)]
+
+    return impl
+
+
+def fill_decay(gates, decay, h, dec, q):
+    """dec[:] = the factors of head h's state for this step, exp(gate + log decay); returns False when
+    a value is bad (a positive or NaN gate, a decay outside (0, 1]). ``q`` (leading dims + (D,)) tells
+    a gate per key dimension (of q's ndim) from one per sequence. Only callable from Numba code."""
+    raise NotImplementedError("runs inside Numba kernels only")
+
+
+@overload(fill_decay, jit_options=_OPTS)
+def _fill_decay(gates, decay, h, dec, q):
+    no_gate = isinstance(gates, types.NoneType)
+    no_decay = isinstance(decay, types.NoneType)
+    per_dim = not no_gate and gates.ndim == q.ndim
+
+    def impl(gates, decay, h, dec, q):
+        lg = 0.0
+        if not no_decay:
+            d = head_scalar(decay, h)
+            if not (d > 0 and d <= 1):
+                return False
+            lg = np.log(d)
+        if no_gate:
+            f = exp_le0(lg)
+            for a in range(dec.shape[0]):
+                dec[a] = f
+        elif not per_dim:
+            g = head_scalar(gates, h)
+            if g > 0 or g != g:
+                return False
+            f = exp_le0(np.float64(g) + lg)
+            for a in range(dec.shape[0]):
+                dec[a] = f
+        else:
+            row = head_row(gates, h)
+            ok = True
+            for a in range(dec.shape[0]):
+                g = row[a]
+                ok = ok and not (g > 0 or g != g)
+                dec[a] = exp_le0(np.float64(g) + lg)
+            return ok
+        return True
+
+    return impl
+
+
+def pass_head(S, Z, v, q, k, out, stride, eps, normalize, qscale, gates, decay, dec):
+    """state_pass for one head, with its decay row ``dec`` (from fill_decay) unless there are neither
+    gates nor a decay. Only callable from Numba code."""
+    raise NotImplementedError("runs inside Numba kernels only")
+
+
+@overload(pass_head, jit_options=_OPTS)
+def _pass_head(S, Z, v, q, k, out, stride, eps, normalize, qscale, gates, decay, dec):
+    if isinstance(gates, types.NoneType) and isinstance(decay, types.NoneType):
+        def impl(S, Z, v, q, k, out, stride, eps, normalize, qscale, gates, decay, dec):
+            state_pass(S, Z, v, q, k, out, stride, eps, normalize, None, qscale)
+        return impl
+
+    def impl(S, Z, v, q, k, out, stride, eps, normalize, qscale, gates, decay, dec):
+        state_pass(S, Z, v, q, k, out, stride, eps, normalize, dec, qscale)
+    return impl
+
+
+def decays(gates, decay, decs, q):
+    """decs[h] = fill_decay(...) for every head; False when a value is bad (nothing else touched).
+    Does nothing without gates and decay. Only callable from Numba code."""
+    raise NotImplementedError("runs inside Numba kernels only")
+
+
+@overload(decays, jit_options=_OPTS)
+def _decays(gates, decay, decs, q):
+    if isinstance(gates, types.NoneType) and isinstance(decay, types.NoneType):
+        return lambda gates, decay, decs, q: True
+
+    def impl(gates, decay, decs, q):
+        ok = True
+        for h in range(decs.shape[0]):
+            ok = fill_decay(gates, decay, h, decs[h], q) and ok
+        return ok
+    return impl
+
 
 @njit(helper=True)
-def _head_loops(Sh, Zh, vrow, qf, kf, orow, eps, normalize, scratch):
+def _decayed(x, dec, a):
+    """x times dec[a], or x when there is no decay (dec None)."""
+    return x if dec is None else dec[a] * x
+
+
+@njit(helper=True)
+def _head_loops(Sh, Zh, vrow, qf, kf, orow, eps, normalize, qscale, dec, scratch):
     """What ``state_pass`` does, with plain loops for any strides: two rows of S per pass, then
-    Zh += phi(k) and the division of orow by phi(q).Zh + eps."""
+    Zh = dec Zh + phi(k) and the division of orow by phi(q).Zh + eps (dec: the decay of each row,
+    None for none)."""
     d_, dv = Sh.shape
     for e in range(dv):
         orow[e] = 0
@@ -24,8 +148,8 @@ def _head_loops(Sh, Zh, vrow, qf, kf, orow, eps, normalize, scratch):
         k0, k1, q0, q1 = kf[a], kf[a + 1], qf[a], qf[a + 1]
         r0, r1 = Sh[a], Sh[a + 1]
         for e in range(dv):
-            s0 = r0[e] + k0 * vrow[e]
-            s1 = r1[e] + k1 * vrow[e]
+            s0 = _decayed(r0[e], dec, a) + k0 * vrow[e]
+            s1 = _decayed(r1[e], dec, a + 1) + k1 * vrow[e]
             r0[e] = s0
             r1[e] = s1
             orow[e] += q0 * s0 + q1 * s1
@@ -33,52 +157,77 @@ def _head_loops(Sh, Zh, vrow, qf, kf, orow, eps, normalize, scratch):
         a = d_ - 1
         r0 = Sh[a]
         for e in range(dv):
-            s0 = r0[e] + kf[a] * vrow[e]
+            s0 = _decayed(r0[e], dec, a) + kf[a] * vrow[e]
             r0[e] = s0
             orow[e] += qf[a] * s0
     den = qf[0] - qf[0]  # zero in the compute dtype
     for a in range(d_):
-        z = Zh[a] + kf[a]
+        z = _decayed(Zh[a], dec, a) + kf[a]
         Zh[a] = z
         den += qf[a] * z
-    if normalize:
-        scratch[0] = 1.0 / (den + eps)  # rounded to the compute dtype
-        r = scratch[0]
-        for e in range(dv):
-            orow[e] *= r
+    scratch[0] = qscale / (qscale * den + eps) if normalize else qscale  # rounded to the compute dtype
+    r = scratch[0]
+    for e in range(dv):
+        orow[e] *= r
 
 
-def _step(q, k, v, fm, eps, normalize, S, Z, out):
+def loops_head(Sh, Zh, vrow, qf, kf, orow, eps, normalize, qscale, gates, decay, dec, scratch):
+    """_head_loops with the decay row ``dec`` unless there are neither gates nor a decay. Only
+    callable from Numba code."""
+    raise NotImplementedError("runs inside Numba kernels only")
+
+
+@overload(loops_head, jit_options=_OPTS)
+def _loops_head(Sh, Zh, vrow, qf, kf, orow, eps, normalize, qscale, gates, decay, dec, scratch):
+    if isinstance(gates, types.NoneType) and isinstance(decay, types.NoneType):
+        def impl(Sh, Zh, vrow, qf, kf, orow, eps, normalize, qscale, gates, decay, dec, scratch):
+            _head_loops(Sh, Zh, vrow, qf, kf, orow, eps, normalize, qscale, None, scratch)
+        return impl
+
+    def impl(Sh, Zh, vrow, qf, kf, orow, eps, normalize, qscale, gates, decay, dec, scratch):
+        _head_loops(Sh, Zh, vrow, qf, kf, orow, eps, normalize, qscale, dec, scratch)
+    return impl
+
+
+def _step(q, k, v, fm, eps, normalize, S, Z, out, gates, decay, qscale):
     """q, k: (BH, D) (already mapped when fm is IDENTITY); v: (BH, Dv); S: (BH, D, Dv) and
-    Z: (BH, D) updated in place; out: (BH, Dv). Any strides; the caller checked the shapes."""
+    Z: (BH, D) updated in place; out: (BH, Dv); gates: None, (BH,) or (BH, D); decay: None or (BH,).
+    Any strides; the caller checked the shapes and values."""
     bh, d_ = S.shape[0], S.shape[1]
     maps = np.empty((bh, 2, d_), out.dtype)
     scratch = np.empty(bh, out.dtype)
+    decs = np.ones((bh, d_), out.dtype)
     for h in range(bh):
         for a in range(d_):
             maps[h, 0, a] = q[h, a]
             maps[h, 1, a] = k[h, a]
     map_flat(maps.reshape(bh * 2 * d_), fm, maps.reshape(bh * 2 * d_))
+    decays(gates, decay, decs, q)
     unit = S.itemsize
     vector = S.strides[2] == unit and Z.strides[1] == unit and v.strides[1] == unit and out.strides[1] == unit
     for h in prange(bh):
         if vector:
-            state_pass(S[h], Z[h], v[h], maps[h, 0], maps[h, 1], out[h], S.strides[1] // unit, eps, normalize)
+            pass_head(S[h], Z[h], v[h], maps[h, 0], maps[h, 1], out[h], S.strides[1] // unit, eps, normalize, qscale,
+                      gates, decay, decs[h])
         else:
-            _head_loops(S[h], Z[h], v[h], maps[h, 0], maps[h, 1], out[h], eps, normalize, scratch[h:h + 1])
+            loops_head(S[h], Z[h], v[h], maps[h, 0], maps[h, 1], out[h], eps, normalize, qscale, gates, decay,
+                       decs[h], scratch[h:h + 1])
     return 0
 
 
-def _step_nd(q, k, v, fm, eps, normalize, S, Z, out):
+def _step_nd(q, k, v, fm, eps, normalize, S, Z, out, gates, decay, qscale):
     """The same on arrays with any number of leading dims and any strides along them (the heads of
     a fused QKV projection, say), each row of adjacent elements; heads are indexed in place.
 
-    Checks the shapes and strides itself and returns 1, touching nothing, when they do not fit
-    (the caller then takes the validating path, which raises the error or copies); 0 on success.
+    Checks the shapes, strides and gate or decay values itself and returns 1 (shapes, strides) or 2
+    (a bad value), touching nothing, when they do not fit (the caller then takes the validating
+    path, which raises the error or copies); 0 on success.
     """
     lead = q.shape[:-1]
     if (k.shape != q.shape or v.shape[:-1] != lead or S.shape[:-1] != q.shape
             or S.shape[-1] != v.shape[-1] or Z.shape != q.shape or out.shape != v.shape):
+        return 1
+    if not _gates_fit(gates, lead, q.shape[-1]) or not _decay_fits(decay, lead):
         return 1
     d_, dv = S.shape[S.ndim - 2], S.shape[S.ndim - 1]
     isz = S.itemsize
@@ -87,32 +236,71 @@ def _step_nd(q, k, v, fm, eps, normalize, S, Z, out):
     if out.strides[-1] != isz or Z.strides[-1] != isz:
         return 1
     bh = q.size // d_
+    decs = np.empty((bh, d_), out.dtype)
+    if not decays(gates, decay, decs, q):
+        return 2
     qf, kf = np.empty(bh * d_, out.dtype), np.empty(bh * d_, out.dtype)
     for h in range(bh):
         map_row(as_contiguous(head_row(q, h)), fm, qf[h * d_:(h + 1) * d_])
         map_row(as_contiguous(head_row(k, h)), fm, kf[h * d_:(h + 1) * d_])
     for h in prange(bh):
         Sh = head_matrix(S, h)
-        state_pass(Sh, head_row(Z, h), head_row(v, h), qf[h * d_:(h + 1) * d_], kf[h * d_:(h + 1) * d_],
-                   head_row(out, h), Sh.strides[0] // isz, eps, normalize)
+        pass_head(Sh, head_row(Z, h), head_row(v, h), qf[h * d_:(h + 1) * d_], kf[h * d_:(h + 1) * d_],
+                  head_row(out, h), Sh.strides[0] // isz, eps, normalize, qscale, gates, decay, decs[h])
     return 0
 
 
-def _strided_signature(dt, _):
+def _gates_fit(gates, lead, d_):
+    raise NotImplementedError
+
+
+@overload(_gates_fit, jit_options=_OPTS)
+def _ol_gates_fit(gates, lead, d_):
+    if isinstance(gates, types.NoneType):
+        return lambda gates, lead, d_: True
+    if gates.ndim == len(lead):
+        return lambda gates, lead, d_: gates.shape == lead
+    return lambda gates, lead, d_: gates.shape[:-1] == lead and gates.shape[-1] == d_
+
+
+def _decay_fits(decay, lead):
+    raise NotImplementedError
+
+
+@overload(_decay_fits, jit_options=_OPTS)
+def _ol_decay_fits(decay, lead):
+    if isinstance(decay, types.NoneType):
+        return lambda decay, lead: True
+    return lambda decay, lead: decay.shape == lead
+
+
+def _optional(t):
+    return types.none if t is None else t
+
+
+def _strided_signature(dt, variant):
+    gate_kind, has_decay = variant
     vec, i64 = array(dt, 2, "A", readonly=True), types.int64
+    gates = {0: None, 1: array(dt, 1, "A", readonly=True), 2: array(dt, 2, "A", readonly=True)}[gate_kind]
+    decay = array(types.float64, 1, "A", readonly=True) if has_decay else None
     return types.int64(vec, vec, vec, i64, types.float64, types.boolean, array(dt, 3, "A"),
-                      array(dt, 2, "A"), array(dt, 2, "A"))
+                       array(dt, 2, "A"), array(dt, 2, "A"), _optional(gates), _optional(decay), types.float64)
 
 
-def _nd_signature(dt, lead_ndim):
+def _nd_signature(dt, variant):
+    lead_ndim, gate_kind, has_decay = variant
     vec, i64 = array(dt, lead_ndim + 1, "A", readonly=True), types.int64
+    gates = {0: None, 1: array(dt, lead_ndim, "A", readonly=True),
+             2: array(dt, lead_ndim + 1, "A", readonly=True)}[gate_kind]
+    decay = array(types.float64, lead_ndim, "A", readonly=True) if has_decay else None
     return types.int64(vec, vec, vec, i64, types.float64, types.boolean, array(dt, lead_ndim + 2, "A"),
-                      array(dt, lead_ndim + 1, "A"), array(dt, lead_ndim + 1, "A"))
+                       array(dt, lead_ndim + 1, "A"), array(dt, lead_ndim + 1, "A"), _optional(gates),
+                       _optional(decay), types.float64)
 
 
-#: variant: number of leading dims (any strides along them, rows of adjacent elements)
+#: variant: (number of leading dims, gate kind, has decay); any strides along the leading dims
 step_nd_serial = Kernel(_step_nd, _nd_signature, parallel=False)
 step_nd_parallel = Kernel(_step_nd, _nd_signature, parallel=True)
-#: any strides, already flattened to (BH, ...); variant unused
+#: any strides, already flattened to (BH, ...); variant: (gate kind, has decay)
 step_strided_serial = Kernel(_step, _strided_signature, parallel=False)
 step_strided_parallel = Kernel(_step, _strided_signature, parallel=True)

@@ -43,27 +43,32 @@ def wide_vectors(typingctx):
 
 
 @intrinsic
-def state_pass(typingctx, S, Z, v, q, k, out, row_stride, eps, normalize):
+def state_pass(typingctx, S, Z, v, q, k, out, row_stride, eps, normalize, decay, qscale):
     """One decoding step of one head: for every row a and column e of S (D' x Dv, rows
-    ``row_stride`` elements apart, unit column stride), S[a, e] += k[a] v[e] and Z[a] += k[a]; then
-    out[e] = sum_a q[a] S[a, e], divided by sum_a q[a] Z[a] + eps when ``normalize``.
+    ``row_stride`` elements apart, unit column stride), S[a, e] = decay[a] S[a, e] + k[a] v[e] and
+    Z[a] = decay[a] Z[a] + k[a] (``decay`` None: 1); then out[e] = qscale sum_a q[a] S[a, e],
+    divided by qscale sum_a q[a] Z[a] + eps when ``normalize``.
 
-    Z, v, q, k and out must have unit stride. Columns go in panels of PANEL vectors, then single
-    vectors, then one at a time; the division is applied to the panels' registers before they are
-    stored. Only callable from Numba code.
+    Z, v, q, k, out and decay must have unit stride. Columns go in panels of PANEL vectors, then
+    single vectors, then one at a time; the division is applied to the panels' registers before they
+    are stored. Only callable from Numba code.
     """
     if not (isinstance(S, types.Array) and S.ndim == 2 and S.dtype in (types.float32, types.float64)):
         return None
-    if not all(isinstance(x, types.Array) and x.ndim == 1 and x.dtype == S.dtype for x in (Z, v, q, k, out)):
+    arrays = (Z, v, q, k, out) + (() if isinstance(decay, types.NoneType) else (decay,))
+    if not all(isinstance(x, types.Array) and x.ndim == 1 and x.dtype == S.dtype for x in arrays):
         return None
-    sig = types.void(S, Z, v, q, k, out, row_stride, eps, normalize)
+    decayed = not isinstance(decay, types.NoneType)
+    sig = types.void(S, Z, v, q, k, out, row_stride, eps, normalize, decay, qscale)
 
     def codegen(context, builder, sig, args):
         s_arr, z_arr, v_arr, q_arr, k_arr, o_arr = (context.make_array(t)(context, builder, a)
                                                     for t, a in zip(sig.args[:6], args[:6]))
+        d_arr = context.make_array(sig.args[9])(context, builder, args[9]) if decayed else None
         stride_v = args[6]
         eps_v = context.cast(builder, args[7], sig.args[7], types.float64)
         norm_v = context.cast(builder, args[8], sig.args[8], types.boolean)
+        qs_v = context.cast(builder, args[10], sig.args[10], types.float64)
         fty = context.get_data_type(sig.args[0].dtype)
         width = VECTOR_BYTES // context.get_abi_sizeof(fty)
         vec = ir.VectorType(fty, width)
@@ -83,20 +88,24 @@ def state_pass(typingctx, S, Z, v, q, k, out, row_stride, eps, normalize):
         def fma(x, y, z):
             return builder.fadd(builder.fmul(x, y, flags=_FLAGS), z, flags=_FLAGS)
 
-        # Z += k and den = q.Z (Z after the update), then scale = 1 / (den + eps) in float64, rounded
-        # to the compute dtype (as NumPy would do it with a float eps), or 1 without normalisation.
+        # Z = decay Z + k and den = q.Z (Z after the update), then scale = qscale / (qscale den + eps)
+        # in float64, rounded to the compute dtype (as NumPy would do it with a float eps), or qscale
+        # without normalisation.
         den = cgutils.alloca_once_value(builder, ir.Constant(fty, 0.0))
         with cgutils.for_range(builder, rows) as loop:
             zp = builder.gep(z_arr.data, [loop.index])
-            z = builder.fadd(builder.load(zp), builder.load(builder.gep(k_arr.data, [loop.index])))
+            zold = builder.load(zp)
+            if decayed:
+                zold = builder.fmul(builder.load(builder.gep(d_arr.data, [loop.index])), zold, flags=_FLAGS)
+            z = builder.fadd(zold, builder.load(builder.gep(k_arr.data, [loop.index])))
             builder.store(z, zp)
             qz = builder.fmul(builder.load(builder.gep(q_arr.data, [loop.index])), z, flags=_FLAGS)
             builder.store(builder.fadd(builder.load(den), qz, flags=_FLAGS), den)
         f64 = ir.DoubleType()
-        total = builder.fadd(builder.fpext(builder.load(den), f64) if fty != f64 else builder.load(den), eps_v)
-        inv = builder.fdiv(ir.Constant(f64, 1.0), total)
-        inv = builder.fptrunc(inv, fty) if fty != f64 else inv
-        scale = builder.select(norm_v, inv, ir.Constant(fty, 1.0))
+        den64 = builder.fpext(builder.load(den), f64) if fty != f64 else builder.load(den)
+        inv = builder.fdiv(qs_v, builder.fadd(builder.fmul(qs_v, den64), eps_v))
+        scale = builder.select(norm_v, inv, qs_v)
+        scale = builder.fptrunc(scale, fty) if fty != f64 else scale
 
         def panel(e0, nvec, ty):
             """Columns [e0, e0 + nvec * lanes of ty): accumulators live in registers over all rows."""
@@ -106,10 +115,12 @@ def state_pass(typingctx, S, Z, v, q, k, out, row_stride, eps, normalize):
             accs = [cgutils.alloca_once_value(builder, ir.Constant(ty, None)) for _ in cols]
             with cgutils.for_range(builder, rows) as loop:
                 ka, qa = splat(k_arr.data, loop.index, ty), splat(q_arr.data, loop.index, ty)
+                da = splat(d_arr.data, loop.index, ty) if decayed else None
                 row = builder.mul(loop.index, stride_v)
                 for c, x, acc in zip(cols, vv, accs):
                     p = _at(builder, s_arr.data, builder.add(row, c), ty)
-                    s = fma(ka, x, builder.load(p, align=align))
+                    old = builder.load(p, align=align)
+                    s = fma(ka, x, builder.fmul(da, old, flags=_FLAGS) if decayed else old)
                     builder.store(s, p, align=align)
                     builder.store(fma(qa, s, builder.load(acc)), acc)
             sc = scale if ty is fty else builder.shuffle_vector(

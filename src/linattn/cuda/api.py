@@ -6,20 +6,21 @@ from . import _simulating, cuda_module, is_device_array
 _SHARED_BYTES = 48 * 1024  # static limit for dynamic shared memory without an opt-in
 
 
-def shared_doubles(c, te, d):
-    """Size of the dynamic shared buffer of the sequence kernels, in float64 values."""
-    return 2 * c * d + c * te + c * c + d * te + d + c
+def shared_doubles(c, te, d, w=0):
+    """Size of the dynamic shared buffer of the sequence kernels, in float64 values (w: columns of
+    the gates' G and R, 0 without gates)."""
+    return 2 * c * d + c * te + c * c + d * te + d + c + 2 * c * w
 
 
-def tiles(d, dv):
+def tiles(d, dv, w=0):
     """(C, TE): positions per chunk and value columns per block (C*TE threads per block)."""
     c, te = (4, 4) if _simulating() else (16, 16)  # the simulator runs each thread as a Python thread
-    while shared_doubles(c, te, d) * 8 > _SHARED_BYTES and (c > 1 or te > 1):
+    while shared_doubles(c, te, d, w) * 8 > _SHARED_BYTES and (c > 1 or te > 1):
         if te >= c and te > 1:
             te //= 2
         else:
             c //= 2
-    if shared_doubles(c, te, d) * 8 > _SHARED_BYTES:
+    if shared_doubles(c, te, d, w) * 8 > _SHARED_BYTES:
         raise ValueError(f"q: feature dimension D={d} is too large for the CUDA kernels' shared memory")
     return c, te
 
@@ -54,9 +55,12 @@ def _result(x, host):
     return x.copy_to_host() if host else x
 
 
-def causal(q, k, v, code, eps, normalize, lengths, S0, Z0, want_state, dtype):
-    """Causal forward of (BH, N, D) arrays; returns (out, S, Z) (S, Z have no rows unless
-    ``want_state``) on the host if q is a host array, else on the device."""
+def causal(q, k, v, code, eps, normalize, lengths, S0, Z0, want_state, dtype, gates=None, kind=0, log_decay=None,
+           scale=1.0):
+    """Causal forward of (BH, N, D) arrays; returns (out, S, Z, status) (S, Z have no rows unless
+    ``want_state``) on the host if q is a host array, else on the device. ``gates``: (BH, N, 1) or
+    (BH, N, D) log gates of ``kind`` (linattn.gates), ``log_decay`` (BH,); ``status`` (host, 3 ints)
+    reports a bad gate value as the CPU kernels do."""
     cuda = cuda_module()
     from .kernels import causal as kern
     host = not is_device_array(q)
@@ -67,15 +71,21 @@ def causal(q, k, v, code, eps, normalize, lengths, S0, Z0, want_state, dtype):
     out = cuda.device_array((bh, n, dv), dtype)
     rows = bh if want_state else 0
     S, Z = cuda.device_array((rows, d, dv), dtype), cuda.device_array((rows, d), dtype)
+    g = to_device(np.zeros((1, 1, 1), dtype)) if gates is None else _on_device(gates)
+    ld = to_device(np.zeros(bh if log_decay is not None or kind else 0)) if log_decay is None else _on_device(
+        np.asarray(log_decay, np.float64))
+    status = to_device(np.zeros(3, np.int64))
     if bh and n:
-        c, te = tiles(d, dv)
-        kern[(bh, -(-dv // te)), (te, c), 0, shared_doubles(c, te, d) * 8](
-            q, k, v, code, float(eps), bool(normalize), lens, S0, Z0, out, S, Z, c, te)
+        w = 0 if kind == 0 else (1 if kind == 1 else d)
+        c, te = tiles(d, dv, w)
+        kern[(bh, -(-dv // te)), (te, c), 0, shared_doubles(c, te, d, w) * 8](
+            q, k, v, code, float(eps), bool(normalize), lens, S0, Z0, out, S, Z, c, te, g, kind, ld, float(scale),
+            status)
     elif want_state and S0.shape[0]:
         S, Z = S0, Z0
     elif want_state:
         S, Z = to_device(np.zeros((bh, d, dv), dtype)), to_device(np.zeros((bh, d), dtype))
-    return _result(out, host), _result(S, host), _result(Z, host)
+    return _result(out, host), _result(S, host), _result(Z, host), status.copy_to_host()
 
 
 def noncausal(q, k, v, code, eps, normalize, dtype):
@@ -93,9 +103,10 @@ def noncausal(q, k, v, code, eps, normalize, dtype):
     return _result(out, host)
 
 
-def step(q, k, v, code, eps, normalize, S, Z, out, dtype):
+def step(q, k, v, code, eps, normalize, S, Z, out, dtype, gates=None, kind=0, decay=None, scale=1.0):
     """One step on (BH, D) arrays; S, Z (device arrays) are updated in place. Host q, k, v are
-    copied over; returns out (a device array, or a host array for host q)."""
+    copied over; returns out (a device array, or a host array for host q). ``gates``: (BH,) or
+    (BH, D) of ``kind``, ``decay`` (BH,) in (0, 1]; their values already checked."""
     cuda = cuda_module()
     from .kernels import step as kern
     host = not is_device_array(q)
@@ -103,7 +114,10 @@ def step(q, k, v, code, eps, normalize, S, Z, out, dtype):
     dv = v.shape[1]
     q, k, v = (_on_device(x) for x in (q, k, v))
     res = out if out is not None else cuda.device_array((bh, dv), dtype)
+    g = to_device(np.zeros((1, 1), dtype)) if gates is None else _on_device(
+        gates.reshape(bh, -1) if hasattr(gates, "reshape") else gates)
+    ld = to_device(np.zeros(0)) if decay is None else to_device(np.log(np.asarray(decay, np.float64)))
     if bh:
         t = 4 if _simulating() else min(256, max(32, -(-dv // 32) * 32))
-        kern[bh, t, 0, 2 * d * 8](q, k, v, code, float(eps), bool(normalize), S, Z, res, t)
+        kern[bh, t, 0, 3 * d * 8](q, k, v, code, float(eps), bool(normalize), S, Z, res, t, g, kind, ld, float(scale))
     return _result(res, host)

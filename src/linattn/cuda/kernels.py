@@ -4,8 +4,14 @@ A block owns one head and one tile of TE value columns and walks the sequence in
 positions with C x TE threads: thread (t, e) computes score row t and output (t, e); the state tile
 S (D x TE) and Z stay in shared memory, in float64, for the whole sequence. Shared memory is one
 dynamic float64 buffer: phi(Q), phi(K) (C x D each), V (C x TE), A (C x C), S (D x TE), Z (D),
-denominators (C). Kernels compile on first launch; importing this module (done lazily, only for
-the CUDA path) needs numba.cuda but no GPU.
+denominators (C), and with gates G, R (C x W each, W = 1 or D). Kernels compile on first launch;
+importing this module (done lazily, only for the CUDA path) needs numba.cuda but no GPU.
+
+Gates as on the CPU (cpu/gating.py): ``gk`` 0 (none), 1 (``gates`` (BH, N, 1): a log gate per
+position) or 2 ((BH, N, D): per key dimension), plus ``ld[h]`` (a log decay per head). Per chunk
+G[t] is the sum of the log gates since the last reset at or before t (R[t], -1 for none; float64
+like everything here); position s's term reaches t >= s with exp(G[t] - G[s]), 0 past a reset;
+only exponentials of non-positive numbers. A positive or NaN gate is reported in ``status``.
 """
 import math
 
@@ -69,11 +75,56 @@ def carve(sm, C, TE, d):
             sm[o3 + d:o3 + d + C])
 
 
+@cuda.jit(device=True)
+def carve_gates(sm, C, TE, d, w):
+    """G and R (C x w each) after carve's views."""
+    o = 2 * C * d + C * TE + C * C + d * TE + d + C
+    return sm[o:o + C * w], sm[o + C * w:o + 2 * C * w]
+
+
+@cuda.jit(device=True)
+def chunk_gates(gates, gk, ld, h, i0, c, Gs, Rs, w, status, tid, nthreads):
+    """Gs, Rs of the chunk (one thread per column of w)."""
+    for a in range(tid, w, nthreads):
+        total = 0.0
+        last = -1.0
+        for t in range(c):
+            x = float64(gates[h, i0 + t, a])
+            if x > 0 or x != x:
+                status[0] = 1 if x > 0 else 2
+                status[1] = h
+                status[2] = i0 + t
+            g = x + ld[h]
+            if g == -math.inf:
+                total = 0.0
+                last = float64(t)
+            else:
+                total += g
+            Gs[t * w + a] = total
+            Rs[t * w + a] = last
+
+
+@cuda.jit(device=True)
+def factor(Gs, Rs, w, t, s, a):
+    """Position s's factor at t (s = -1: the state before the chunk), column a of G and R."""
+    if gkw_reset(Rs, w, t, a) > s:
+        return 0.0
+    return math.exp(Gs[t * w + a] - (Gs[s * w + a] if s >= 0 else 0.0))
+
+
+@cuda.jit(device=True)
+def gkw_reset(Rs, w, t, a):
+    return Rs[t * w + a]
+
+
 @cuda.jit
-def causal(q, k, v, fm, eps, normalize, lengths, S0, Z0, out, S_out, Z_out, C, TE):
+def causal(q, k, v, fm, eps, normalize, lengths, S0, Z0, out, S_out, Z_out, C, TE, gates, gk, ld, scale, status):
     h, e0, tx, ty, tid, nthreads = block_position(C, TE)
     n, d, dv = q.shape[1], q.shape[2], v.shape[2]
-    Qs, Ks, Vs, As, Ss, Zs, dens = carve(cuda.shared.array(0, float64), C, TE, d)
+    sm = cuda.shared.array(0, float64)
+    Qs, Ks, Vs, As, Ss, Zs, dens = carve(sm, C, TE, d)
+    w = 0 if gk == 0 else (1 if gk == 1 else d)
+    Gs, Rs = carve_gates(sm, C, TE, d, w)
     has_init = S0.shape[0] > 0
     for i in range(tid, d * TE, nthreads):
         a = i // TE
@@ -87,30 +138,40 @@ def causal(q, k, v, fm, eps, normalize, lengths, S0, Z0, out, S_out, Z_out, C, T
     for i0 in range(0, length, C):
         c = min(C, length - i0)
         load_chunk(q, k, v, h, i0, c, fm, e0, C, TE, d, dv, Qs, Ks, Vs, tid, nthreads)
+        if gk != 0:
+            chunk_gates(gates, gk, ld, h, i0, c, Gs, Rs, w, status, tid, nthreads)
         cuda.syncthreads()
-        for s in range(tx, C, TE):  # scores of row ty, masked
+        for s in range(tx, C, TE):  # scores of row ty, masked (and decayed)
             acc = 0.0
-            if s <= ty:
+            if s <= ty and ty < c:
                 for a in range(d):
-                    acc += Qs[ty * d + a] * Ks[s * d + a]
+                    f = 1.0 if gk != 2 else factor(Gs, Rs, w, ty, s, a)
+                    acc += Qs[ty * d + a] * Ks[s * d + a] * f
+                if gk == 1:
+                    acc *= factor(Gs, Rs, w, ty, s, 0)
             As[ty * C + s] = acc
         cuda.syncthreads()
         if tx == 0:
             den = 0.0
             for a in range(d):
-                den += Qs[ty * d + a] * Zs[a]
+                f = 1.0 if (gk == 0 or ty >= c) else factor(Gs, Rs, w, ty, -1, 0 if gk == 1 else a)
+                den += Qs[ty * d + a] * f * Zs[a]
             for s in range(ty + 1):
                 den += As[ty * C + s]
             dens[ty] = den
         num = 0.0
         for a in range(d):
-            num += Qs[ty * d + a] * Ss[a * TE + tx]
+            f = 1.0 if (gk == 0 or ty >= c) else factor(Gs, Rs, w, ty, -1, 0 if gk == 1 else a)
+            num += Qs[ty * d + a] * f * Ss[a * TE + tx]
         for s in range(ty + 1):
             num += As[ty * C + s] * Vs[s * TE + tx]
         cuda.syncthreads()
         if ty < c and e < dv:
-            out[h, i0 + ty, e] = num / (dens[ty] + eps) if normalize else num
-        add_chunk_to_state(Ks, Vs, Ss, Zs, c, C, TE, d, tx, ty, tid, nthreads)
+            out[h, i0 + ty, e] = scale * num / (scale * dens[ty] + eps) if normalize else scale * num
+        if gk == 0:
+            add_chunk_to_state(Ks, Vs, Ss, Zs, c, C, TE, d, tx, ty, tid, nthreads)
+        else:
+            add_decayed_chunk(Ks, Vs, Ss, Zs, c, C, TE, d, tx, ty, tid, nthreads, Gs, Rs, w, gk)
         cuda.syncthreads()
     if e < dv:
         for i in range(length + ty, n, C):
@@ -123,6 +184,23 @@ def causal(q, k, v, fm, eps, normalize, lengths, S0, Z0, out, S_out, Z_out, C, T
         if cuda.blockIdx.y == 0:
             for a in range(tid, d, nthreads):
                 Z_out[h, a] = Zs[a]
+
+
+@cuda.jit(device=True)
+def add_decayed_chunk(Ks, Vs, Ss, Zs, c, C, TE, d, tx, ty, tid, nthreads, Gs, Rs, w, gk):
+    """S = decay S + the chunk's keys (each with its factor at the chunk's end) times V; Z likewise."""
+    for a in range(ty, d, C):
+        col = 0 if gk == 1 else a
+        acc = 0.0
+        for t in range(c):
+            acc += Ks[t * d + a] * factor(Gs, Rs, w, c - 1, t, col) * Vs[t * TE + tx]
+        Ss[a * TE + tx] = factor(Gs, Rs, w, c - 1, -1, col) * Ss[a * TE + tx] + acc
+    for a in range(tid, d, nthreads):
+        col = 0 if gk == 1 else a
+        z = 0.0
+        for t in range(c):
+            z += Ks[t * d + a] * factor(Gs, Rs, w, c - 1, t, col)
+        Zs[a] = factor(Gs, Rs, w, c - 1, -1, col) * Zs[a] + z
 
 
 @cuda.jit
@@ -161,30 +239,35 @@ def noncausal(q, k, v, fm, eps, normalize, out, C, TE):
 
 
 @cuda.jit
-def step(q, k, v, fm, eps, normalize, S, Z, out, T):
-    """One block per head, T threads looping over the value columns."""
+def step(q, k, v, fm, eps, normalize, S, Z, out, T, gates, gk, ld, scale):
+    """One block per head, T threads looping over the value columns; gates and decay as for causal
+    (gates (BH, 1) or (BH, D) for this step; the caller checked their values)."""
     h = cuda.blockIdx.x
     tx = cuda.threadIdx.x
     d, dv = S.shape[1], S.shape[2]
     sm = cuda.shared.array(0, float64)
     qf = sm[0:d]
     kf = sm[d:2 * d]
+    df = sm[2 * d:3 * d]
     for a in range(tx, d, T):
         qf[a] = phi(float64(q[h, a]), fm)
         kf[a] = phi(float64(k[h, a]), fm)
+        g = ld[h] if ld.shape[0] > 0 else 0.0
+        if gk != 0:
+            g += float64(gates[h, a if gk == 2 else 0])
+        df[a] = math.exp(g)
     cuda.syncthreads()
     den = 0.0
     for a in range(d):
-        den += qf[a] * (Z[h, a] + kf[a])
+        den += qf[a] * (df[a] * Z[h, a] + kf[a])
     for e in range(tx, dv, T):
         num = 0.0
         ve = float64(v[h, e])
         for a in range(d):
-            s = S[h, a, e] + kf[a] * ve
+            s = df[a] * S[h, a, e] + kf[a] * ve
             S[h, a, e] = s
             num += qf[a] * s
-        out[h, e] = num / (den + eps) if normalize else num
+        out[h, e] = scale * num / (scale * den + eps) if normalize else scale * num
     cuda.syncthreads()
     for a in range(tx, d, T):
-        Z[h, a] += kf[a]
-
+        Z[h, a] = df[a] * Z[h, a] + kf[a]
