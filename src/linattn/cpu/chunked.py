@@ -29,7 +29,7 @@ from .gating import (chunk_gates, gate_buffers, gate_key_columns, gate_key_rows,
 from .schedule import take
 from .smallgemm import noinline, small_gemm, small_gemm_tn
 from .views import as_contiguous, prefetch_rows
-from .vector import TRANSPOSE_BYTES, transpose_blocks
+from .vector import transpose_rows
 
 #: Chunks between folds of the pending float32 sums into the float64 state.
 FOLD_EVERY = 16
@@ -47,13 +47,7 @@ def _segment(item, nseg, frac, nchunks):
 def _load_kt(k, i0, c, fm, Kf, KT, Pz):
     """KT[:, :c] = phi(k[i0:i0+c])^T (one head) and Pz += its row sums (the chunk's part of Z)."""
     load_rows(k, i0, c, fm, Kf)
-    transpose_blocks(Kf, KT, Pz, c)  # whole blocks of w x w; the loops below do the edges
-    w = TRANSPOSE_BYTES // Kf.itemsize
-    c_end, d_end = c - c % w, Kf.shape[1] - Kf.shape[1] % w
-    for t in range(c):  # the last columns of whole-block rows, then every column of the last rows
-        for a in range(d_end if t < c_end else 0, Kf.shape[1]):
-            KT[a, t] = Kf[t, a]
-            Pz[a] += Kf[t, a]
+    transpose_rows(Kf, KT, Pz, c)
 
 
 @njit(helper=True)
@@ -68,12 +62,12 @@ def _copy_rows(v, i0, c, V, r0):
 
 
 @njit(helper=True)
-def _add_prefix(k, v, i0, c, fm, Kf, V, P, Pz, has_p, gates, G, R):
+def _add_prefix(k, v, i0, c, fm, Kf, V, P, Pz, has_p, gates, F):
     """P += phi(K)^T V (P = phi(K)^T V when not ``has_p``: it holds nothing yet) and Pz += phi(K)^T 1
     for positions [i0, i0 + c) of one head (no outputs; phi(K) is used as it is, not transposed),
-    each key times its factor at the chunk's end when there are gates (G, R: the chunk's)."""
+    each key times its factor at the chunk's end when there are gates (F: the chunk's factors)."""
     load_rows(k, i0, c, fm, Kf)
-    gate_key_rows(gates, Kf, c, G, R, Pz)
+    gate_key_rows(gates, Kf, c, F, Pz)
     if v.strides[1] == v.itemsize:  # rows of v serve as they are
         small_gemm_tn(Kf[:c], v[i0:i0 + c], P, has_p)
     else:
@@ -141,30 +135,26 @@ def _fold(acc, accz, B, Bz, P, Pz, has_acc, lam, decayed):
 
 
 @njit(helper=True)
-def _current(B, Bz, P, Pz, S, Z, has_acc, has_p, lam, decayed):
-    """S[:D] = exp(lam) B + P and Z = exp(lam) Bz + Pz (B and P taken as zero where the flags say
-    they hold nothing; exp(lam) as 1 when not ``decayed``): the state the next chunk reads.
+def _current(B, Bz, P, Pz, S, Z, has_acc, has_p):
+    """S[:D] = B + P and Z = Bz + Pz (B and P taken as zero where the flags say they hold nothing;
+    with gates B and Bz are decayed as they go): the state the next chunk reads.
 
     (Loops touch at most three arrays: LLVM leaves loops over more arrays unvectorised.)
     """
     for a in range(P.shape[0]):
-        f = like(exp_le0(lam[a]) if decayed else 1.0, B)
-        if has_acc and has_p and decayed:
-            for e in range(P.shape[1]):
-                S[a, e] = f * B[a, e] + P[a, e]
-        elif has_acc and has_p:
+        if has_acc and has_p:
             for e in range(P.shape[1]):
                 S[a, e] = B[a, e] + P[a, e]
         elif has_acc:
             for e in range(P.shape[1]):
-                S[a, e] = f * B[a, e]
+                S[a, e] = B[a, e]
         elif has_p:
             for e in range(P.shape[1]):
                 S[a, e] = P[a, e]
         else:
             for e in range(P.shape[1]):
                 S[a, e] = 0
-        Z[a] = f * Bz[a] + Pz[a]
+        Z[a] = Bz[a] + Pz[a]
 
 
 @njit(helper=True)
@@ -207,7 +197,7 @@ def _scale_rows(out, i0, c, scale):
 
 @njit(helper=True)
 def _causal_segment(q, k, v, out, fm, eps, normalize, scale, length, chunk, c0, c1, last, S0, Z0, h, S_out, Z_out,
-                    gates, ld, status, QA, SV, Kf, KT, G, R, sums):
+                    gates, ld, status, QA, SV, Kf, KT, G, R, F, X, sums):
     """Outputs of chunks [c0, c1) of one head (q, k, v, out: (N, X) views), from the state before
     chunk c0 (recomputed from the head's start); the last segment also zeroes the padding past
     ``length`` and writes the final state to S_out[h], Z_out[h] (when they have rows). With gates
@@ -220,14 +210,14 @@ def _causal_segment(q, k, v, out, fm, eps, normalize, scale, length, chunk, c0, 
     for ci in range(c0):  # the state at the start of this segment
         i0 = ci * chunk
         c = min(chunk, length - i0)
-        chunk_gates(gates, h, ld, i0, c, G, R, status)
-        gate_pending(gates, P, Pz, lam, c, G, R, has_p)
-        _add_prefix(k, v, i0, c, fm, Kf, SV, P, Pz, has_p, gates, G, R)
+        chunk_gates(gates, h, ld, i0, c, G, R, F, status)
+        gate_pending(gates, P, Pz, B, Bz, lam, c, G, R, F, has_p, has_acc)
+        _add_prefix(k, v, i0, c, fm, Kf, SV, P, Pz, has_p, gates, F)
         has_p = True
         if (ci + 1) % FOLD_EVERY == 0:
             _fold(acc, accz, B, Bz, P, Pz, has_acc, lam, decayed)
             has_acc, has_p = True, False
-    _current(B, Bz, P, Pz, SV, Z, has_acc, has_p, lam, decayed)
+    _current(B, Bz, P, Pz, SV, Z, has_acc, has_p)
     # rows far apart (head views of a fused projection) are fetched a chunk ahead: 0.93x the time
     # in a model; adjacent rows gain nothing (the hardware prefetches them)
     spread = q.strides[0] != d_ * q.itemsize or v.strides[0] != dv * v.itemsize
@@ -239,12 +229,12 @@ def _causal_segment(q, k, v, out, fm, eps, normalize, scale, length, chunk, c0, 
             prefetch_rows(q, i0 + chunk, cn)
             prefetch_rows(k, i0 + chunk, cn)
             prefetch_rows(v, i0 + chunk, cn)
-        chunk_gates(gates, h, ld, i0, c, G, R, status)
+        chunk_gates(gates, h, ld, i0, c, G, R, F, status)
         load_rows(q, i0, c, fm, QA)
         _load_kt(k, i0, c, fm, Kf, KT, sums if decayed else Pz)  # gated keys add their sums later
         _copy_rows(v, i0, c, SV, d_)
-        gate_scores(gates, QA, KT, Kf, d_, c, G, R)  # A, lower triangle, decayed
-        gate_queries(gates, QA, d_, c, G, R)
+        gate_scores(gates, QA, KT, Kf, d_, c, G, R, X)  # A, lower triangle, decayed
+        gate_queries(gates, QA, d_, c, F)
         if has_acc or has_p:  # [phi(Q) | A] @ [S ; V], each row tile up to its last nonzero score
             small_gemm(QA[:c, :d_ + c], SV[:d_ + c], out[i0:i0 + c], False, d_, -1)
         else:  # a zero state: the chunk's own part only
@@ -253,15 +243,15 @@ def _causal_segment(q, k, v, out, fm, eps, normalize, scale, length, chunk, c0, 
             _normalize_rows(out, i0, c, QA, Z, d_, True, eps, scale)
         elif scale != 1:
             _scale_rows(out, i0, c, scale)
-        gate_pending(gates, P, Pz, lam, c, G, R, has_p)
-        gate_key_columns(gates, KT, c, G, R, Pz)
+        gate_pending(gates, P, Pz, B, Bz, lam, c, G, R, F, has_p, has_acc)
+        gate_key_columns(gates, KT, Kf, c, F, Pz)
         small_gemm(KT[:, :c], SV[d_:d_ + c], P, has_p, -1, -1)  # pending state update
         has_p = True
         if ci < c1 - 1:
             if (ci + 1) % FOLD_EVERY == 0:
                 _fold(acc, accz, B, Bz, P, Pz, has_acc, lam, decayed)
                 has_acc, has_p = True, False
-            _current(B, Bz, P, Pz, SV, Z, has_acc, has_p, lam, decayed)
+            _current(B, Bz, P, Pz, SV, Z, has_acc, has_p)
     if last:
         for i in range(length, out.shape[0]):
             for e in range(dv):
@@ -284,7 +274,7 @@ def _causal_worker(q, k, v, fm, eps, normalize, scale, lengths, chunk, frac, S0,
     Kf = np.empty((chunk, d_), dt)
     KT = np.empty((d_, chunk), dt)
     sums = np.empty(d_, dt)
-    G, R = gate_buffers(gates, chunk)
+    G, R, F, X = gate_buffers(gates, chunk, dt)
     item = take(counter)
     while item < items:
         length = lengths[item // nseg]
@@ -293,7 +283,8 @@ def _causal_worker(q, k, v, fm, eps, normalize, scale, lengths, chunk, frac, S0,
         if c0 < c1 or (last and (S_out.shape[0] > 0 or length < n)):
             h1, h2 = h // g2, h % g2
             _causal_segment(q[h1, h2], k[h1, h2], v[h1, h2], out[h1, h2], fm, eps, normalize, scale, length, chunk,
-                            c0, c1, last, S0, Z0, h, S_out, Z_out, gates, ld, status, QA, SV, Kf, KT, G, R, sums)
+                            c0, c1, last, S0, Z0, h, S_out, Z_out, gates, ld, status, QA, SV, Kf, KT, G, R, F,
+                            X, sums)
         item = take(counter)
 
 
@@ -329,16 +320,17 @@ def _noncausal_segment(q, k, v, out, fm, eps, normalize, scale, chunk, c0, c1, Q
     dv = v.shape[1]
     nchunks = (n + chunk - 1) // chunk
     P, B, acc, Pz, Bz, Z, accz, lam = _state_buffers(d_, dv, out.dtype)
-    no_gates, no_g, no_r = np.empty(0, out.dtype), np.empty(0, np.float64), np.empty(0, np.int64)
+    no_gates = np.empty(0, out.dtype)
+    no_f = (no_gates, no_gates, no_gates, no_gates)
     has_acc, has_p = False, False
     for ci in range(nchunks):
         i0 = ci * chunk
-        _add_prefix(k, v, i0, min(chunk, n - i0), fm, Kf, V, P, Pz, has_p, no_gates, no_g, no_r)
+        _add_prefix(k, v, i0, min(chunk, n - i0), fm, Kf, V, P, Pz, has_p, no_gates, no_f)
         has_p = True
         if (ci + 1) % FOLD_EVERY == 0 or ci == nchunks - 1:
             _fold(acc, accz, B, Bz, P, Pz, has_acc, lam, False)
             has_acc, has_p = True, False
-    _current(B, Bz, P, Pz, S, Z, has_acc, has_p, lam, False)
+    _current(B, Bz, P, Pz, S, Z, has_acc, has_p)
     for ci in range(c0, c1):
         i0 = ci * chunk
         c = min(chunk, n - i0)

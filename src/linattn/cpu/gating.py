@@ -7,13 +7,26 @@ The gate array's type says the kind, at compile time (each helper is an overload
 - (G1, G2, N): a log-decay per position (a constant decay arrives as a view with stride 0);
 - (G1, G2, N, D'): a log-decay per position and key dimension (GLA).
 
-``ld[h]`` (float64, <= 0) is added to every log gate of head h (the ``decay=`` argument). Per chunk,
-G[t] is the sum of the log gates of positions (reset, t] where "reset" is the last -inf at or before
-t in the chunk (R[t], -1 when none: then the sum starts at the chunk's start), in float64 (per
-dimension for D'). The factor of position s's term at position t (s <= t) is exp(G[t] - G[s]),
-and 0 when a reset lies in (s, t]; the state before the chunk reaches t with exp(G[t]) (0 after a
-reset). Only exponentials of non-positive numbers are taken, so gates down to -1e4 and -inf
-resets neither overflow nor give NaN.
+``ld[h]`` (float64, <= 0) is added to every log gate of head h (the ``decay=`` argument). The factor
+of position s's term at position t >= s is the product of the factors a_u = exp(log gate_u) of the
+positions in (s, t]; a reset (-inf) makes a_u exactly 0. Each chunk computes its factors F =
+(e, w, whole, scratch): e, the factor of the state before the chunk at each position; w, each
+position's factor at the chunk's end; whole, the chunk's factor; laid out as the loops that use them
+run, so that they vectorise. Only exponentials of non-positive numbers are taken, so gates down to -1e4
+and -inf resets neither overflow nor give NaN.
+
+- Per position, G[t] is the sum of the chunk's log gates up to t since the last reset at or before
+  t (R[t], -1 when none), in float64, and a factor is exp(G[t] - G[s]) (0 past a reset); the
+  scores are one product, then decayed.
+- Per key dimension the scores cannot be one product (the factor does not split into a term of t
+  times a term of s without positive exponents), so the chunk is cut into blocks of SUB positions,
+  as flash-linear-attention's chunk_gla does: a block i's scores with an earlier block j go
+  through the blocks' boundaries (s <= b <= p < t, b the last position of block j, p of block i-1):
+  (q_t times the factors of (p, t]) times (the factors of (b, p]) times (k_s times the factors of
+  (s, b]), a product of scaled rows; within a block each score is its own sum of D' terms. Here the
+  factors are running products of the per-position a_u (computed once per chunk: one exp per
+  position and dimension), flushed to 0 below the smallest normal number so that no denormal
+  slows them down.
 """
 import numpy as np
 from numba import types
@@ -23,6 +36,7 @@ from numba.np.numpy_support import as_dtype
 from .._jit import FASTMATH, njit
 from .elementwise import exp_le0
 from .smallgemm import small_gemm
+from .vector import transpose_rows
 
 _OPTS = {"fastmath": set(FASTMATH), "error_model": "numpy"}
 
@@ -54,53 +68,94 @@ gate_key_rows = _stub("gate_key_rows")
 gate_pending = _stub("gate_pending")
 
 
+#: Positions per block of the per-dimension scores.
+SUB = 8
+
+
 @overload(chunk_gates, jit_options=_OPTS)
-def _chunk_gates(gates, h, ld, i0, c, G, R, status):
-    """G, R of the chunk [i0, i0 + c) of head h (see the module docstring); a positive or NaN gate is
-    reported in ``status``."""
+def _chunk_gates(gates, h, ld, i0, c, G, R, F, status):
+    """The chunk [i0, i0 + c) of head h: per position G, R (see the module docstring), per dimension
+    G = a (the per-position factors, compute dtype) and R[0] = the chunk's sum of log gates per
+    dimension (float64, -inf after a reset); then the factors F. A positive or NaN gate is reported
+    in ``status``."""
     kind = _kind(gates)
     if kind == 0:
-        return lambda gates, h, ld, i0, c, G, R, status: None
+        return lambda gates, h, ld, i0, c, G, R, F, status: None
+    dt = as_dtype(F[0].dtype).type
+    tiny = dt(np.finfo(as_dtype(F[0].dtype)).tiny)
 
-    def impl(gates, h, ld, i0, c, G, R, status):
+    def impl(gates, h, ld, i0, c, G, R, F, status):
         g2 = gates.shape[1]
         row = gates[h // g2, h % g2]
         extra = ld[h]
-        width = 1 if kind == 1 else row.shape[1]
-        for a in range(width):
+        e, w, whole = F[0], F[1], F[2]
+        if kind == 1:
             total = 0.0
             last = -1
             for t in range(c):
-                x = row[i0 + t] if kind == 1 else row[i0 + t, a]
+                x = row[i0 + t]
                 if x > 0 or x != x:
-                    status[0] = POSITIVE if x > 0 else NAN
-                    status[1] = h
-                    status[2] = i0 + t
+                    status[0], status[1], status[2] = (POSITIVE if x > 0 else NAN), h, i0 + t
                 g = np.float64(x) + extra
                 if g == -np.inf:
                     total, last = 0.0, t
                 else:
                     total += g
-                if kind == 1:
-                    G[t], R[t] = total, last
-                else:
-                    G[t, a], R[t, a] = total, last
-
-    return impl
-
-
-def _factor(G, R, t, s):
-    """Factor of position s's term at position t >= s (scalar kind), float64; s = -1: the state before
-    the chunk. Only callable from Numba code."""
-    raise NotImplementedError("runs inside Numba kernels only")
-
-
-@overload(_factor, jit_options=_OPTS)
-def _factor_impl(G, R, t, s):
-    def impl(G, R, t, s):
-        if R[t] > s:
-            return 0.0
-        return exp_le0(G[t] - (G[s] if s >= 0 else 0.0))
+                G[t], R[t] = total, last
+            end, reset = G[c - 1], R[c - 1]
+            for t in range(c):
+                e[t] = exp_le0(dt(G[t]) if R[t] < 0 else dt(-np.inf))
+                w[t] = exp_le0(dt(end - G[t]) if reset <= t else dt(-np.inf))
+            whole[0] = e[c - 1]
+            return
+        d = row.shape[1]
+        a, sums, top = G, R[0], whole  # whole holds the largest gate of each dimension for now
+        for j in range(d):
+            sums[j] = 0.0
+            top[j] = dt(-np.inf)
+        for t in range(c):  # the logs, then their exps: loops over the dimensions that vectorise
+            src, at = row[i0 + t], a[t]
+            for j in range(d):
+                x = src[j]
+                top[j] = max(top[j], dt(x))
+                g = np.float64(x) + extra
+                sums[j] += g  # NaN stays NaN
+                at[j] = dt(g)
+            for j in range(d):
+                at[j] = exp_le0(at[j])
+        bad = False
+        for j in range(d):
+            bad = bad or top[j] > 0 or sums[j] != sums[j]
+        if bad:  # find the first bad gate
+            for t in range(c):
+                for j in range(d):
+                    x = row[i0 + t, j]
+                    if (x > 0 or x != x) and status[0] == 0:
+                        status[0], status[1], status[2] = (POSITIVE if x > 0 else NAN), h, i0 + t
+        # e: running products from the chunk's start, w: from its end, each in a vector of its own
+        # (rows of one array read and written in one loop would keep LLVM from vectorising it)
+        run = F[3]
+        for j in range(d):
+            run[j] = dt(1.0)
+        for t in range(c):
+            et, at = e[t], a[t]
+            for j in range(d):
+                x = run[j] * at[j]
+                x = x if x >= tiny else dt(0.0)
+                run[j] = x
+                et[j] = x
+        for j in range(d):
+            whole[j] = run[j]
+            run[j] = dt(1.0)
+        for t in range(c - 1, -1, -1):
+            wt = w[t]
+            for j in range(d):
+                wt[j] = run[j]
+            if t > 0:
+                at = a[t]
+                for j in range(d):
+                    x = run[j] * at[j]
+                    run[j] = x if x >= tiny else dt(0.0)
 
     return impl
 
@@ -115,131 +170,183 @@ def masked_product(QA, KT, d_, c):
 
 
 @overload(gate_scores, jit_options=_OPTS)
-def _gate_scores(gates, QA, KT, Kf, d_, c, G, R):
-    """QA[:c, d_:d_+c] = the chunk's decayed scores, lower triangle (zero above)."""
+def _gate_scores(gates, QA, KT, Kf, d_, c, G, R, X):
+    """QA[:c, d_:d_+c] = the chunk's decayed scores, lower triangle (zero above); X: scratch (a row
+    of exponents; per dimension, a factor row and a block's scaled queries and keys)."""
     kind = _kind(gates)
+    dt = as_dtype(QA.dtype).type
     if kind == 0:
-        def impl(gates, QA, KT, Kf, d_, c, G, R):
+        def impl(gates, QA, KT, Kf, d_, c, G, R, X):
             masked_product(QA, KT, d_, c)
         return impl
     if kind == 1:
-        def impl(gates, QA, KT, Kf, d_, c, G, R):
+        def impl(gates, QA, KT, Kf, d_, c, G, R, X):
             masked_product(QA, KT, d_, c)
+            x = X[0]
             for t in range(c):
-                for s in range(t + 1):
-                    QA[t, d_ + s] *= _factor(G, R, t, s)
+                gt, rt = G[t], R[t]
+                for s in range(c):  # exponents first, the mask as a select, then exp: both loops vectorise
+                    x[s] = dt(gt - G[s]) if (rt <= s) & (s <= t) else dt(-np.inf)
+                row = QA[t, d_:d_ + c]
+                for s in range(c):
+                    row[s] *= exp_le0(x[s])
         return impl
-    dt = as_dtype(QA.dtype).type
 
-    def impl(gates, QA, KT, Kf, d_, c, G, R):  # per dimension: no product, each score its own sum
+    tiny = dt(np.finfo(as_dtype(QA.dtype)).tiny)
+
+    def impl(gates, QA, KT, Kf, d_, c, G, R, X):  # per dimension: blocks of SUB positions
+        fac, qb, kh, kt = X  # (D',) running factors, (SUB, D') queries and keys, (D', SUB) keys transposed
+        a = G  # the per-position factors
         for t in range(c):
-            for s in range(t + 1):
-                acc = dt(0.0)
-                for a in range(d_):
-                    f = exp_le0(dt(G[t, a] - G[s, a]))
-                    acc += QA[t, a] * Kf[s, a] * (dt(0.0) if R[t, a] > s else f)
-                QA[t, d_ + s] = acc
-            for s in range(t + 1, c):
+            for s in range(c):
                 QA[t, d_ + s] = 0
+        for i0 in range(0, c, SUB):
+            i1 = min(i0 + SUB, c)
+            for t in range(i0, i1):  # within the block: every score its own sum of D' decayed terms
+                for j in range(d_):
+                    fac[j] = dt(1.0)
+                qt = QA[t, :d_]
+                for s in range(t, i0 - 1, -1):
+                    ks, as_ = Kf[s], a[s]
+                    acc = dt(0.0)
+                    for j in range(d_):
+                        acc += qt[j] * ks[j] * fac[j]
+                    QA[t, d_ + s] = acc
+                    for j in range(d_):
+                        x = fac[j] * as_[j]
+                        fac[j] = x if x >= tiny else dt(0.0)
+            if i0 == 0:
+                continue
+            for j in range(d_):  # earlier blocks: q_t times the factors of (i0 - 1, t] ...
+                fac[j] = dt(1.0)
+            for t in range(i0, i1):
+                at, qt, qrow = a[t], QA[t, :d_], qb[t - i0]
+                for j in range(d_):
+                    x = fac[j] * at[j]
+                    fac[j] = x if x >= tiny else dt(0.0)
+                for j in range(d_):
+                    qrow[j] = qt[j] * fac[j]
+            for j in range(d_):
+                fac[j] = dt(1.0)
+            for j0 in range(i0 - SUB, -1, -SUB):  # ... times k_s and the factors of (s, i0 - 1], block by block
+                for s in range(j0 + SUB - 1, j0 - 1, -1):
+                    ks, krow, as_ = Kf[s], kh[s - j0], a[s]
+                    for j in range(d_):
+                        krow[j] = ks[j] * fac[j]
+                    for j in range(d_):
+                        x = fac[j] * as_[j]
+                        fac[j] = x if x >= tiny else dt(0.0)
+                for j in range(d_):
+                    for s in range(SUB):
+                        kt[j, s] = kh[s, j]
+                small_gemm(qb[:i1 - i0], kt, QA[i0:i1, d_ + j0:d_ + j0 + SUB], False, -1, -1)
     return impl
 
 
 @overload(gate_queries, jit_options=_OPTS)
-def _gate_queries(gates, QA, d_, c, G, R):
+def _gate_queries(gates, QA, d_, c, F):
     """phi(q_t) times the factor of the state before the chunk at t (its part of the output)."""
     kind = _kind(gates)
     if kind == 0:
-        return lambda gates, QA, d_, c, G, R: None
-    dt = as_dtype(QA.dtype).type
-    if kind == 1:
-        def impl(gates, QA, d_, c, G, R):
-            for t in range(c):
-                f = dt(_factor(G, R, t, -1))
-                for a in range(d_):
-                    QA[t, a] *= f
-        return impl
+        return lambda gates, QA, d_, c, F: None
 
-    def impl(gates, QA, d_, c, G, R):
+    def impl(gates, QA, d_, c, F):
+        e = F[0]
         for t in range(c):
-            for a in range(d_):
-                QA[t, a] *= dt(0.0) if R[t, a] >= 0 else exp_le0(dt(G[t, a]))
+            row = QA[t, :d_]
+            if kind == 1:
+                f = e[t]
+                for a in range(d_):
+                    row[a] *= f
+            else:
+                et = e[t]
+                for a in range(d_):
+                    row[a] *= et[a]
     return impl
 
 
 @overload(gate_key_columns, jit_options=_OPTS)
-def _gate_key_columns(gates, KT, c, G, R, Pz):
-    """phi(K)^T's column s times the factor of position s at the chunk's end; Pz += its row sums
-    (without gates the transpose added them)."""
+def _gate_key_columns(gates, KT, Kf, c, F, Pz):
+    """phi(K)^T's column s times position s's factor at the chunk's end; Pz += its row sums (without
+    gates the transpose added them). Per dimension the rows of phi(K) are scaled and transposed
+    again: both loops then run along rows."""
     kind = _kind(gates)
     if kind == 0:
-        return lambda gates, KT, c, G, R, Pz: None
+        return lambda gates, KT, Kf, c, F, Pz: None
     dt = as_dtype(KT.dtype).type
     if kind == 1:
-        def impl(gates, KT, c, G, R, Pz):
-            w = np.empty(c, dt)
-            for s in range(c):
-                w[s] = _factor(G, R, c - 1, s)
+        def impl(gates, KT, Kf, c, F, Pz):
+            w = F[1]
             for a in range(KT.shape[0]):
+                row = KT[a, :c]
                 z = dt(0.0)
                 for s in range(c):
-                    x = KT[a, s] * w[s]
-                    KT[a, s] = x
+                    x = row[s] * w[s]
+                    row[s] = x
                     z += x
                 Pz[a] += z
         return impl
 
-    def impl(gates, KT, c, G, R, Pz):
-        for a in range(KT.shape[0]):
-            z = dt(0.0)
-            for s in range(c):
-                f = exp_le0(dt(G[c - 1, a] - G[s, a]))
-                x = KT[a, s] * (dt(0.0) if R[c - 1, a] > s else f)
-                KT[a, s] = x
-                z += x
-            Pz[a] += z
+    def impl(gates, KT, Kf, c, F, Pz):
+        w = F[1]
+        for s in range(c):
+            row, ws = Kf[s], w[s]
+            for a in range(Kf.shape[1]):
+                row[a] *= ws[a]
+        transpose_rows(Kf, KT, Pz, c)
     return impl
 
 
 @overload(gate_key_rows, jit_options=_OPTS)
-def _gate_key_rows(gates, Kf, c, G, R, Pz):
+def _gate_key_rows(gates, Kf, c, F, Pz):
     """The same for phi(K) as rows (a segment's prefix): row s times its factor; Pz += column sums."""
     kind = _kind(gates)
-    dt = as_dtype(Kf.dtype).type
 
-    def impl(gates, Kf, c, G, R, Pz):
+    def impl(gates, Kf, c, F, Pz):
+        w = F[1]
         for s in range(c):
+            row = Kf[s]
+            if kind == 1:
+                f = w[s]
+                for a in range(Kf.shape[1]):
+                    row[a] *= f
+            elif kind == 2:
+                ws = w[s]
+                for a in range(Kf.shape[1]):
+                    row[a] *= ws[a]
             for a in range(Kf.shape[1]):
-                if kind == 1:
-                    Kf[s, a] *= dt(_factor(G, R, c - 1, s))
-                elif kind == 2:
-                    f = exp_le0(dt(G[c - 1, a] - G[s, a]))
-                    Kf[s, a] *= dt(0.0) if R[c - 1, a] > s else f
-                Pz[a] += Kf[s, a]
+                Pz[a] += row[a]
     return impl
 
 
 @overload(gate_pending, jit_options=_OPTS)
-def _gate_pending(gates, P, Pz, lam, c, G, R, has_p):
-    """Decay the pending sums P (if they hold values), Pz by the chunk's whole factor; lam += its log
-    (lam: log-decay per key dimension since the last fold, float64, -inf after a reset)."""
+def _gate_pending(gates, P, Pz, B, Bz, lam, c, G, R, F, has_p, has_acc):
+    """Decay the pending sums P (if they hold values), Pz and the rounded accumulator B (if it holds
+    values), Bz by the chunk's whole factor; lam += its log (lam: the log-decay of each key dimension
+    since the last fold, float64, -inf after a reset: the float64 accumulator's decay at the fold)."""
     kind = _kind(gates)
     if kind == 0:
-        return lambda gates, P, Pz, lam, c, G, R, has_p: None
+        return lambda gates, P, Pz, B, Bz, lam, c, G, R, F, has_p, has_acc: None
 
-    dt = as_dtype(P.dtype).type
-
-    def impl(gates, P, Pz, lam, c, G, R, has_p):
+    def impl(gates, P, Pz, B, Bz, lam, c, G, R, F, has_p, has_acc):
+        whole = F[2]
         for a in range(P.shape[0]):
             if kind == 1:
-                reset, g = R[c - 1] >= 0, G[c - 1]
-            else:
-                reset, g = R[c - 1, a] >= 0, G[c - 1, a]
-            f = dt(0.0) if reset else exp_le0(dt(g))
-            lam[a] = -np.inf if reset else lam[a] + g
+                lam[a] = -np.inf if R[c - 1] >= 0 else lam[a] + G[c - 1]
+                f = whole[0]
+            else:  # R[0]: the chunk's sums of log gates (-inf after a reset)
+                lam[a] += R[0, a]
+                f = whole[a]
             if has_p:
+                row = P[a]
                 for e in range(P.shape[1]):
-                    P[a, e] *= f
+                    row[e] *= f
+            if has_acc:
+                row = B[a]
+                for e in range(P.shape[1]):
+                    row[e] *= f
             Pz[a] *= f
+            Bz[a] *= f
     return impl
 
 
@@ -247,15 +354,26 @@ gate_buffers = _stub("gate_buffers")
 
 
 @overload(gate_buffers, jit_options=_OPTS)
-def _gate_buffers(gates, chunk):
-    """(G, R) for a chunk of ``chunk`` positions: (chunk,) arrays, (chunk, D') per dimension, or empty."""
+def _gate_buffers(gates, chunk, dtype):
+    """(G, R, F, X) for a chunk of ``chunk`` positions: see chunk_gates (G, R, F) and gate_scores (X)."""
     kind = _kind(gates)
     if kind == 0:
-        return lambda gates, chunk: (np.empty(0, np.float64), np.empty(0, np.int64))
+        return lambda gates, chunk, dtype: (np.empty(0, np.float64), np.empty(0, np.int64),
+                                            (np.empty(0, dtype), np.empty(0, dtype), np.empty(0, dtype),
+                                             np.empty(0, dtype)),
+                                            (np.empty(0, dtype),))
     if kind == 1:
-        return lambda gates, chunk: (np.empty(chunk, np.float64), np.empty(chunk, np.int64))
-    return lambda gates, chunk: (np.empty((chunk, gates.shape[3]), np.float64),
-                                 np.empty((chunk, gates.shape[3]), np.int64))
+        return lambda gates, chunk, dtype: (np.empty(chunk, np.float64), np.empty(chunk, np.int64),
+                                            (np.empty(chunk, dtype), np.empty(chunk, dtype), np.empty(1, dtype),
+                                             np.empty(0, dtype)),
+                                            (np.empty(chunk, dtype),))
+
+    def impl(gates, chunk, dtype):
+        d = gates.shape[3]
+        return (np.empty((chunk, d), dtype), np.empty((1, d), np.float64),
+                (np.empty((chunk, d), dtype), np.empty((chunk, d), dtype), np.empty(d, dtype), np.empty(d, dtype)),
+                (np.empty(d, dtype), np.empty((SUB, d), dtype), np.empty((SUB, d), dtype), np.empty((d, SUB), dtype)))
+    return impl
 
 
 like = _stub("like")

@@ -14,6 +14,8 @@ from llvmlite import ir
 from numba.core import cgutils, types
 from numba.extending import intrinsic
 
+from .._jit import njit
+
 #: Bytes per vector of the state pass: 512 bits (LLVM splits the vectors where the CPU has narrower ones).
 VECTOR_BYTES = 64
 #: Vectors per panel of the state pass: independent accumulator chains (hides the FMA latency).
@@ -203,3 +205,16 @@ def transpose_blocks(typingctx, src, dst, colsum, nrows):
         return context.get_dummy_value()
 
     return sig, codegen
+
+
+@njit(helper=True)
+def transpose_rows(src, dst, colsum, nrows):
+    """dst[:, :nrows] = src[:nrows]^T and colsum += the column sums of src[:nrows]: transpose_blocks for
+    the whole blocks, plain loops for the edges."""
+    transpose_blocks(src, dst, colsum, nrows)
+    w = TRANSPOSE_BYTES // src.itemsize
+    c_end, d_end = nrows - nrows % w, src.shape[1] - src.shape[1] % w
+    for t in range(nrows):  # the last columns of whole-block rows, then every column of the last rows
+        for a in range(d_end if t < c_end else 0, src.shape[1]):
+            dst[a, t] = src[t, a]
+            colsum[a] += src[t, a]
