@@ -15,8 +15,9 @@ _ndarray, _INF = np.ndarray, math.inf
 _CODES = {name: code for name, (_, code) in NAMED.items()}
 _FLOATS = (np.dtype(np.float32), np.dtype(np.float64))
 _NO_GATES = {dt: np.zeros(0, dt) for dt in _FLOATS}  # the kernels' "no gates"
+_CONSTANT_ONLY = {dt: np.zeros((0, 0), dt) for dt in _FLOATS}  # their "a constant decay alone"
 _ZERO_DECAY = np.zeros(0)
-for _x in list(_NO_GATES.values()) + [_ZERO_DECAY]:
+for _x in list(_NO_GATES.values()) + list(_CONSTANT_ONLY.values()) + [_ZERO_DECAY]:
     _x.setflags(write=False)
 _constants = {}  # (bh, n) -> lengths all n; (dtype, D', Dv) -> state arrays with no rows
 
@@ -287,9 +288,10 @@ def causal_linear_attention(q, k, v, *, feature_map="elu", eps=1e-6, normalize=T
         if initial_state is not None:
             S0, Z0 = cuda_api.flat_state(S0, Z0, bh, dk, dv, where)
         g = None if gates is None else np.ascontiguousarray(gates if kind == gates_mod.VECTOR else gates[..., None])
+        cuda_kind = gates_mod.SCALAR if kind == gates_mod.CONSTANT else kind  # its zero gates, there
         res, S, Z, status = cuda_api.causal(
             _flat(q, bh, 2), _flat(k, bh, 2), _flat(v, bh, 2), code, eps, normalize, lens, S0, Z0, return_state, comp,
-            None if g is None else g.reshape((bh,) + g.shape[-2:]), kind, log_decay, scale)
+            None if g is None else g.reshape((bh,) + g.shape[-2:]), cuda_kind, log_decay, scale)
         gates_mod.raise_bad_gate(status, lead)
         res = res.reshape(lead + (n, dv))
     else:
@@ -298,10 +300,12 @@ def causal_linear_attention(q, k, v, *, feature_map="elu", eps=1e-6, normalize=T
         res = _result_array(out, lead, n, dv, comp, (q, k, v))
         if bh and n:
             chunk, frac, nthreads = plan(bh, n, dk, dv, causal=True)
-            arrays = (q, k, v, res) + (() if gates is None else (gates if kind == gates_mod.VECTOR else gates[..., None],))
+            own = kind in (gates_mod.SCALAR, gates_mod.VECTOR)  # a gate array of their own
+            arrays = (q, k, v, res) + ((gates if kind == gates_mod.VECTOR else gates[..., None],) if own else ())
             arrays, layout, copied = _seq4(arrays, lead)
             q4, k4, v4, o4 = arrays[:4]
-            g4 = _NO_GATES[comp] if gates is None else (arrays[4] if kind == gates_mod.VECTOR else arrays[4][..., 0])
+            g4 = ((arrays[4] if kind == gates_mod.VECTOR else arrays[4][..., 0]) if own else
+                  _CONSTANT_ONLY[comp] if kind == gates_mod.CONSTANT else _NO_GATES[comp])
             ld = log_decay if log_decay is not None else (np.zeros(bh) if kind else _ZERO_DECAY)
             status = np.zeros(3, np.int64)
             kernel = chunked.causal_forward.get(comp, (layout, kind))

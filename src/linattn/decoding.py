@@ -14,7 +14,7 @@ from .state import State
 
 _NAMED_CODES = {name: code for name, (_, code) in NAMED.items()}
 _FAST = {}  # (feature map name, dtype, ndim, gate kind, has decay) -> (map code, serial kernel, variant)
-_DECAYS = {}  # (float decay, leading dims) -> its broadcast view
+_DECAYS = {}  # (float decay or id of a float64 array, leading dims) -> (the decay, its shape, its broadcast view)
 _ndarray, _empty, _INF = np.ndarray, np.empty, math.inf  # module globals: cheaper to look up per step
 
 # Batches with at least this many state elements (B*H*D*Dv) are stepped in parallel. Measured: from 8
@@ -46,20 +46,31 @@ def _fast_entry(feature_map, dtype, ndim, gate_kind, has_decay):
 
 def _decay_view(decay, lead):
     """The decay as a float64 array of the leading dims (a broadcast view), for the fast path; None
-    when it cannot be one (the checked path then says why)."""
-    if type(decay) is float:
-        found = _DECAYS.get((decay, lead))
-        if found is None:
-            if len(_DECAYS) > 64:
-                _DECAYS.clear()
-            found = _DECAYS[decay, lead] = np.broadcast_to(np.float64(decay), lead)
-        return found
-    if type(decay) is _ndarray:
+    when it cannot be one (the checked path then says why). Views of floats and of float64 arrays
+    are kept (a view of an array sees its values as they change; the array is kept with it, so its
+    id is not reused): a decoding loop passes the same decay at every step."""
+    if type(decay) is _ndarray and decay.dtype != np.float64:
         try:
-            return np.broadcast_to(decay.astype(np.float64, copy=False), lead)
+            return np.broadcast_to(decay.astype(np.float64), lead)
         except ValueError:
             return None
-    return None
+    key = (decay if type(decay) is float else id(decay), lead)
+    found = _DECAYS.get(key)
+    if found is not None and (found[0] is decay or type(decay) is float) and found[1] == getattr(decay, "shape", None):
+        return found[2]
+    if type(decay) is float:
+        view = np.broadcast_to(np.float64(decay), lead)
+    elif type(decay) is _ndarray:
+        try:
+            view = np.broadcast_to(decay, lead)
+        except ValueError:
+            return None
+    else:
+        return None
+    if len(_DECAYS) > 64:
+        _DECAYS.clear()
+    _DECAYS[key] = (decay, getattr(decay, "shape", None), view)
+    return view
 
 
 def step(q, k, v, state, *, feature_map="elu", eps=1e-6, normalize=True, decay=None, gate=None, scale=None,

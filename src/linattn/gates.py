@@ -14,8 +14,9 @@ import numpy as np
 
 from . import checks
 
-#: Kinds of gate: none, a scalar per position, one per key dimension.
-NONE, SCALAR, VECTOR = 0, 1, 2
+#: Kinds of gate: none, a scalar per position, one per key dimension, a constant decay alone (its
+#: gates: a zero view, for the kernels that treat it as a scalar gate).
+NONE, SCALAR, VECTOR, CONSTANT = 0, 1, 2, 3
 
 
 def check_decay(decay, lead):
@@ -69,7 +70,7 @@ def prepare(decay, gate, lead, n, dk, comp):
     if gate is not None:
         kind, gates = check_gate(gate, lead, n, dk, comp)
     elif log_decay is not None:
-        kind, gates = SCALAR, np.broadcast_to(np.zeros((), comp), lead + (n,))
+        kind, gates = CONSTANT, np.broadcast_to(np.zeros((), comp), lead + (n,))
     else:
         return NONE, None, None
     return kind, gates, log_decay

@@ -233,7 +233,7 @@ def _causal_segment(q, k, v, out, fm, eps, normalize, scale, length, chunk, c0, 
         load_rows(q, i0, c, fm, QA)
         _load_kt(k, i0, c, fm, Kf, KT, sums if decayed else Pz)  # gated keys add their sums later
         _copy_rows(v, i0, c, SV, d_)
-        gate_scores(gates, QA, KT, Kf, d_, c, G, R, X)  # A, lower triangle, decayed
+        gate_scores(gates, QA, KT, Kf, d_, c, G, R, F, X)  # A, lower triangle, decayed
         gate_queries(gates, QA, d_, c, F)
         if has_acc or has_p:  # [phi(Q) | A] @ [S ; V], each row tile up to its last nonzero score
             small_gemm(QA[:c, :d_ + c], SV[:d_ + c], out[i0:i0 + c], False, d_, -1)
@@ -381,8 +381,9 @@ def _noncausal_forward(q, k, v, fm, eps, normalize, scale, chunk, frac, nthreads
 
 
 def _gates_type(dt, kind):
-    """The gate array's type by kind (cpu/gating.py): empty, per position, per key dimension."""
-    return array(dt, 1, readonly=True) if kind == 0 else array(dt, 2 + kind, "A", readonly=True)
+    """The gate array's type by kind (cpu/gating.py): empty, per position, per key dimension, empty 2-D
+    (a constant decay alone)."""
+    return array(dt, {0: 1, 1: 3, 2: 4, 3: 2}[kind], "A", readonly=True)
 
 
 def _causal_signature(dt, variant):

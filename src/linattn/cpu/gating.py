@@ -5,7 +5,9 @@ The gate array's type says the kind, at compile time (each helper is an overload
 
 - a 1-D array (empty): no decay (every helper does nothing, or what the ungated kernel does);
 - (G1, G2, N): a log-decay per position (a constant decay arrives as a view with stride 0);
-- (G1, G2, N, D'): a log-decay per position and key dimension (GLA).
+- (G1, G2, N, D'): a log-decay per position and key dimension (GLA);
+- a 2-D array (empty): a constant decay per head only (RetNet): the factors are powers of it, and
+  the chunk's score factors gamma^(t - s) are read from its w (gamma^(c - 1 - s)) without an exp.
 
 ``ld[h]`` (float64, <= 0) is added to every log gate of head h (the ``decay=`` argument). The factor
 of position s's term at position t >= s is the product of the factors a_u = exp(log gate_u) of the
@@ -45,11 +47,16 @@ _OPTS = {"fastmath": set(FASTMATH), "error_model": "numpy"}
 POSITIVE, NAN = 1, 2
 
 
+#: Kinds, from the gate array's number of dimensions
+NONE, SCALAR, VECTOR, CONSTANT = 0, 1, 2, 3
+
+
 def _kind(gates):
-    """0 (none), 1 (scalar per position) or 2 (per key dimension) from the gate array's type."""
+    """NONE, SCALAR (per position), VECTOR (per key dimension) or CONSTANT (a decay per head) from the
+    gate array's type."""
     if not isinstance(gates, types.Array):
         return None
-    return {1: 0, 3: 1, 4: 2}.get(gates.ndim)
+    return {1: NONE, 2: CONSTANT, 3: SCALAR, 4: VECTOR}.get(gates.ndim)
 
 
 def _stub(name):
@@ -84,12 +91,23 @@ def _chunk_gates(gates, h, ld, i0, c, G, R, F, status):
     dt = as_dtype(F[0].dtype).type
     tiny = dt(np.finfo(as_dtype(F[0].dtype)).tiny)
 
+    if kind == CONSTANT:
+        def impl(gates, h, ld, i0, c, G, R, F, status):
+            e, w, lg = F[0], F[1], ld[h]
+            for t in range(c):
+                G[t], R[t] = lg * (t + 1), -1
+            for t in range(c):
+                e[t] = exp_le0(dt(G[t]))
+                w[t] = exp_le0(dt(lg * (c - 1 - t)))
+            F[2][0] = e[c - 1]
+        return impl
+
     def impl(gates, h, ld, i0, c, G, R, F, status):
         g2 = gates.shape[1]
         row = gates[h // g2, h % g2]
         extra = ld[h]
         e, w, whole = F[0], F[1], F[2]
-        if kind == 1:
+        if kind == SCALAR:
             total = 0.0
             last = -1
             for t in range(c):
@@ -170,17 +188,26 @@ def masked_product(QA, KT, d_, c):
 
 
 @overload(gate_scores, jit_options=_OPTS)
-def _gate_scores(gates, QA, KT, Kf, d_, c, G, R, X):
+def _gate_scores(gates, QA, KT, Kf, d_, c, G, R, F, X):
     """QA[:c, d_:d_+c] = the chunk's decayed scores, lower triangle (zero above); X: scratch (a row
     of exponents; per dimension, a factor row and a block's scaled queries and keys)."""
     kind = _kind(gates)
     dt = as_dtype(QA.dtype).type
-    if kind == 0:
-        def impl(gates, QA, KT, Kf, d_, c, G, R, X):
+    if kind == NONE:
+        def impl(gates, QA, KT, Kf, d_, c, G, R, F, X):
             masked_product(QA, KT, d_, c)
         return impl
-    if kind == 1:
-        def impl(gates, QA, KT, Kf, d_, c, G, R, X):
+    if kind == CONSTANT:
+        def impl(gates, QA, KT, Kf, d_, c, G, R, F, X):
+            masked_product(QA, KT, d_, c)
+            w = F[1]
+            for t in range(c):  # gamma^(t - s) = w[c - 1 - t + s]
+                row, f = QA[t, d_:d_ + t + 1], w[c - 1 - t:]
+                for s in range(t + 1):
+                    row[s] *= f[s]
+        return impl
+    if kind == SCALAR:
+        def impl(gates, QA, KT, Kf, d_, c, G, R, F, X):
             masked_product(QA, KT, d_, c)
             x = X[0]
             for t in range(c):
@@ -194,7 +221,7 @@ def _gate_scores(gates, QA, KT, Kf, d_, c, G, R, X):
 
     tiny = dt(np.finfo(as_dtype(QA.dtype)).tiny)
 
-    def impl(gates, QA, KT, Kf, d_, c, G, R, X):  # per dimension: blocks of SUB positions
+    def impl(gates, QA, KT, Kf, d_, c, G, R, F, X):  # per dimension: blocks of SUB positions
         fac, qb, kh, kt = X  # (D',) running factors, (SUB, D') queries and keys, (D', SUB) keys transposed
         a = G  # the per-position factors
         for t in range(c):
@@ -254,7 +281,7 @@ def _gate_queries(gates, QA, d_, c, F):
         e = F[0]
         for t in range(c):
             row = QA[t, :d_]
-            if kind == 1:
+            if kind != VECTOR:
                 f = e[t]
                 for a in range(d_):
                     row[a] *= f
@@ -274,7 +301,7 @@ def _gate_key_columns(gates, KT, Kf, c, F, Pz):
     if kind == 0:
         return lambda gates, KT, Kf, c, F, Pz: None
     dt = as_dtype(KT.dtype).type
-    if kind == 1:
+    if kind != VECTOR:
         def impl(gates, KT, Kf, c, F, Pz):
             w = F[1]
             for a in range(KT.shape[0]):
@@ -306,11 +333,11 @@ def _gate_key_rows(gates, Kf, c, F, Pz):
         w = F[1]
         for s in range(c):
             row = Kf[s]
-            if kind == 1:
+            if kind == SCALAR or kind == CONSTANT:
                 f = w[s]
                 for a in range(Kf.shape[1]):
                     row[a] *= f
-            elif kind == 2:
+            elif kind == VECTOR:
                 ws = w[s]
                 for a in range(Kf.shape[1]):
                     row[a] *= ws[a]
@@ -331,7 +358,7 @@ def _gate_pending(gates, P, Pz, B, Bz, lam, c, G, R, F, has_p, has_acc):
     def impl(gates, P, Pz, B, Bz, lam, c, G, R, F, has_p, has_acc):
         whole = F[2]
         for a in range(P.shape[0]):
-            if kind == 1:
+            if kind != VECTOR:
                 lam[a] = -np.inf if R[c - 1] >= 0 else lam[a] + G[c - 1]
                 f = whole[0]
             else:  # R[0]: the chunk's sums of log gates (-inf after a reset)
@@ -362,7 +389,7 @@ def _gate_buffers(gates, chunk, dtype):
                                             (np.empty(0, dtype), np.empty(0, dtype), np.empty(0, dtype),
                                              np.empty(0, dtype)),
                                             (np.empty(0, dtype),))
-    if kind == 1:
+    if kind != VECTOR:
         return lambda gates, chunk, dtype: (np.empty(chunk, np.float64), np.empty(chunk, np.int64),
                                             (np.empty(chunk, dtype), np.empty(chunk, dtype), np.empty(1, dtype),
                                              np.empty(0, dtype)),

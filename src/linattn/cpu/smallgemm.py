@@ -5,7 +5,8 @@ OpenBLAS is fast on such sizes only where it has "small matrix" kernels (Skylake
 17.1 instead of 9.3 us per 32 positions at D = Dv = 64). This is a register-blocked product written
 with explicit LLVM vector types: a tile of ROWS rows by PANEL vectors of columns accumulates in
 registers over the whole inner dimension (each loaded row of B serves ROWS rows of A, each
-broadcast element of A a whole panel), then columns one vector and one element at a time. Two
+broadcast element of A a whole panel), then columns one vector, half a vector and one element at a
+time. Two
 optional bands skip the zero part of causal products: for the rows of a tile starting at r0, the
 inner dimension stops at ``kband + r0 + ROWS`` (the chunk's masked scores times V) and the columns at
 ``nband + r0 + ROWS``, rounded up to whole vectors (the scores themselves; the caller zeroes the
@@ -166,14 +167,13 @@ def _codegen(trans_a):
         lanes = _vector_bytes(context) // size
         panel = 4 if lanes * size == 64 else 2  # vectors per tile row: 16 (AVX-512) or 8 (AVX2) registers
         vec = ir.VectorType(fty, lanes)
+        half = ir.VectorType(fty, lanes // 2)  # the columns past the whole vectors: half a vector, then one by one
         i64, i32 = context.get_value_type(types.intp), ir.IntType(32)
         accumulate_v = builder.icmp_signed("!=", accumulate_v, ir.Constant(accumulate_v.type, 0))
 
         def const(x):
             return ir.Constant(i64, x)
 
-        undef = ir.Constant(vec, ir.Undefined)
-        zero_mask = ir.Constant(ir.VectorType(i32, lanes), [0] * lanes)
 
         def ptr(base, stride, row, col, ty):
             return builder.bitcast(builder.gep(base, [builder.add(builder.mul(row, stride), col)]), ty.as_pointer())
@@ -182,8 +182,11 @@ def _codegen(trans_a):
             return ptr(a_data, sa, kk, i, fty) if trans_a else ptr(a_data, sa, i, kk, fty)
 
         def splat(x, ty):
-            return x if ty is fty else builder.shuffle_vector(builder.insert_element(undef, x, ir.Constant(i32, 0)),
-                                                              undef, zero_mask)
+            if ty is fty:
+                return x
+            undef = ir.Constant(ty, ir.Undefined)
+            return builder.shuffle_vector(builder.insert_element(undef, x, ir.Constant(i32, 0)), undef,
+                                          ir.Constant(ir.VectorType(i32, ty.count), [0] * ty.count))
 
         def band(limit, base, r0, rows, align=1):
             """min(limit, base + r0 + rows rounded up to a multiple of align) when base >= 0, else limit."""
@@ -194,7 +197,7 @@ def _codegen(trans_a):
 
         def tile(r0, rows, j0, nvec, ty, kend):
             """c[r0:r0+rows, j0:j0+nvec*width(ty)]: accumulators in registers over k < kend."""
-            width = ty.count if ty is vec else 1
+            width = ty.count if isinstance(ty, ir.VectorType) else 1
             accs = [[cgutils.alloca_once_value(builder, ir.Constant(ty, None)) for _ in range(nvec)]
                     for _ in range(rows)]
             with cgutils.for_range(builder, kend) as loop:
@@ -224,8 +227,9 @@ def _codegen(trans_a):
                 nend = band(n, nband_v, r0, rows, lanes)  # whole vectors: the caller zeroes the triangle
                 col = const(0)
                 widths = [panel] + ([2] if panel > 2 else []) + [1]
-                for nvec, ty in [(w, vec) for w in widths] + [(1, fty)]:
-                    width = nvec * (lanes if ty is vec else 1)
+                tails = [(1, half)] if lanes >= 8 else []
+                for nvec, ty in [(w, vec) for w in widths] + tails + [(1, fty)]:
+                    width = nvec * (ty.count if isinstance(ty, ir.VectorType) else 1)
                     cstep = const(width)
                     cend = builder.add(col, builder.mul(builder.sdiv(builder.sub(nend, col), cstep), cstep))
                     with cgutils.for_range_slice(builder, col, cend, cstep) as (j0, _):

@@ -12,6 +12,7 @@ the leading dims, or per key dimension, leading dims + (D',); a decay of the lea
 import numpy as np
 from numba import prange, types
 from numba.extending import overload
+from numba.np.numpy_support import as_dtype
 from numba.np.unsafe.ndarray import to_fixed_tuple
 
 from .._jit import FASTMATH, Kernel, array, njit
@@ -49,10 +50,42 @@ def _head_scalar(x, h):
     return impl
 
 
+def decay_ok(gates, decay, h, q):
+    """Whether head h's gate and decay values are good (gates <= 0, not NaN; a decay in (0, 1]).
+    ``q`` (leading dims + (D,)) tells a gate per key dimension (of q's ndim) from one per sequence.
+    Only callable from Numba code."""
+    raise NotImplementedError("runs inside Numba kernels only")
+
+
+@overload(decay_ok, jit_options=_OPTS)
+def _decay_ok(gates, decay, h, q):
+    no_gate = isinstance(gates, types.NoneType)
+    no_decay = isinstance(decay, types.NoneType)
+    per_dim = not no_gate and gates.ndim == q.ndim
+
+    def impl(gates, decay, h, q):
+        ok = True
+        if not no_decay:
+            d = head_scalar(decay, h)
+            ok = d > 0 and d <= 1
+        if not no_gate and not per_dim:
+            g = head_scalar(gates, h)
+            ok = ok and not (g > 0 or g != g)
+        elif per_dim:
+            row = head_row(gates, h)
+            bad = False
+            for a in range(row.shape[0]):  # no early exit
+                g = row[a]
+                bad |= (g > 0) | (g != g)
+            ok = ok and not bad
+        return ok
+
+    return impl
+
+
 def fill_decay(gates, decay, h, dec, q):
-    """dec[:] = the factors of head h's state for this step, exp(gate + log decay); returns False when
-    a value is bad (a positive or NaN gate, a decay outside (0, 1]). ``q`` (leading dims + (D,)) tells
-    a gate per key dimension (of q's ndim) from one per sequence. Only callable from Numba code."""
+    """dec[:] = the factors of head h's state for this step, exp(gate) times the decay (values
+    checked by decay_ok). Only callable from Numba code."""
     raise NotImplementedError("runs inside Numba kernels only")
 
 
@@ -60,35 +93,28 @@ def fill_decay(gates, decay, h, dec, q):
 def _fill_decay(gates, decay, h, dec, q):
     no_gate = isinstance(gates, types.NoneType)
     no_decay = isinstance(decay, types.NoneType)
+    if no_gate and no_decay:
+        return lambda gates, decay, h, dec, q: None
     per_dim = not no_gate and gates.ndim == q.ndim
+    dt = as_dtype(dec.dtype).type
 
     def impl(gates, decay, h, dec, q):
-        lg = 0.0
-        if not no_decay:
-            d = head_scalar(decay, h)
-            if not (d > 0 and d <= 1):
-                return False
-            lg = np.log(d)
-        if no_gate:
-            f = exp_le0(lg)
+        d = 1.0 if no_decay else head_scalar(decay, h)
+        if no_gate:  # the decay itself: exp(log d) would round it
+            f = dt(d)
             for a in range(dec.shape[0]):
                 dec[a] = f
         elif not per_dim:
-            g = head_scalar(gates, h)
-            if g > 0 or g != g:
-                return False
-            f = exp_le0(np.float64(g) + lg)
+            f = dt(d * exp_le0(np.float64(head_scalar(gates, h))))
             for a in range(dec.shape[0]):
                 dec[a] = f
         else:
             row = head_row(gates, h)
-            ok = True
+            for a in range(dec.shape[0]):  # the row where it may have any stride, then a loop that vectorises
+                dec[a] = row[a]
+            f = dt(d)
             for a in range(dec.shape[0]):
-                g = row[a]
-                ok = ok and not (g > 0 or g != g)
-                dec[a] = exp_le0(np.float64(g) + lg)
-            return ok
-        return True
+                dec[a] = f * exp_le0(dec[a])
 
     return impl
 
@@ -111,21 +137,20 @@ def _pass_head(S, Z, v, q, k, out, stride, eps, normalize, qscale, gates, decay,
     return impl
 
 
-def decays(gates, decay, decs, q):
-    """decs[h] = fill_decay(...) for every head; False when a value is bad (nothing else touched).
-    Does nothing without gates and decay. Only callable from Numba code."""
+def decays_ok(gates, decay, q, bh):
+    """decay_ok for every head (checked before any state is touched). Only callable from Numba code."""
     raise NotImplementedError("runs inside Numba kernels only")
 
 
-@overload(decays, jit_options=_OPTS)
-def _decays(gates, decay, decs, q):
+@overload(decays_ok, jit_options=_OPTS)
+def _decays_ok(gates, decay, q, bh):
     if isinstance(gates, types.NoneType) and isinstance(decay, types.NoneType):
-        return lambda gates, decay, decs, q: True
+        return lambda gates, decay, q, bh: True
 
-    def impl(gates, decay, decs, q):
+    def impl(gates, decay, q, bh):
         ok = True
-        for h in range(decs.shape[0]):
-            ok = fill_decay(gates, decay, h, decs[h], q) and ok
+        for h in range(bh):
+            ok = decay_ok(gates, decay, h, q) and ok
         return ok
     return impl
 
@@ -196,16 +221,16 @@ def _step(q, k, v, fm, eps, normalize, S, Z, out, gates, decay, qscale):
     bh, d_ = S.shape[0], S.shape[1]
     maps = np.empty((bh, 2, d_), out.dtype)
     scratch = np.empty(bh, out.dtype)
-    decs = np.ones((bh, d_), out.dtype)
+    decs = np.empty((bh, d_), out.dtype)
     for h in range(bh):
         for a in range(d_):
             maps[h, 0, a] = q[h, a]
             maps[h, 1, a] = k[h, a]
     map_flat(maps.reshape(bh * 2 * d_), fm, maps.reshape(bh * 2 * d_))
-    decays(gates, decay, decs, q)
     unit = S.itemsize
     vector = S.strides[2] == unit and Z.strides[1] == unit and v.strides[1] == unit and out.strides[1] == unit
     for h in prange(bh):
+        fill_decay(gates, decay, h, decs[h], q)
         if vector:
             pass_head(S[h], Z[h], v[h], maps[h, 0], maps[h, 1], out[h], S.strides[1] // unit, eps, normalize, qscale,
                       gates, decay, decs[h])
@@ -236,14 +261,15 @@ def _step_nd(q, k, v, fm, eps, normalize, S, Z, out, gates, decay, qscale):
     if out.strides[-1] != isz or Z.strides[-1] != isz:
         return 1
     bh = q.size // d_
-    decs = np.empty((bh, d_), out.dtype)
-    if not decays(gates, decay, decs, q):
+    if not decays_ok(gates, decay, q, bh):
         return 2
+    decs = np.empty((bh, d_), out.dtype)
     qf, kf = np.empty(bh * d_, out.dtype), np.empty(bh * d_, out.dtype)
     for h in range(bh):
         map_row(as_contiguous(head_row(q, h)), fm, qf[h * d_:(h + 1) * d_])
         map_row(as_contiguous(head_row(k, h)), fm, kf[h * d_:(h + 1) * d_])
     for h in prange(bh):
+        fill_decay(gates, decay, h, decs[h], q)
         Sh = head_matrix(S, h)
         pass_head(Sh, head_row(Z, h), head_row(v, h), qf[h * d_:(h + 1) * d_], kf[h * d_:(h + 1) * d_],
                   head_row(out, h), Sh.strides[0] // isz, eps, normalize, qscale, gates, decay, decs[h])
