@@ -26,13 +26,13 @@ SHAPES = [(1, 1, 1), (3, 5, 7), (4, 64, 64), (5, 17, 33), (32, 64, 64), (32, 96,
 
 
 def check_all(seed=0):
-    """Every shape x dtype x band x accumulate; returns the number of failures (0 expected)."""
+    """Every shape x dtype x band x beta; returns the number of failures (0 expected)."""
     rng = np.random.default_rng(seed)
     failures = 0
     for dtype, tol in ((np.float32, 2e-6), (np.float64, 1e-13)):
         for m, k, n in SHAPES:
             for kband, nband in ((-1, -1), (0, -1), (5, -1), (-1, 0), (-1, 3)):
-                for accumulate in (False, True):
+                for accumulate in (False, True, 0.5):  # beta: c's factor (False: c not read)
                     a = rng.standard_normal((m, k + 3)).astype(dtype)[:, 2:k + 2]  # rows k + 3 apart
                     b = rng.standard_normal((k, n + 4)).astype(dtype)[:, :n]
                     before = rng.standard_normal((m, n + 1)).astype(dtype)
@@ -44,20 +44,20 @@ def check_all(seed=0):
                         nend = n if nband < 0 else min(n, nband + r0 + rows)  # guaranteed columns
                         want = a[i, :kend].astype(np.float64) @ b[:kend].astype(np.float64)
                         if accumulate:
-                            want = want + before[i, :n]
+                            want = want + float(accumulate) * before[i, :n]
                         scale = max(1.0, float(np.abs(want).max()))
                         if np.abs(c[i, :nend] - want[:nend]).max(initial=0) > tol * scale * np.sqrt(k + 1):
                             failures += 1
                         rest = c[i, nend:]  # beyond the band: either untouched or computed
                         ok = (rest == before[i, nend:n]) | (np.abs(rest - want[nend:]) <= tol * scale * np.sqrt(k + 1))
                         failures += int(not ok.all())
-            for accumulate in (False, True):  # a stored transposed, (K, M) with rows apart
+            for accumulate in (False, True, 0.5):  # a stored transposed, (K, M) with rows apart
                 at = rng.standard_normal((k, m + 2)).astype(dtype)[:, 1:m + 1]
                 b = rng.standard_normal((k, n)).astype(dtype)
                 before = rng.standard_normal((m, n)).astype(dtype)
                 c = before.copy()
                 _run_tn(at, b, c, accumulate)
-                want = at.T.astype(np.float64) @ b + (before if accumulate else 0)
+                want = at.T.astype(np.float64) @ b + float(accumulate) * before
                 failures += int(np.abs(c - want).max() > tol * max(1.0, float(np.abs(want).max())) * np.sqrt(k + 1))
     return failures
 
@@ -75,3 +75,17 @@ def test_small_gemm_with_256_bit_vectors(tmp_path):
                          check=False)
     assert res.returncode == 0, res.stderr
     assert res.stdout.strip().endswith("failures 0"), res.stdout
+
+
+def test_small_gemm_does_not_read_c_without_beta():
+    # the kernels hand it uninitialised buffers: NaN there must not leak into the product
+    rng = np.random.default_rng(2)
+    for dtype in (np.float32, np.float64):
+        a, b = rng.standard_normal((9, 13)).astype(dtype), rng.standard_normal((13, 27)).astype(dtype)
+        c = np.full((9, 27), np.nan, dtype)
+        _run(a, b, c, False, -1, -1)
+        np.testing.assert_allclose(c, a @ b, rtol=1e-5)
+        at = rng.standard_normal((13, 9)).astype(dtype)  # a stored transposed
+        c = np.full((9, 27), np.nan, dtype)
+        _run_tn(at, b, c, 0.0)
+        np.testing.assert_allclose(c, at.T @ b, rtol=1e-5)

@@ -80,10 +80,11 @@ class Kernel:
     """A Python kernel function compiled on first use for one explicit signature per
     (dtype, variant). ``signature(numba_dtype, variant)`` builds the signature; for the sequence
     kernels the variant is the layout: "C" when all inputs are C-contiguous (the fast path), "A" for
-    any strides (views, negative strides).
+    any strides (views, negative strides). ``prepare(dtype, variant)``, when given, runs before a
+    variant is compiled or loaded (it registers the C functions that variant calls by symbol).
     """
 
-    def __init__(self, py_func, signature, parallel=True):
+    def __init__(self, py_func, signature, parallel=True, prepare=None):
         # Numba's disk cache keys entries by function name and signature, and checks only the
         # kernel's own source file: not compile flags (a serial twin of a parallel kernel would load
         # the parallel binary) and not the helpers in other modules it compiles in (an edited helper
@@ -97,6 +98,7 @@ class Kernel:
         self.py_func = py_func
         self._signature = signature
         self._parallel = parallel
+        self._prepare = prepare
         self._compiled = {}
         self._lock = threading.Lock()
         self.__doc__ = py_func.__doc__
@@ -113,6 +115,8 @@ class Kernel:
             fn = self._compiled.get(key)
             if fn is None:
                 _run_before_kernels()
+                if self._prepare is not None:
+                    self._prepare(key[0], variant)
                 if self._parallel:
                     from .cpu.runtime import start_threads
 

@@ -49,7 +49,10 @@ def check_gate(gate, lead, n, dk, comp, per_position=True):
     else:
         raise ValueError(f"gate: expected shape {lead + seq} (one log gate per {'position' if per_position else 'sequence'}) "
                          f"or {lead + seq + (dk,)} (one per key dimension, D'={dk}), got {g.shape}")
-    return kind, g.astype(comp, copy=False)
+    g = g.astype(comp, copy=False)
+    if any(st % g.itemsize for st in g.strides):  # the kernels step through gates in whole elements
+        g = np.ascontiguousarray(g)
+    return kind, g
 
 
 def check_scale(scale):

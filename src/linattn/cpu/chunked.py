@@ -23,9 +23,10 @@ import numpy as np
 from numba import prange, types
 
 from .._jit import Kernel, array, njit
+from . import gating
 from .elementwise import exp_le0, load_rows
 from .gating import (chunk_gates, gate_buffers, gate_key_columns, gate_key_rows, gate_pending, gate_queries,
-                     gate_scores, like)
+                     gate_scores, gate_state_factors, like)
 from .schedule import take
 from .smallgemm import noinline, small_gemm, small_gemm_tn
 from .views import as_contiguous, prefetch_rows
@@ -62,17 +63,17 @@ def _copy_rows(v, i0, c, V, r0):
 
 
 @njit(helper=True)
-def _add_prefix(k, v, i0, c, fm, Kf, V, P, Pz, has_p, gates, F):
-    """P += phi(K)^T V (P = phi(K)^T V when not ``has_p``: it holds nothing yet) and Pz += phi(K)^T 1
-    for positions [i0, i0 + c) of one head (no outputs; phi(K) is used as it is, not transposed),
-    each key times its factor at the chunk's end when there are gates (F: the chunk's factors)."""
+def _add_prefix(k, v, i0, c, fm, Kf, V, P, Pz, beta, gates, F):
+    """P = beta P + phi(K)^T V (beta 0: P holds nothing yet) and Pz += phi(K)^T 1 for positions
+    [i0, i0 + c) of one head (no outputs; phi(K) is used as it is, not transposed), each key times
+    its factor at the chunk's end when there are gates (F: the chunk's factors)."""
     load_rows(k, i0, c, fm, Kf)
     gate_key_rows(gates, Kf, c, F, Pz)
     if v.strides[1] == v.itemsize:  # rows of v serve as they are
-        small_gemm_tn(Kf[:c], v[i0:i0 + c], P, has_p)
+        small_gemm_tn(Kf[:c], v[i0:i0 + c], P, beta)
     else:
         _copy_rows(v, i0, c, V, 0)
-        small_gemm_tn(Kf[:c], V[:c], P, has_p)
+        small_gemm_tn(Kf[:c], V[:c], P, beta)
 
 
 @njit(helper=True)
@@ -135,14 +136,23 @@ def _fold(acc, accz, B, Bz, P, Pz, has_acc, lam, decayed):
 
 
 @njit(helper=True)
-def _current(B, Bz, P, Pz, S, Z, has_acc, has_p):
+def _current(B, Bz, P, Pz, S, Z, has_acc, has_p, fb, decayed):
     """S[:D] = B + P and Z = Bz + Pz (B and P taken as zero where the flags say they hold nothing;
-    with gates B and Bz are decayed as they go): the state the next chunk reads.
+    with gates, B's and Bz's rows times their factors fb since the last fold): the state the next
+    chunk reads.
 
     (Loops touch at most three arrays: LLVM leaves loops over more arrays unvectorised.)
     """
     for a in range(P.shape[0]):
-        if has_acc and has_p:
+        if has_acc and has_p and decayed:
+            f = fb[a]
+            for e in range(P.shape[1]):
+                S[a, e] = f * B[a, e] + P[a, e]
+        elif has_acc and decayed:
+            f = fb[a]
+            for e in range(P.shape[1]):
+                S[a, e] = f * B[a, e]
+        elif has_acc and has_p:
             for e in range(P.shape[1]):
                 S[a, e] = B[a, e] + P[a, e]
         elif has_acc:
@@ -154,7 +164,7 @@ def _current(B, Bz, P, Pz, S, Z, has_acc, has_p):
         else:
             for e in range(P.shape[1]):
                 S[a, e] = 0
-        Z[a] = Bz[a] + Pz[a]
+        Z[a] = (fb[a] * Bz[a] if decayed else Bz[a]) + Pz[a]
 
 
 @njit(helper=True)
@@ -205,19 +215,21 @@ def _causal_segment(q, k, v, out, fm, eps, normalize, scale, length, chunk, c0, 
     d_, dv = q.shape[1], v.shape[1]
     decayed = gates.ndim > 1
     P, B, acc, Pz, Bz, Z, accz, lam = _state_buffers(d_, dv, out.dtype)
+    fb = np.empty(d_ if decayed else 0, out.dtype)  # B's factors (gate_state_factors)
     has_acc = _init_state(S0, Z0, h, acc, accz, B, Bz)
     has_p = False
     for ci in range(c0):  # the state at the start of this segment
         i0 = ci * chunk
         c = min(chunk, length - i0)
         chunk_gates(gates, h, ld, i0, c, G, R, F, status)
-        gate_pending(gates, P, Pz, B, Bz, lam, c, G, R, F, has_p, has_acc)
-        _add_prefix(k, v, i0, c, fm, Kf, SV, P, Pz, has_p, gates, F)
+        beta = gate_pending(gates, P, Pz, lam, c, G, R, F, has_p)
+        _add_prefix(k, v, i0, c, fm, Kf, SV, P, Pz, beta if has_p else 0, gates, F)
         has_p = True
         if (ci + 1) % FOLD_EVERY == 0:
             _fold(acc, accz, B, Bz, P, Pz, has_acc, lam, decayed)
             has_acc, has_p = True, False
-    _current(B, Bz, P, Pz, SV, Z, has_acc, has_p)
+    gate_state_factors(gates, lam, fb)
+    _current(B, Bz, P, Pz, SV, Z, has_acc, has_p, fb, decayed)
     # rows far apart (head views of a fused projection) are fetched a chunk ahead: 0.93x the time
     # in a model; adjacent rows gain nothing (the hardware prefetches them)
     spread = q.strides[0] != d_ * q.itemsize or v.strides[0] != dv * v.itemsize
@@ -243,15 +255,16 @@ def _causal_segment(q, k, v, out, fm, eps, normalize, scale, length, chunk, c0, 
             _normalize_rows(out, i0, c, QA, Z, d_, True, eps, scale)
         elif scale != 1:
             _scale_rows(out, i0, c, scale)
-        gate_pending(gates, P, Pz, B, Bz, lam, c, G, R, F, has_p, has_acc)
+        beta = gate_pending(gates, P, Pz, lam, c, G, R, F, has_p)
         gate_key_columns(gates, KT, Kf, c, F, Pz)
-        small_gemm(KT[:, :c], SV[d_:d_ + c], P, has_p, -1, -1)  # pending state update
+        small_gemm(KT[:, :c], SV[d_:d_ + c], P, beta if has_p else 0, -1, -1)  # pending state update
         has_p = True
         if ci < c1 - 1:
             if (ci + 1) % FOLD_EVERY == 0:
                 _fold(acc, accz, B, Bz, P, Pz, has_acc, lam, decayed)
                 has_acc, has_p = True, False
-            _current(B, Bz, P, Pz, SV, Z, has_acc, has_p)
+            gate_state_factors(gates, lam, fb)
+            _current(B, Bz, P, Pz, SV, Z, has_acc, has_p, fb, decayed)
     if last:
         for i in range(length, out.shape[0]):
             for e in range(dv):
@@ -330,7 +343,7 @@ def _noncausal_segment(q, k, v, out, fm, eps, normalize, scale, chunk, c0, c1, Q
         if (ci + 1) % FOLD_EVERY == 0 or ci == nchunks - 1:
             _fold(acc, accz, B, Bz, P, Pz, has_acc, lam, False)
             has_acc, has_p = True, False
-    _current(B, Bz, P, Pz, S, Z, has_acc, has_p)
+    _current(B, Bz, P, Pz, S, Z, has_acc, has_p, no_gates, False)
     for ci in range(c0, c1):
         i0 = ci * chunk
         c = min(chunk, n - i0)
@@ -401,5 +414,6 @@ def _noncausal_signature(dt, layout):
                       array(types.float64, 1, readonly=True), i64, array(dt, 4, layout))
 
 
-causal_forward = Kernel(_causal_forward, _causal_signature)
+causal_forward = Kernel(_causal_forward, _causal_signature,
+                        prepare=lambda dtype, variant: gating.prepare_kernel(dtype, variant[1]))
 noncausal_forward = Kernel(_noncausal_forward, _noncausal_signature)

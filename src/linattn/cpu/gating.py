@@ -31,12 +31,15 @@ and -inf resets neither overflow nor give NaN.
   slows them down.
 """
 import numpy as np
-from numba import types
-from numba.extending import overload
+import numba
+from llvmlite import ir
+from numba import carray, types
+from numba.extending import intrinsic, overload
 from numba.np.numpy_support import as_dtype
 
 from .._jit import FASTMATH, njit
 from .elementwise import exp_le0
+from . import symbols
 from .smallgemm import small_gemm
 from .vector import transpose_rows
 
@@ -126,56 +129,108 @@ def _chunk_gates(gates, h, ld, i0, c, G, R, F, status):
                 w[t] = exp_le0(dt(end - G[t]) if reset <= t else dt(-np.inf))
             whole[0] = e[c - 1]
             return
-        d = row.shape[1]
-        a, sums, top = G, R[0], whole  # whole holds the largest gate of each dimension for now
+        # per dimension: a C function (cpu/symbols.py)
+        _call_vector_factors(gates, h // g2, h % g2, i0, c, extra, G, R[0], e, w, whole, F[3], tiny, status, h)
+    return impl
+
+
+@njit(helper=True)
+def _vector_factors(gp, sp, sd, i0, c, d, extra, a, sums, e, w, whole, run, tiny, status, h):
+    """chunk_gates per key dimension, from the gates at gp (a CPointer: position t, dimension j at
+    gp[t * sp + j * sd]): a = the per-position factors, sums = the chunk's sums of log gates (float64),
+    e, w, whole: the factors F (run: scratch); the first bad gate is reported in status."""
+    one, zero = tiny / tiny, tiny - tiny  # in the compute dtype
+    top = whole  # the largest gate of each dimension, for now
+    for j in range(d):
+        sums[j] = 0.0
+        top[j] = -np.inf
+    for t in range(c):  # the logs, then their exps: loops over the dimensions that vectorise
+        at, base = a[t], (i0 + t) * sp
         for j in range(d):
-            sums[j] = 0.0
-            top[j] = dt(-np.inf)
-        for t in range(c):  # the logs, then their exps: loops over the dimensions that vectorise
-            src, at = row[i0 + t], a[t]
-            for j in range(d):
-                x = src[j]
-                top[j] = max(top[j], dt(x))
-                g = np.float64(x) + extra
-                sums[j] += g  # NaN stays NaN
-                at[j] = dt(g)
-            for j in range(d):
-                at[j] = exp_le0(at[j])
-        bad = False
+            x = gp[base + j * sd]
+            top[j] = max(top[j], x)
+            g = np.float64(x) + extra
+            sums[j] += g  # NaN stays NaN
+            at[j] = g
         for j in range(d):
-            bad = bad or top[j] > 0 or sums[j] != sums[j]
-        if bad:  # find the first bad gate
-            for t in range(c):
-                for j in range(d):
-                    x = row[i0 + t, j]
-                    if (x > 0 or x != x) and status[0] == 0:
-                        status[0], status[1], status[2] = (POSITIVE if x > 0 else NAN), h, i0 + t
-        # e: running products from the chunk's start, w: from its end, each in a vector of its own
-        # (rows of one array read and written in one loop would keep LLVM from vectorising it)
-        run = F[3]
-        for j in range(d):
-            run[j] = dt(1.0)
+            at[j] = exp_le0(at[j])
+    bad = False
+    for j in range(d):
+        bad = bad or top[j] > 0 or sums[j] != sums[j]
+    if bad:  # find the first bad gate
         for t in range(c):
-            et, at = e[t], a[t]
+            for j in range(d):
+                x = gp[(i0 + t) * sp + j * sd]
+                if (x > 0 or x != x) and status[0] == 0:
+                    status[0], status[1], status[2] = (POSITIVE if x > 0 else NAN), h, i0 + t
+    # e: running products from the chunk's start, w: from its end, each in a vector of its own
+    # (rows of one array read and written in one loop would keep LLVM from vectorising it)
+    for j in range(d):
+        run[j] = one
+    for t in range(c):
+        et, at = e[t], a[t]
+        for j in range(d):
+            x = run[j] * at[j]
+            x = x if x >= tiny else zero
+            run[j] = x
+            et[j] = x
+    for j in range(d):
+        whole[j] = run[j]
+        run[j] = one
+    for t in range(c - 1, -1, -1):
+        wt = w[t]
+        for j in range(d):
+            wt[j] = run[j]
+        if t > 0:
+            at = a[t]
             for j in range(d):
                 x = run[j] * at[j]
-                x = x if x >= tiny else dt(0.0)
-                run[j] = x
-                et[j] = x
-        for j in range(d):
-            whole[j] = run[j]
-            run[j] = dt(1.0)
-        for t in range(c - 1, -1, -1):
-            wt = w[t]
-            for j in range(d):
-                wt[j] = run[j]
-            if t > 0:
-                at = a[t]
-                for j in range(d):
-                    x = run[j] * at[j]
-                    run[j] = x if x >= tiny else dt(0.0)
+                run[j] = x if x >= tiny else zero
 
-    return impl
+
+def _vector_factors_c(gp, sp, sd, i0, c, d, extra, af, sums, ef, wf, whole, run, tiny, status, h):
+    """_vector_factors on raw pointers (a, e, w: C-contiguous (c, d); sums, whole, run: (d,))."""
+    _vector_factors(gp, sp, sd, i0, c, d, extra, carray(af, (c, d)), carray(sums, (d,)), carray(ef, (c, d)),
+                    carray(wf, (c, d)), carray(whole, (d,)), carray(run, (d,)), tiny, carray(status, (3,)), h)
+
+
+def _vector_factors_signature(dt):
+    ptr, i = types.CPointer(dt), types.intp
+    return types.void(ptr, i, i, i, i, i, types.float64, ptr, types.CPointer(types.float64), ptr, ptr, ptr, ptr, dt,
+                      types.CPointer(types.int64), i)
+
+
+_VECTOR_FACTORS = {dt: symbols.define(f"vector_gate_factors_{dt}", _vector_factors_c, _vector_factors_signature(dt))
+                   for dt in (types.float32, types.float64)}
+
+
+@intrinsic
+def _call_vector_factors(typingctx, gates, h1, h2, i0, c, extra, a, sums, e, w, whole, run, tiny, status, h):
+    """Call the registered _vector_factors_c for gates[h1, h2] (strides multiples of the itemsize)."""
+    sig = types.void(gates, h1, h2, i0, c, extra, a, sums, e, w, whole, run, tiny, status, h)
+
+    def codegen(context, builder, sig, args):
+        dtype = sig.args[0].dtype
+        size = context.get_abi_sizeof(context.get_data_type(dtype))
+        i64 = context.get_value_type(types.intp)
+        g = context.make_array(sig.args[0])(context, builder, args[0])
+        h1v, h2v = (context.cast(builder, args[k], sig.args[k], types.intp) for k in (1, 2))
+        offset = builder.add(builder.mul(h1v, builder.extract_value(g.strides, 0)),
+                             builder.mul(h2v, builder.extract_value(g.strides, 1)))
+        raw = builder.gep(builder.bitcast(g.data, ir.IntType(8).as_pointer()), [offset])
+        row = builder.bitcast(raw, g.data.type)
+        sp, sd = (builder.sdiv(builder.extract_value(g.strides, k), ir.Constant(i64, size)) for k in (2, 3))
+        d = builder.extract_value(g.shape, 3)
+        values = [row, sp, sd, context.cast(builder, args[3], sig.args[3], types.intp),
+                  context.cast(builder, args[4], sig.args[4], types.intp), d,
+                  context.cast(builder, args[5], sig.args[5], types.float64)]
+        values += [context.make_array(t)(context, builder, v).data for t, v in zip(sig.args[6:12], args[6:12])]
+        values += [args[12], context.make_array(sig.args[13])(context, builder, args[13]).data,
+                   context.cast(builder, args[14], sig.args[14], types.intp)]
+        symbols.emit_call(builder, _VECTOR_FACTORS[dtype], values)
+        return context.get_dummy_value()
+
+    return sig, codegen
 
 
 @njit(helper=True)
@@ -221,53 +276,107 @@ def _gate_scores(gates, QA, KT, Kf, d_, c, G, R, F, X):
 
     tiny = dt(np.finfo(as_dtype(QA.dtype)).tiny)
 
-    def impl(gates, QA, KT, Kf, d_, c, G, R, F, X):  # per dimension: blocks of SUB positions
-        fac, qb, kh, kt = X  # (D',) running factors, (SUB, D') queries and keys, (D', SUB) keys transposed
-        a = G  # the per-position factors
-        for t in range(c):
-            for s in range(c):
-                QA[t, d_ + s] = 0
-        for i0 in range(0, c, SUB):
-            i1 = min(i0 + SUB, c)
-            for t in range(i0, i1):  # within the block: every score its own sum of D' decayed terms
-                for j in range(d_):
-                    fac[j] = dt(1.0)
-                qt = QA[t, :d_]
-                for s in range(t, i0 - 1, -1):
-                    ks, as_ = Kf[s], a[s]
-                    acc = dt(0.0)
-                    for j in range(d_):
-                        acc += qt[j] * ks[j] * fac[j]
-                    QA[t, d_ + s] = acc
-                    for j in range(d_):
-                        x = fac[j] * as_[j]
-                        fac[j] = x if x >= tiny else dt(0.0)
-            if i0 == 0:
-                continue
-            for j in range(d_):  # earlier blocks: q_t times the factors of (i0 - 1, t] ...
-                fac[j] = dt(1.0)
-            for t in range(i0, i1):
-                at, qt, qrow = a[t], QA[t, :d_], qb[t - i0]
-                for j in range(d_):
-                    x = fac[j] * at[j]
-                    fac[j] = x if x >= tiny else dt(0.0)
-                for j in range(d_):
-                    qrow[j] = qt[j] * fac[j]
-            for j in range(d_):
-                fac[j] = dt(1.0)
-            for j0 in range(i0 - SUB, -1, -SUB):  # ... times k_s and the factors of (s, i0 - 1], block by block
-                for s in range(j0 + SUB - 1, j0 - 1, -1):
-                    ks, krow, as_ = Kf[s], kh[s - j0], a[s]
-                    for j in range(d_):
-                        krow[j] = ks[j] * fac[j]
-                    for j in range(d_):
-                        x = fac[j] * as_[j]
-                        fac[j] = x if x >= tiny else dt(0.0)
-                for j in range(d_):
-                    for s in range(SUB):
-                        kt[j, s] = kh[s, j]
-                small_gemm(qb[:i1 - i0], kt, QA[i0:i1, d_ + j0:d_ + j0 + SUB], False, -1, -1)
+    def impl(gates, QA, KT, Kf, d_, c, G, R, F, X):  # per dimension: a C function (cpu/symbols.py)
+        fac, qb, kh, kt = X
+        _call_vector_scores(QA, Kf, G, fac, qb, kh, kt, d_, c, tiny)
     return impl
+
+
+@njit(helper=True)
+def _vector_scores(QA, Kf, a, fac, qb, kh, kt, d_, c, tiny):
+    """gate_scores per key dimension: blocks of SUB positions (see the module docstring). a: the
+    per-position factors; fac (D',), qb, kh (SUB, D') and kt (D', SUB): scratch for a running
+    factor row and a block's scaled queries and keys."""
+    one, zero = tiny / tiny, tiny - tiny  # in the compute dtype
+    for t in range(c):
+        for s in range(c):
+            QA[t, d_ + s] = 0
+    for i0 in range(0, c, SUB):
+        i1 = min(i0 + SUB, c)
+        for t in range(i0, i1):  # within the block: every score its own sum of D' decayed terms
+            for j in range(d_):
+                fac[j] = one
+            qt = QA[t, :d_]
+            for s in range(t, i0 - 1, -1):
+                ks, as_ = Kf[s], a[s]
+                acc = zero
+                for j in range(d_):
+                    acc += qt[j] * ks[j] * fac[j]
+                QA[t, d_ + s] = acc
+                for j in range(d_):
+                    x = fac[j] * as_[j]
+                    fac[j] = x if x >= tiny else zero
+        if i0 == 0:
+            continue
+        for j in range(d_):  # earlier blocks: q_t times the factors of (i0 - 1, t] ...
+            fac[j] = one
+        for t in range(i0, i1):
+            at, qt, qrow = a[t], QA[t, :d_], qb[t - i0]
+            for j in range(d_):
+                x = fac[j] * at[j]
+                fac[j] = x if x >= tiny else zero
+            for j in range(d_):
+                qrow[j] = qt[j] * fac[j]
+        for j in range(d_):
+            fac[j] = one
+        for j0 in range(i0 - SUB, -1, -SUB):  # ... times k_s and the factors of (s, i0 - 1], block by block
+            for s in range(j0 + SUB - 1, j0 - 1, -1):
+                ks, krow, as_ = Kf[s], kh[s - j0], a[s]
+                for j in range(d_):
+                    krow[j] = ks[j] * fac[j]
+                for j in range(d_):
+                    x = fac[j] * as_[j]
+                    fac[j] = x if x >= tiny else zero
+            for j in range(d_):
+                for s in range(SUB):
+                    kt[j, s] = kh[s, j]
+            small_gemm(qb[:i1 - i0], kt, QA[i0:i1, d_ + j0:d_ + j0 + SUB], False, -1, -1)
+
+
+def _vector_scores_c(qa, qa_stride, kf, af, fac, qb, kh, kt, d_, c, tiny):
+    """_vector_scores on raw pointers: QA's rows ``qa_stride`` elements apart, the others
+    C-contiguous with rows of D' (Kf, a: (c, D'); qb, kh: (SUB, D'); kt: (D', SUB))."""
+    _vector_scores(carray(qa, (c, qa_stride)), carray(kf, (c, d_)), carray(af, (c, d_)), carray(fac, (d_,)),
+                   carray(qb, (SUB, d_)), carray(kh, (SUB, d_)), carray(kt, (d_, SUB)), d_, c, tiny)
+
+
+def _vector_scores_signature(dt):
+    ptr, i = types.CPointer(dt), types.intp
+    return types.void(ptr, i, ptr, ptr, ptr, ptr, ptr, ptr, i, i, dt)
+
+
+_VECTOR_SCORES = {dt: symbols.define(f"vector_gate_scores_{dt}", _vector_scores_c, _vector_scores_signature(dt))
+                  for dt in (types.float32, types.float64)}
+
+
+@intrinsic
+def _call_vector_scores(typingctx, QA, Kf, a, fac, qb, kh, kt, d_, c, tiny):
+    """Call the registered _vector_scores_c for QA's dtype (the arrays as it says; unchecked)."""
+    sig = types.void(QA, Kf, a, fac, qb, kh, kt, d_, c, tiny)
+
+    def codegen(context, builder, sig, args):
+        size = context.get_abi_sizeof(context.get_data_type(sig.args[0].dtype))
+        i64 = context.get_value_type(types.intp)
+        arrays = [context.make_array(t)(context, builder, v) for t, v in zip(sig.args[:7], args[:7])]
+        values = []
+        for k, arr in enumerate(arrays):
+            values.append(arr.data)
+            if k == 0:  # QA's row stride in elements
+                values.append(builder.sdiv(builder.extract_value(arr.strides, 0), ir.Constant(i64, size)))
+        values += [context.cast(builder, args[7], sig.args[7], types.intp),
+                   context.cast(builder, args[8], sig.args[8], types.intp), args[9]]
+        symbols.emit_call(builder, _VECTOR_SCORES[sig.args[0].dtype], values)
+        return context.get_dummy_value()
+
+    return sig, codegen
+
+
+def prepare_kernel(dtype, kind):
+    """Register what a kernel of this gate kind calls by symbol (before it compiles or loads)."""
+    if kind == VECTOR:
+        dt = numba.from_dtype(np.dtype(dtype))
+        symbols.register(_VECTOR_FACTORS[dt])
+        symbols.register(_VECTOR_SCORES[dt])
 
 
 @overload(gate_queries, jit_options=_OPTS)
@@ -347,15 +456,17 @@ def _gate_key_rows(gates, Kf, c, F, Pz):
 
 
 @overload(gate_pending, jit_options=_OPTS)
-def _gate_pending(gates, P, Pz, B, Bz, lam, c, G, R, F, has_p, has_acc):
-    """Decay the pending sums P (if they hold values), Pz and the rounded accumulator B (if it holds
-    values), Bz by the chunk's whole factor; lam += its log (lam: the log-decay of each key dimension
-    since the last fold, float64, -inf after a reset: the float64 accumulator's decay at the fold)."""
+def _gate_pending(gates, P, Pz, lam, c, G, R, F, has_p):
+    """Decay the pending sums by the chunk's whole factor: Pz here, P (if it holds values) here per
+    key dimension, else by the product that adds the chunk (the returned factor: 1 without gates);
+    lam += the factor's log (lam: the log-decay of each key dimension since the last fold, float64,
+    -inf after a reset: the accumulator's decay, see gate_state_factors)."""
     kind = _kind(gates)
-    if kind == 0:
-        return lambda gates, P, Pz, B, Bz, lam, c, G, R, F, has_p, has_acc: None
+    dt = as_dtype(P.dtype).type
+    if kind == NONE:
+        return lambda gates, P, Pz, lam, c, G, R, F, has_p: dt(1.0)
 
-    def impl(gates, P, Pz, B, Bz, lam, c, G, R, F, has_p, has_acc):
+    def impl(gates, P, Pz, lam, c, G, R, F, has_p):
         whole = F[2]
         for a in range(P.shape[0]):
             if kind != VECTOR:
@@ -364,16 +475,35 @@ def _gate_pending(gates, P, Pz, B, Bz, lam, c, G, R, F, has_p, has_acc):
             else:  # R[0]: the chunk's sums of log gates (-inf after a reset)
                 lam[a] += R[0, a]
                 f = whole[a]
-            if has_p:
-                row = P[a]
-                for e in range(P.shape[1]):
-                    row[e] *= f
-            if has_acc:
-                row = B[a]
-                for e in range(P.shape[1]):
-                    row[e] *= f
+                if has_p:
+                    row = P[a]
+                    for e in range(P.shape[1]):
+                        row[e] *= f
             Pz[a] *= f
-            Bz[a] *= f
+        return dt(1.0) if kind == VECTOR else whole[0]
+    return impl
+
+
+gate_state_factors = _stub("gate_state_factors")
+
+
+@overload(gate_state_factors, jit_options=_OPTS)
+def _gate_state_factors(gates, lam, fb):
+    """fb = exp(lam) in the compute dtype: the factor of each row of the rounded accumulator B (which
+    stays as the last fold left it) in the current state. Nothing without gates."""
+    kind = _kind(gates)
+    if kind == NONE:
+        return lambda gates, lam, fb: None
+    dt = as_dtype(fb.dtype).type
+
+    def impl(gates, lam, fb):
+        if kind == VECTOR:
+            for a in range(fb.shape[0]):
+                fb[a] = dt(exp_le0(lam[a]))
+        else:
+            f = dt(exp_le0(lam[0]))
+            for a in range(fb.shape[0]):
+                fb[a] = f
     return impl
 
 

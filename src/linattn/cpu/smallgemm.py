@@ -17,7 +17,8 @@ from llvmlite import ir
 from numba.core import cgutils, types
 from numba.extending import intrinsic
 
-from .._jit import OPTIONS, SOURCE_STAMP, before_kernels
+from .._jit import before_kernels
+from . import symbols
 
 #: Rows of A (and of C) per register tile.
 ROWS = 4
@@ -40,21 +41,14 @@ def _typed(a, b, c):
                 for x in arrays) and len({x.dtype for x in arrays}) == 1)
 
 
-# The products are compiled once per dtype and form as C functions (cached on disk like the kernels)
-# and registered under a symbol name; kernels call them by that name. Their code is then neither
-# copied into every kernel nor optimised again with each (it was: +7 s of a kernel's compile time).
-_registered = {}
-
-
-def _symbol(dtype, trans_a):
-    return f"linattn_small_gemm_{'tn' if trans_a else 'nn'}_{dtype}_{SOURCE_STAMP}"
+# The products are compiled once per dtype and form as C functions called by symbol (cpu/symbols.py).
 
 
 def _c_signature(dtype):
-    """(a, m, kdim, sa, b, sb, c, n, sc, accumulate, kband, nband): pointers, dims and row strides
-    in elements; accumulate 0 or 1."""
+    """(a, m, kdim, sa, b, sb, c, n, sc, beta, kband, nband): pointers, dims and row strides in
+    elements; beta (c's factor, 0: c is not read) in the dtype."""
     ptr, i = types.CPointer(dtype), types.intp
-    return types.void(ptr, i, i, i, ptr, i, ptr, i, i, i, i, i)
+    return types.void(ptr, i, i, i, ptr, i, ptr, i, i, dtype, i, i)
 
 
 @intrinsic
@@ -75,23 +69,15 @@ def _product_tn(a, m, kdim, sa, b, sb, c, n, sc, accumulate, kband, nband):
     _raw_tn(a, m, kdim, sa, b, sb, c, n, sc, accumulate, kband, nband)
 
 
+_SYMBOLS = {(dtype, trans_a): symbols.define(f"small_gemm_{'tn' if trans_a else 'nn'}_{dtype}", fn, _c_signature(dtype))
+            for dtype in (types.float32, types.float64) for trans_a, fn in ((False, _product_nn), (True, _product_tn))}
+
+
 def register():
     """Compile (or load) the four products and register their symbols, once per process; called
     before a kernel that calls them is compiled or loaded from the cache."""
-    if _registered:
-        return
-    from numba import cfunc
-
-    for dtype in (types.float32, types.float64):
-        for trans_a, fn in ((False, _product_nn), (True, _product_tn)):
-            try:
-                compiled = cfunc(_c_signature(dtype), cache=True, **OPTIONS)(fn)
-            except RuntimeError as exc:  # no writable cache directory: compile in this process
-                if "cannot cache" not in str(exc):
-                    raise
-                compiled = cfunc(_c_signature(dtype), **OPTIONS)(fn)
-            llvm_binding.add_symbol(_symbol(dtype, trans_a), compiled.address)
-            _registered[dtype, trans_a] = compiled
+    for symbol in _SYMBOLS.values():
+        symbols.register(symbol)
 
 
 before_kernels.append(register)
@@ -109,39 +95,39 @@ def _call(trans_a):
         def rstride(arr):
             return builder.sdiv(builder.extract_value(arr.strides, 0), ir.Constant(i64, size))
 
-        accumulate = builder.zext(context.cast(builder, args[3], sig.args[3], types.boolean), i64)
+        beta = context.cast(builder, args[3], sig.args[3], dtype)
         kband, nband = (ir.Constant(i64, -1), ir.Constant(i64, -1)) if trans_a else (args[4], args[5])
         values = [arr_a.data, builder.extract_value(arr_c.shape, 0),
                   builder.extract_value(arr_a.shape, 0 if trans_a else 1), rstride(arr_a),
                   arr_b.data, rstride(arr_b), arr_c.data, builder.extract_value(arr_c.shape, 1), rstride(arr_c),
-                  accumulate, kband, nband]
-        fnty = ir.FunctionType(ir.VoidType(), [v.type for v in values])
-        builder.call(cgutils.get_or_insert_function(builder.module, fnty, _symbol(dtype, trans_a)), values)
+                  beta, kband, nband]
+        symbols.emit_call(builder, _SYMBOLS[dtype, trans_a], values)
         return context.get_dummy_value()
 
     return codegen
 
 
 @intrinsic
-def small_gemm(typingctx, a, b, c, accumulate, kband, nband):
-    """c[i, j] = sum_k a[i, k] b[k, j] (+ c[i, j] when ``accumulate``), for i < rows of c, j < columns
+def small_gemm(typingctx, a, b, c, beta, kband, nband):
+    """c[i, j] = sum_k a[i, k] b[k, j] + beta c[i, j] (c not read when ``beta`` is 0 or False; True
+    is 1: accumulate), for i < rows of c, j < columns
     of c, k < columns of a; rows of each array are ``strides[0]`` apart, columns adjacent (unchecked).
     ``kband``/``nband`` >= 0 limit the inner dimension / the columns of each tile as the module says
     (columns past the band are left as they were); -1 for none. Only callable from Numba code."""
-    if not _typed(a, b, c):
+    if not _typed(a, b, c) or not isinstance(beta, (types.Boolean, types.Number)):
         return None
     register()
-    return types.void(a, b, c, types.boolean, types.intp, types.intp), _call(False)
+    return types.void(a, b, c, beta, types.intp, types.intp), _call(False)
 
 
 @intrinsic
-def small_gemm_tn(typingctx, a, b, c, accumulate):
-    """c[i, j] = sum_k a[k, i] b[k, j] (+ c[i, j] when ``accumulate``): the product with a transposed
-    (k < rows of a), as small_gemm without bands. Only callable from Numba code."""
-    if not _typed(a, b, c):
+def small_gemm_tn(typingctx, a, b, c, beta):
+    """c[i, j] = sum_k a[k, i] b[k, j] + beta c[i, j]: the product with a transposed (k < rows of a),
+    as small_gemm without bands. Only callable from Numba code."""
+    if not _typed(a, b, c) or not isinstance(beta, (types.Boolean, types.Number)):
         return None
     register()
-    return types.void(a, b, c, types.boolean), _call(True)
+    return types.void(a, b, c, beta), _call(True)
 
 
 @intrinsic
@@ -161,7 +147,7 @@ def _codegen(trans_a):
     (K, M)), the arguments of ``_c_signature``."""
 
     def codegen(context, builder, sig, args):
-        a_data, m, kdim, sa, b_data, sb, c_data, n, sc, accumulate_v, kband_v, nband_v = args
+        a_data, m, kdim, sa, b_data, sb, c_data, n, sc, beta_v, kband_v, nband_v = args
         fty = context.get_data_type(sig.args[0].dtype)
         size = context.get_abi_sizeof(fty)
         lanes = _vector_bytes(context) // size
@@ -169,7 +155,7 @@ def _codegen(trans_a):
         vec = ir.VectorType(fty, lanes)
         half = ir.VectorType(fty, lanes // 2)  # the columns past the whole vectors: half a vector, then one by one
         i64, i32 = context.get_value_type(types.intp), ir.IntType(32)
-        accumulate_v = builder.icmp_signed("!=", accumulate_v, ir.Constant(accumulate_v.type, 0))
+        accumulate_v = builder.fcmp_unordered("!=", beta_v, ir.Constant(fty, 0.0))
 
         def const(x):
             return ir.Constant(i64, x)
@@ -215,7 +201,8 @@ def _codegen(trans_a):
                     p = ptr(c_data, sc, builder.add(r0, const(i)), builder.add(j0, const(j * width)), ty)
                     total = builder.load(accs[i][j])
                     with builder.if_then(accumulate_v):
-                        builder.store(builder.fadd(builder.load(p, align=size), total, flags=_FLAGS), accs[i][j])
+                        old = builder.fmul(splat(beta_v, ty), builder.load(p, align=size), flags=_FLAGS)
+                        builder.store(builder.fadd(old, total, flags=_FLAGS), accs[i][j])
                     builder.store(builder.load(accs[i][j]), p, align=size)
 
         def row_blocks(start, stop, rows):
