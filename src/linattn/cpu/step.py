@@ -13,41 +13,13 @@ import numpy as np
 from numba import prange, types
 from numba.extending import overload
 from numba.np.numpy_support import as_dtype
-from numba.np.unsafe.ndarray import to_fixed_tuple
 
 from .._jit import FASTMATH, Kernel, array, njit
 from .elementwise import exp_le0, map_flat, map_row
 from .vector import state_pass
-from .views import as_contiguous, head_matrix, head_row
+from .views import as_contiguous, head_matrix, head_row, head_scalar
 
 _OPTS = {"fastmath": set(FASTMATH), "error_model": "numpy"}
-
-
-def head_scalar(x, h):
-    """x[i, j, ...] for the flat index h over all of x's dims (C order). Only callable from Numba code."""
-    raise NotImplementedError("runs inside Numba kernels only")
-
-
-@overload(head_scalar, jit_options=_OPTS)
-def _head_scalar(x, h):
-    if not isinstance(x, types.Array):
-        return None
-    nd = x.ndim
-    if nd == 1:
-        return lambda x, h: x[h]
-    if nd == 2:
-        return lambda x, h: x[h // x.shape[1], h % x.shape[1]]
-    if nd == 3:
-        return lambda x, h: x[h // (x.shape[1] * x.shape[2]), (h // x.shape[2]) % x.shape[1], h % x.shape[2]]
-
-    def impl(x, h):
-        idx = np.empty(nd, np.intp)
-        for i in range(nd - 1, -1, -1):
-            idx[i] = h % x.shape[i]
-            h //= x.shape[i]
-        return x[to_fixed_tuple(idx, nd)]
-
-    return impl
 
 
 def decay_ok(gates, decay, h, q):
@@ -119,22 +91,17 @@ def _fill_decay(gates, decay, h, dec, q):
     return impl
 
 
-def pass_head(S, Z, v, q, k, out, stride, eps, normalize, qscale, gates, decay, dec):
-    """state_pass for one head, with its decay row ``dec`` (from fill_decay) unless there are neither
-    gates nor a decay. Only callable from Numba code."""
+def decay_row(gates, decay, dec):
+    """``dec`` (the head's decay row from fill_decay), or None when there are neither gates nor a
+    decay (the passes then skip the multiply). Only callable from Numba code."""
     raise NotImplementedError("runs inside Numba kernels only")
 
 
-@overload(pass_head, jit_options=_OPTS)
-def _pass_head(S, Z, v, q, k, out, stride, eps, normalize, qscale, gates, decay, dec):
+@overload(decay_row, jit_options=_OPTS)
+def _decay_row(gates, decay, dec):
     if isinstance(gates, types.NoneType) and isinstance(decay, types.NoneType):
-        def impl(S, Z, v, q, k, out, stride, eps, normalize, qscale, gates, decay, dec):
-            state_pass(S, Z, v, q, k, out, stride, eps, normalize, None, qscale)
-        return impl
-
-    def impl(S, Z, v, q, k, out, stride, eps, normalize, qscale, gates, decay, dec):
-        state_pass(S, Z, v, q, k, out, stride, eps, normalize, dec, qscale)
-    return impl
+        return lambda gates, decay, dec: None
+    return lambda gates, decay, dec: dec
 
 
 def decays_ok(gates, decay, q, bh):
@@ -196,24 +163,6 @@ def _head_loops(Sh, Zh, vrow, qf, kf, orow, eps, normalize, qscale, dec, scratch
         orow[e] *= r
 
 
-def loops_head(Sh, Zh, vrow, qf, kf, orow, eps, normalize, qscale, gates, decay, dec, scratch):
-    """_head_loops with the decay row ``dec`` unless there are neither gates nor a decay. Only
-    callable from Numba code."""
-    raise NotImplementedError("runs inside Numba kernels only")
-
-
-@overload(loops_head, jit_options=_OPTS)
-def _loops_head(Sh, Zh, vrow, qf, kf, orow, eps, normalize, qscale, gates, decay, dec, scratch):
-    if isinstance(gates, types.NoneType) and isinstance(decay, types.NoneType):
-        def impl(Sh, Zh, vrow, qf, kf, orow, eps, normalize, qscale, gates, decay, dec, scratch):
-            _head_loops(Sh, Zh, vrow, qf, kf, orow, eps, normalize, qscale, None, scratch)
-        return impl
-
-    def impl(Sh, Zh, vrow, qf, kf, orow, eps, normalize, qscale, gates, decay, dec, scratch):
-        _head_loops(Sh, Zh, vrow, qf, kf, orow, eps, normalize, qscale, dec, scratch)
-    return impl
-
-
 def _step(q, k, v, fm, eps, normalize, S, Z, out, gates, decay, qscale):
     """q, k: (BH, D) (already mapped when fm is IDENTITY); v: (BH, Dv); S: (BH, D, Dv) and
     Z: (BH, D) updated in place; out: (BH, Dv); gates: None, (BH,) or (BH, D); decay: None or (BH,).
@@ -232,11 +181,11 @@ def _step(q, k, v, fm, eps, normalize, S, Z, out, gates, decay, qscale):
     for h in prange(bh):
         fill_decay(gates, decay, h, decs[h], q)
         if vector:
-            pass_head(S[h], Z[h], v[h], maps[h, 0], maps[h, 1], out[h], S.strides[1] // unit, eps, normalize, qscale,
-                      gates, decay, decs[h])
+            state_pass(S[h], Z[h], v[h], maps[h, 0], maps[h, 1], out[h], S.strides[1] // unit, eps, normalize,
+                       decay_row(gates, decay, decs[h]), qscale)
         else:
-            loops_head(S[h], Z[h], v[h], maps[h, 0], maps[h, 1], out[h], eps, normalize, qscale, gates, decay,
-                       decs[h], scratch[h:h + 1])
+            _head_loops(S[h], Z[h], v[h], maps[h, 0], maps[h, 1], out[h], eps, normalize, qscale,
+                        decay_row(gates, decay, decs[h]), scratch[h:h + 1])
     return 0
 
 
@@ -271,8 +220,8 @@ def _step_nd(q, k, v, fm, eps, normalize, S, Z, out, gates, decay, qscale):
     for h in prange(bh):
         fill_decay(gates, decay, h, decs[h], q)
         Sh = head_matrix(S, h)
-        pass_head(Sh, head_row(Z, h), head_row(v, h), qf[h * d_:(h + 1) * d_], kf[h * d_:(h + 1) * d_],
-                  head_row(out, h), Sh.strides[0] // isz, eps, normalize, qscale, gates, decay, decs[h])
+        state_pass(Sh, head_row(Z, h), head_row(v, h), qf[h * d_:(h + 1) * d_], kf[h * d_:(h + 1) * d_],
+                   head_row(out, h), Sh.strides[0] // isz, eps, normalize, decay_row(gates, decay, decs[h]), qscale)
     return 0
 
 

@@ -106,3 +106,18 @@ def _head_matrix(x, h):
     if isinstance(x, types.Array) and x.ndim >= 2:
         return _head_impl(x.ndim - 2)
     return None
+
+
+def head_scalar(x, h):
+    """x[i, j, ...] for the flat index h over all of x's dims (C order): an element.
+    Only callable from Numba code."""
+    raise NotImplementedError("runs inside Numba kernels only")
+
+
+@overload(head_scalar)
+def _head_scalar(x, h):
+    if not isinstance(x, types.Array):
+        return None
+    if x.ndim == 0:
+        return lambda x, h: x[()]
+    return _head_impl(x.ndim)
