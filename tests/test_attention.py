@@ -192,7 +192,8 @@ def test_segments(rng, frac):
     S, Z = np.full_like(S0, np.nan), np.full_like(Z0, np.nan)
     frac = np.asarray(frac, np.float64)
     no_gates = (np.zeros(0, np.float32), np.zeros(0), np.zeros(3, np.int64))
-    chunked.causal_forward.get(np.float32, ("C", 0))(q[None], k[None], v[None], 1, np.float32(1e-6), True,
+    no_map = (np.zeros(0, np.float32), 0)  # elu+1 inline: no parameters, no map_rows
+    chunked.causal_forward.get(np.float32, ("C", 0))(q[None], k[None], v[None], 1, *no_map, np.float32(1e-6), True,
                                                       np.float32(1), lengths, chunk_size(n), frac, 2, S0, Z0, out[None],
                                                       S, Z, *no_gates)
     for h, L in enumerate(lengths):
@@ -203,7 +204,7 @@ def test_segments(rng, frac):
         assert_close(S[h], S_ref, np.float32)
         assert_close(Z[h], Z_ref, np.float32)
     out2 = np.full((3, n, dv), np.nan, np.float32)
-    chunked.noncausal_forward.get(np.float32, "C")(q[None], k[None], v[None], 1, np.float32(1e-6), True,
+    chunked.noncausal_forward.get(np.float32, "C")(q[None], k[None], v[None], 1, *no_map, np.float32(1e-6), True,
                                                     np.float32(1), chunk_size(n), frac, 2, out2[None])
     assert_close(out2, reference.masked(q, k, v, causal=False), np.float32)
 

@@ -133,6 +133,9 @@ def test_errors(cuda):
         linattn.causal_linear_attention(dq, k, v)
     with pytest.raises(TypeError, match="feature_map: a callable runs on host arrays"):
         linattn.causal_linear_attention(dq, dev(cuda, k), dev(cuda, v), feature_map=np.abs)
+    for fmap in ("gelu", linattn.feature_maps.Taylor()):
+        with pytest.raises(TypeError, match="feature_map: the CUDA kernels apply 'elu', 'relu', 'identity'"):
+            linattn.causal_linear_attention(dq, dev(cuda, k), dev(cuda, v), feature_map=fmap)
     with pytest.raises(ValueError, match="device: 'cpu' was asked for"):
         linattn.linear_attention(dq, dev(cuda, k), dev(cuda, v), device="cpu")
     with pytest.raises(TypeError, match="on a CUDA device expected float32 or float64 arrays of one dtype"):

@@ -90,7 +90,8 @@ def test_any_number_of_threads_takes_all_items(rng, nthreads):
     S, Z = np.full((6, d, dv), np.nan, np.float32), np.full((6, d), np.nan, np.float32)
     none = np.zeros((0, d, dv), np.float32), np.zeros((0, d), np.float32)
     no_gates = (np.zeros(0, np.float32), np.zeros(0), np.zeros(3, np.int64))
-    chunked.causal_forward.get(np.float32, ("C", 0))(q, k, v, 1, np.float32(1e-6), True, np.float32(1), lengths,
+    no_map = (np.zeros(0, np.float32), 0)  # elu+1 inline: no parameters, no map_rows
+    chunked.causal_forward.get(np.float32, ("C", 0))(q, k, v, 1, *no_map, np.float32(1e-6), True, np.float32(1), lengths,
                                                       chunk_size(n), frac, nthreads, *none, out, S, Z, *no_gates)
     for h, L in enumerate(lengths):
         i, j = divmod(h, 3)
@@ -100,7 +101,7 @@ def test_any_number_of_threads_takes_all_items(rng, nthreads):
         assert_close(S[h], S_ref, np.float32)
         assert_close(Z[h], Z_ref, np.float32)
     out2 = np.full((2, 3, n, dv), np.nan, np.float32)
-    chunked.noncausal_forward.get(np.float32, "C")(q, k, v, 1, np.float32(1e-6), True, np.float32(1),
+    chunked.noncausal_forward.get(np.float32, "C")(q, k, v, 1, *no_map, np.float32(1e-6), True, np.float32(1),
                                                     chunk_size(n), frac, nthreads, out2)
     assert_close(out2, reference.masked(q, k, v, causal=False), np.float32)
 

@@ -8,13 +8,15 @@ from . import checks
 from . import gates as gates_mod
 from .cpu import chunked
 from .cpu.runtime import kernel_section, plan
-from .feature_maps import NAMED, resolve, resolve_for_device
+from .cpu import mapfns
+from .cpu.elementwise import IDENTITY
+from .feature_maps import NAMED, FeatureMap, as_map, resolve_for_device
 from .state import State
 
 _ndarray, _INF = np.ndarray, math.inf
 _CODES = {name: code for name, (_, code) in NAMED.items()}
 _FLOATS = (np.dtype(np.float32), np.dtype(np.float64))
-_NO_GATES = {dt: np.zeros(0, dt) for dt in _FLOATS}  # the kernels' "no gates"
+_NO_GATES = {dt: np.zeros(0, dt) for dt in _FLOATS}  # the kernels' "no gates" (and "no map parameters")
 _CONSTANT_ONLY = {dt: np.zeros((0, 0), dt) for dt in _FLOATS}  # their "a constant decay alone"
 _ZERO_DECAY = np.zeros(0)
 for _x in list(_NO_GATES.values()) + list(_CONSTANT_ONLY.values()) + [_ZERO_DECAY]:
@@ -70,23 +72,33 @@ def _fast(causal, q, k, v, feature_map, eps, normalize):
         kernel = chunked.causal_forward.get(dt, ("C", 0))
         status = np.zeros(3, np.int64)
         with kernel_section(nthreads):
-            kernel(q4, k4, v4, code, dt.type(eps), normalize, dt.type(1.0), _full_lengths(bh, n), chunk, frac,
-                   nthreads, S0, Z0, o4, S, Z, _NO_GATES[dt], _ZERO_DECAY, status)
+            kernel(q4, k4, v4, code, _NO_GATES[dt], 0, dt.type(eps), normalize, dt.type(1.0), _full_lengths(bh, n),
+                   chunk, frac, nthreads, S0, Z0, o4, S, Z, _NO_GATES[dt], _ZERO_DECAY, status)
     else:
         kernel = chunked.noncausal_forward.get(dt, "C")
         with kernel_section(nthreads):
-            kernel(q4, k4, v4, code, dt.type(eps), normalize, dt.type(1.0), chunk, frac, nthreads, o4)
+            kernel(q4, k4, v4, code, _NO_GATES[dt], 0, dt.type(eps), normalize, dt.type(1.0), chunk, frac, nthreads,
+                   o4)
     return out
 
 
-def _features(q, k, feature_map, lead, n, comp):
-    """(q', k', kernel code, D'): inputs in the compute dtype, mapped already if the map is a callable."""
-    fn, code, is_callable = resolve(feature_map)
+def _features(q, k, feature_map, lead, n, comp, fused=True):
+    """(q', k', (kernel code, parameters, address), D'): inputs in the compute dtype, mapped already if
+    the map is a user's callable; the CPU kernels compute every FeatureMap themselves (``fused``), the
+    CUDA kernels only the inline ones (the others map the host arrays first)."""
+    fmap = as_map(feature_map)
     q, k = q.astype(comp, copy=False), k.astype(comp, copy=False)
-    if is_callable:
-        q = checks.check_mapped(fn(q), "q", lead, n).astype(comp, copy=False)
-        k = checks.check_mapped(fn(k), "k", lead, n, q.shape[-1]).astype(comp, copy=False)
-    return q, k, code, q.shape[-1]
+    if not isinstance(fmap, FeatureMap) or (not fused and fmap.kernel_code() >= mapfns.FIRST):
+        q = checks.check_mapped(fmap(q), "q", lead, n).astype(comp, copy=False)
+        k = checks.check_mapped(fmap(k), "k", lead, n, q.shape[-1]).astype(comp, copy=False)
+        return q, k, (IDENTITY, _NO_GATES[comp], 0), q.shape[-1]
+    d, code = q.shape[-1], fmap.kernel_code()
+    dk = fmap.out_dim(d)
+    if code < mapfns.FIRST:
+        return q, k, (code, _NO_GATES[comp], 0), dk
+    # map_rows reads rows by element strides
+    q, k = (x if all(s % x.itemsize == 0 for s in x.strides) else np.ascontiguousarray(x) for x in (q, k))
+    return q, k, (code, fmap.params(d, comp), mapfns.address(comp, code)), dk
 
 
 def _flat(x, bh, tail):
@@ -172,7 +184,7 @@ def _prepare(q, k, v, feature_map, eps, normalize, where="cpu"):
         checks.check_device_inputs({"q": q, "k": k, "v": v}, comp, out_dt)
         code = resolve_for_device(feature_map)
         return q, k, v, lead, n, d, dv, comp, out_dt, eps, normalize, code
-    q, k, code, dk = _features(q, k, feature_map, lead, n, comp)
+    q, k, code, dk = _features(q, k, feature_map, lead, n, comp, fused=where == "cpu")
     v = v.astype(comp, copy=False)
     return q, k, v, lead, n, dk, dv, comp, out_dt, eps, normalize, code
 
@@ -290,7 +302,7 @@ def causal_linear_attention(q, k, v, *, feature_map="elu", eps=1e-6, normalize=T
         g = None if gates is None else np.ascontiguousarray(gates if kind == gates_mod.VECTOR else gates[..., None])
         cuda_kind = gates_mod.SCALAR if kind == gates_mod.CONSTANT else kind  # its zero gates, there
         res, S, Z, status = cuda_api.causal(
-            _flat(q, bh, 2), _flat(k, bh, 2), _flat(v, bh, 2), code, eps, normalize, lens, S0, Z0, return_state, comp,
+            _flat(q, bh, 2), _flat(k, bh, 2), _flat(v, bh, 2), code if where == "device" else code[0], eps, normalize, lens, S0, Z0, return_state, comp,
             None if g is None else g.reshape((bh,) + g.shape[-2:]), cuda_kind, log_decay, scale)
         gates_mod.raise_bad_gate(status, lead)
         res = res.reshape(lead + (n, dv))
@@ -310,7 +322,7 @@ def causal_linear_attention(q, k, v, *, feature_map="elu", eps=1e-6, normalize=T
             status = np.zeros(3, np.int64)
             kernel = chunked.causal_forward.get(comp, (layout, kind))
             with kernel_section(nthreads):
-                kernel(q4, k4, v4, code, comp.type(eps), normalize, comp.type(scale), lens, chunk, frac, nthreads, S0,
+                kernel(q4, k4, v4, *code, comp.type(eps), normalize, comp.type(scale), lens, chunk, frac, nthreads, S0,
                        Z0, o4, S, Z, g4, ld, status)
             gates_mod.raise_bad_gate(status, lead)
             if copied[3]:  # res allowed no 4-D view with the inputs' split
@@ -363,7 +375,8 @@ def linear_attention(q, k, v, *, feature_map="elu", eps=1e-6, normalize=True, sc
     if where != "cpu":
         from .cuda import api as cuda_api
 
-        res = cuda_api.noncausal(_flat(q, bh, 2), _flat(k, bh, 2), _flat(v, bh, 2), code, eps, normalize, comp)
+        res = cuda_api.noncausal(_flat(q, bh, 2), _flat(k, bh, 2), _flat(v, bh, 2),
+                                 code if where == "device" else code[0], eps, normalize, comp)
         res = res.reshape(lead + (n, dv))
     else:
         res = _result_array(out, lead, n, dv, comp, (q, k, v))
@@ -372,7 +385,7 @@ def linear_attention(q, k, v, *, feature_map="elu", eps=1e-6, normalize=True, sc
             (q4, k4, v4, o4), layout, copied = _seq4((q, k, v, res), lead)
             kernel = chunked.noncausal_forward.get(comp, layout)
             with kernel_section(nthreads):
-                kernel(q4, k4, v4, code, comp.type(eps), normalize, comp.type(scale), chunk, frac, nthreads, o4)
+                kernel(q4, k4, v4, *code, comp.type(eps), normalize, comp.type(scale), chunk, frac, nthreads, o4)
             if copied[3]:
                 res[...] = o4.reshape(res.shape)
     return _deliver(res, out, out_dt, where)

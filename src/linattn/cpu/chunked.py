@@ -24,9 +24,10 @@ from numba import prange, types
 
 from .._jit import Kernel, array, njit
 from . import gating
-from .elementwise import exp_le0, load_rows
+from .elementwise import exp_le0
 from .gating import (chunk_gates, gate_buffers, gate_key_columns, gate_key_rows, gate_pending, gate_queries,
                      gate_scores, gate_state_factors, like)
+from .mapfns import load_features, map_state, mapped_dim
 from .schedule import take
 from .smallgemm import noinline, small_gemm, small_gemm_tn
 from .views import as_contiguous, prefetch_rows
@@ -45,9 +46,9 @@ def _segment(item, nseg, frac, nchunks):
 
 
 @njit(helper=True)
-def _load_kt(k, i0, c, fm, Kf, KT, Pz):
+def _load_kt(k, i0, c, mp, Kf, KT, Pz):
     """KT[:, :c] = phi(k[i0:i0+c])^T (one head) and Pz += its row sums (the chunk's part of Z)."""
-    load_rows(k, i0, c, fm, Kf)
+    load_features(k, i0, c, mp, Kf)
     transpose_rows(Kf, KT, Pz, c)
 
 
@@ -63,11 +64,11 @@ def _copy_rows(v, i0, c, V, r0):
 
 
 @njit(helper=True)
-def _add_prefix(k, v, i0, c, fm, Kf, V, P, Pz, beta, gates, F):
+def _add_prefix(k, v, i0, c, mp, Kf, V, P, Pz, beta, gates, F):
     """P = beta P + phi(K)^T V (beta 0: P holds nothing yet) and Pz += phi(K)^T 1 for positions
     [i0, i0 + c) of one head (no outputs; phi(K) is used as it is, not transposed), each key times
     its factor at the chunk's end when there are gates (F: the chunk's factors)."""
-    load_rows(k, i0, c, fm, Kf)
+    load_features(k, i0, c, mp, Kf)
     gate_key_rows(gates, Kf, c, F, Pz)
     if v.strides[1] == v.itemsize:  # rows of v serve as they are
         small_gemm_tn(Kf[:c], v[i0:i0 + c], P, beta)
@@ -206,13 +207,14 @@ def _scale_rows(out, i0, c, scale):
 
 
 @njit(helper=True)
-def _causal_segment(q, k, v, out, fm, eps, normalize, scale, length, chunk, c0, c1, last, S0, Z0, h, S_out, Z_out,
+def _causal_segment(q, k, v, out, mp, eps, normalize, scale, length, chunk, c0, c1, last, S0, Z0, h, S_out, Z_out,
                     gates, ld, status, QA, SV, Kf, KT, G, R, F, X, sums):
     """Outputs of chunks [c0, c1) of one head (q, k, v, out: (N, X) views), from the state before
     chunk c0 (recomputed from the head's start); the last segment also zeroes the padding past
     ``length`` and writes the final state to S_out[h], Z_out[h] (when they have rows). With gates
-    (cpu/gating.py), every chunk's decay factors come from its log gates first."""
-    d_, dv = q.shape[1], v.shape[1]
+    (cpu/gating.py), every chunk's decay factors come from its log gates first. ``mp``: the feature
+    map (mapfns.map_state); D' (Kf's columns) may differ from D (q's)."""
+    d_, dv = Kf.shape[1], v.shape[1]
     decayed = gates.ndim > 1
     P, B, acc, Pz, Bz, Z, accz, lam = _state_buffers(d_, dv, out.dtype)
     fb = np.empty(d_ if decayed else 0, out.dtype)  # B's factors (gate_state_factors)
@@ -223,7 +225,7 @@ def _causal_segment(q, k, v, out, fm, eps, normalize, scale, length, chunk, c0, 
         c = min(chunk, length - i0)
         chunk_gates(gates, h, ld, i0, c, G, R, F, status)
         beta = gate_pending(gates, P, Pz, lam, c, G, R, F, has_p)
-        _add_prefix(k, v, i0, c, fm, Kf, SV, P, Pz, beta if has_p else 0, gates, F)
+        _add_prefix(k, v, i0, c, mp, Kf, SV, P, Pz, beta if has_p else 0, gates, F)
         has_p = True
         if (ci + 1) % FOLD_EVERY == 0:
             _fold(acc, accz, B, Bz, P, Pz, has_acc, lam, decayed)
@@ -232,7 +234,7 @@ def _causal_segment(q, k, v, out, fm, eps, normalize, scale, length, chunk, c0, 
     _current(B, Bz, P, Pz, SV, Z, has_acc, has_p, fb, decayed)
     # rows far apart (head views of a fused projection) are fetched a chunk ahead: 0.93x the time
     # in a model; adjacent rows gain nothing (the hardware prefetches them)
-    spread = q.strides[0] != d_ * q.itemsize or v.strides[0] != dv * v.itemsize
+    spread = q.strides[0] != q.shape[1] * q.itemsize or v.strides[0] != dv * v.itemsize
     for ci in range(c0, c1):
         i0 = ci * chunk
         c = min(chunk, length - i0)
@@ -242,8 +244,8 @@ def _causal_segment(q, k, v, out, fm, eps, normalize, scale, length, chunk, c0, 
             prefetch_rows(k, i0 + chunk, cn)
             prefetch_rows(v, i0 + chunk, cn)
         chunk_gates(gates, h, ld, i0, c, G, R, F, status)
-        load_rows(q, i0, c, fm, QA)
-        _load_kt(k, i0, c, fm, Kf, KT, sums if decayed else Pz)  # gated keys add their sums later
+        load_features(q, i0, c, mp, QA)
+        _load_kt(k, i0, c, mp, Kf, KT, sums if decayed else Pz)  # gated keys add their sums later
         _copy_rows(v, i0, c, SV, d_)
         gate_scores(gates, QA, KT, Kf, d_, c, G, R, F, X)  # A, lower triangle, decayed
         gate_queries(gates, QA, d_, c, F)
@@ -274,12 +276,13 @@ def _causal_segment(q, k, v, out, fm, eps, normalize, scale, length, chunk, c0, 
 
 
 @njit(helper=True)
-def _causal_worker(q, k, v, fm, eps, normalize, scale, lengths, chunk, frac, S0, Z0, out, S_out, Z_out, gates, ld,
-                   status, counter):
+def _causal_worker(q, k, v, fm, fp, fa, eps, normalize, scale, lengths, chunk, frac, S0, Z0, out, S_out, Z_out,
+                   gates, ld, status, counter):
     """One thread's share of _causal_forward: work items taken from ``counter`` until none are left."""
     noinline()  # called from two places (serial and parallel): one compiled copy
-    g2, n, d_ = q.shape[1], q.shape[2], q.shape[3]
+    g2, n, d_ = q.shape[1], q.shape[2], mapped_dim(fm, fp, q.shape[3])
     dv, dt = v.shape[3], out.dtype
+    mp = map_state(fm, fp, fa, q.shape[3], d_, dt)
     nseg = frac.shape[0] - 1
     items = q.shape[0] * g2 * nseg
     QA = np.empty((chunk, d_ + chunk), dt)  # [phi(Q) | A]
@@ -295,14 +298,14 @@ def _causal_worker(q, k, v, fm, eps, normalize, scale, lengths, chunk, frac, S0,
         last = s == nseg - 1
         if c0 < c1 or (last and (S_out.shape[0] > 0 or length < n)):
             h1, h2 = h // g2, h % g2
-            _causal_segment(q[h1, h2], k[h1, h2], v[h1, h2], out[h1, h2], fm, eps, normalize, scale, length, chunk,
+            _causal_segment(q[h1, h2], k[h1, h2], v[h1, h2], out[h1, h2], mp, eps, normalize, scale, length, chunk,
                             c0, c1, last, S0, Z0, h, S_out, Z_out, gates, ld, status, QA, SV, Kf, KT, G, R, F,
                             X, sums)
         item = take(counter)
 
 
-def _causal_forward(q, k, v, fm, eps, normalize, scale, lengths, chunk, frac, nthreads, S0, Z0, out, S_out, Z_out,
-                    gates, ld, status):
+def _causal_forward(q, k, v, fm, fp, fa, eps, normalize, scale, lengths, chunk, frac, nthreads, S0, Z0, out, S_out,
+                    Z_out, gates, ld, status):
     """Causal linear attention of every head; head h stops at lengths[h] (later outputs are 0).
 
     q, k: (G1, G2, N, D); v, out: (G1, G2, N, Dv), any strides with unit stride along the last
@@ -313,23 +316,25 @@ def _causal_forward(q, k, v, fm, eps, normalize, scale, lengths, chunk, frac, nt
     prange iteration per thread); with one, the calling thread runs them and wakes no other.
     ``gates`` (see cpu/gating.py: empty, (G1, G2, N) or (G1, G2, N, D) log gates) and ``ld`` (a log
     decay per head, float64) decay the state; a bad gate value is reported in ``status``.
-    ``scale`` multiplies phi(q).
+    ``scale`` multiplies phi(q). The feature map: code ``fm``, parameters ``fp`` and the address of
+    cpu/mapfns.py's map_rows ``fa`` (0 when fm is computed inline); S0, S_out and the gates have D'
+    columns where the map changes the dimension.
     """
     counter = np.empty(1, np.int64)  # np.zeros would become a parallel loop (a parfor) of its own
     counter[0] = 0
     if nthreads <= 1:
-        _causal_worker(q, k, v, fm, eps, normalize, scale, lengths, chunk, frac, S0, Z0, out, S_out, Z_out, gates,
-                       ld, status, counter)
+        _causal_worker(q, k, v, fm, fp, fa, eps, normalize, scale, lengths, chunk, frac, S0, Z0, out, S_out, Z_out,
+                       gates, ld, status, counter)
     else:
         for _ in prange(nthreads):
-            _causal_worker(q, k, v, fm, eps, normalize, scale, lengths, chunk, frac, S0, Z0, out, S_out, Z_out,
-                           gates, ld, status, counter)
+            _causal_worker(q, k, v, fm, fp, fa, eps, normalize, scale, lengths, chunk, frac, S0, Z0, out, S_out,
+                           Z_out, gates, ld, status, counter)
 
 
 @njit(helper=True)
-def _noncausal_segment(q, k, v, out, fm, eps, normalize, scale, chunk, c0, c1, QA, Kf, V, S):
+def _noncausal_segment(q, k, v, out, mp, eps, normalize, scale, chunk, c0, c1, QA, Kf, V, S):
     """Outputs of chunks [c0, c1) of one head (views (N, X)), from the state of the whole head."""
-    n, d_ = q.shape
+    n, d_ = q.shape[0], Kf.shape[1]
     dv = v.shape[1]
     nchunks = (n + chunk - 1) // chunk
     P, B, acc, Pz, Bz, Z, accz, lam = _state_buffers(d_, dv, out.dtype)
@@ -338,7 +343,7 @@ def _noncausal_segment(q, k, v, out, fm, eps, normalize, scale, chunk, c0, c1, Q
     has_acc, has_p = False, False
     for ci in range(nchunks):
         i0 = ci * chunk
-        _add_prefix(k, v, i0, min(chunk, n - i0), fm, Kf, V, P, Pz, has_p, no_gates, no_f)
+        _add_prefix(k, v, i0, min(chunk, n - i0), mp, Kf, V, P, Pz, has_p, no_gates, no_f)
         has_p = True
         if (ci + 1) % FOLD_EVERY == 0 or ci == nchunks - 1:
             _fold(acc, accz, B, Bz, P, Pz, has_acc, lam, False)
@@ -347,7 +352,7 @@ def _noncausal_segment(q, k, v, out, fm, eps, normalize, scale, chunk, c0, c1, Q
     for ci in range(c0, c1):
         i0 = ci * chunk
         c = min(chunk, n - i0)
-        load_rows(q, i0, c, fm, QA)
+        load_features(q, i0, c, mp, QA)
         small_gemm(QA[:c], S, out[i0:i0 + c], False, -1, -1)
         if normalize:
             _normalize_rows(out, i0, c, QA, Z, d_, False, eps, scale)
@@ -356,11 +361,12 @@ def _noncausal_segment(q, k, v, out, fm, eps, normalize, scale, chunk, c0, c1, Q
 
 
 @njit(helper=True)
-def _noncausal_worker(q, k, v, fm, eps, normalize, scale, chunk, frac, out, counter):
+def _noncausal_worker(q, k, v, fm, fp, fa, eps, normalize, scale, chunk, frac, out, counter):
     """One thread's share of _noncausal_forward (see _causal_worker)."""
     noinline()
-    g2, n, d_ = q.shape[1], q.shape[2], q.shape[3]
+    g2, n, d_ = q.shape[1], q.shape[2], mapped_dim(fm, fp, q.shape[3])
     dv, dt = v.shape[3], out.dtype
+    mp = map_state(fm, fp, fa, q.shape[3], d_, dt)
     nseg = frac.shape[0] - 1
     nchunks = (n + chunk - 1) // chunk
     items = q.shape[0] * g2 * nseg
@@ -373,12 +379,12 @@ def _noncausal_worker(q, k, v, fm, eps, normalize, scale, chunk, frac, out, coun
         h, _s, c0, c1 = _segment(item, nseg, frac, nchunks)
         if c0 < c1:
             h1, h2 = h // g2, h % g2
-            _noncausal_segment(q[h1, h2], k[h1, h2], v[h1, h2], out[h1, h2], fm, eps, normalize, scale, chunk, c0,
+            _noncausal_segment(q[h1, h2], k[h1, h2], v[h1, h2], out[h1, h2], mp, eps, normalize, scale, chunk, c0,
                                c1, QA, Kf, V, S)
         item = take(counter)
 
 
-def _noncausal_forward(q, k, v, fm, eps, normalize, scale, chunk, frac, nthreads, out):
+def _noncausal_forward(q, k, v, fm, fp, fa, eps, normalize, scale, chunk, frac, nthreads, out):
     """Non-causal linear attention: every position attends to all N positions of its head.
 
     Arrays and threads as for the causal kernel. Each segment's item sums the whole head's state
@@ -387,10 +393,10 @@ def _noncausal_forward(q, k, v, fm, eps, normalize, scale, chunk, frac, nthreads
     counter = np.empty(1, np.int64)  # np.zeros would become a parallel loop (a parfor) of its own
     counter[0] = 0
     if nthreads <= 1:
-        _noncausal_worker(q, k, v, fm, eps, normalize, scale, chunk, frac, out, counter)
+        _noncausal_worker(q, k, v, fm, fp, fa, eps, normalize, scale, chunk, frac, out, counter)
     else:
         for _ in prange(nthreads):
-            _noncausal_worker(q, k, v, fm, eps, normalize, scale, chunk, frac, out, counter)
+            _noncausal_worker(q, k, v, fm, fp, fa, eps, normalize, scale, chunk, frac, out, counter)
 
 
 def _gates_type(dt, kind):
@@ -402,7 +408,8 @@ def _gates_type(dt, kind):
 def _causal_signature(dt, variant):
     layout, kind = variant
     seq, i64, f64 = array(dt, 4, layout, readonly=True), types.int64, types.float64
-    return types.void(seq, seq, seq, i64, dt, types.boolean, dt, array(i64, 1, readonly=True), i64,
+    return types.void(seq, seq, seq, i64, array(dt, 1, readonly=True), i64, dt, types.boolean, dt,
+                      array(i64, 1, readonly=True), i64,
                       array(f64, 1, readonly=True), i64, array(dt, 3, readonly=True),
                       array(dt, 2, readonly=True), array(dt, 4, layout), array(dt, 3), array(dt, 2),
                       _gates_type(dt, kind), array(f64, 1, readonly=True), array(i64, 1))
@@ -410,7 +417,7 @@ def _causal_signature(dt, variant):
 
 def _noncausal_signature(dt, layout):
     seq, i64 = array(dt, 4, layout, readonly=True), types.int64
-    return types.void(seq, seq, seq, i64, dt, types.boolean, dt, i64,
+    return types.void(seq, seq, seq, i64, array(dt, 1, readonly=True), i64, dt, types.boolean, dt, i64,
                       array(types.float64, 1, readonly=True), i64, array(dt, 4, layout))
 
 

@@ -28,6 +28,14 @@ def elu1(x):
 def _exp_f32(xn):
     """exp(xn) for -87.33654 <= xn <= 0 (the caller clamps): 2**n * exp(r), n = round(xn / ln2),
     |r| <= ln2/2, degree-6 polynomial (Cephes expf)."""
+    p, n = exp_f32_parts(xn)
+    return p * np.int32((np.int32(n) + np.int32(127)) << np.int32(23)).view(np.float32)
+
+
+@njit(helper=True)
+def exp_f32_parts(xn):
+    """(exp(r), n) with xn = n ln2 + r, n = round(xn / ln2), |r| <= ln2/2 (Cephes expf), for
+    |xn| <= 88.7 (the caller clamps)."""
     n = np.floor(xn * np.float32(1.44269504088896341) + np.float32(0.5))
     r = xn - n * np.float32(0.693359375)
     r = r - n * np.float32(-2.12194440e-4)
@@ -38,7 +46,7 @@ def _exp_f32(xn):
     p = p * r + np.float32(1.6666665459e-1)
     p = p * r + np.float32(5.0000001201e-1)
     p = p * r * r + r + np.float32(1.0)
-    return p * np.int32((np.int32(n) + np.int32(127)) << np.int32(23)).view(np.float32)
+    return p, n
 
 
 @njit(helper=True)

@@ -54,6 +54,19 @@ def register(symbol):
     _registered[symbol] = compiled
 
 
+def address(symbol):
+    """The address of the function behind ``symbol`` (compiled or loaded first): for kernels that take
+    it as an argument and so need nothing registered before they compile or load."""
+    register(symbol)
+    return _registered[symbol].address
+
+
+def emit_call_address(builder, address, values):
+    """Emit a call of the function at ``address`` (an LLVM integer) with ``values`` (void result)."""
+    fnty = ir.FunctionType(ir.VoidType(), [v.type for v in values])
+    builder.call(builder.inttoptr(address, fnty.as_pointer()), values)
+
+
 def emit_call(builder, symbol, values):
     """Emit a call of the registered function ``symbol`` with LLVM values ``values`` (void result)."""
     fnty = ir.FunctionType(ir.VoidType(), [v.type for v in values])

@@ -1,0 +1,96 @@
+"""Feature maps (issue 12's targets), as ratios measured in one process, interleaved: Based's Taylor map
+at D = 16 computed inside the kernels vs the same map as a NumPy callable (time: target >= 2x faster;
+peak NumPy-level memory: target <= 1/4), and every built-in map's forward vs the identity map on
+inputs already mapped to the same D' (target <= 1.3x: what computing phi inside the kernel costs)."""
+import math
+import tracemalloc
+
+import numpy as np
+
+import linattn
+from linattn import feature_maps as fm
+
+from .bench_gates import _interleaved_ratio
+from .common import SMOKE, inputs
+
+
+def taylor_numpy(x):
+    """The Taylor map as a NumPy user writes it (all D**2 products, as flash-linear-attention's)."""
+    d = x.shape[-1]
+    outer = (x[..., :, None] * x[..., None, :]).reshape(x.shape[:-1] + (d * d,))
+    return np.concatenate([np.ones(x.shape[:-1] + (1,), x.dtype), x / np.float32(d ** 0.25),
+                           outer / np.float32(math.sqrt(2 * d))], -1)
+
+
+def _qkv(d, dv=64):
+    n = 256 if SMOKE else 2048
+    q, k, _ = inputs((1, 8, n, d))
+    v = inputs((1, 8, n, dv), seed=1)[2]
+    return q, k, v
+
+
+def _peak(fn):
+    tracemalloc.start()
+    fn()
+    peak = tracemalloc.get_traced_memory()[1]
+    tracemalloc.stop()
+    return peak
+
+
+class TaylorFusedVsCallable:
+    """B1 H8 N2048, D = 16 (D' = 153), Dv = 64, float32."""
+    timeout = 600
+
+    def setup(self):
+        self.q, self.k, self.v = _qkv(16)
+        self.call(fm.Taylor()), self.call(taylor_numpy)
+
+    def call(self, fmap):
+        return linattn.causal_linear_attention(self.q, self.k, self.v, feature_map=fmap)
+
+    def track_callable_over_fused_time(self):
+        return _interleaved_ratio(lambda: self.call(taylor_numpy), lambda: self.call(fm.Taylor()), 3 if SMOKE else 9)
+
+    track_callable_over_fused_time.unit = "x fused"
+
+    def track_fused_over_callable_memory(self):
+        return _peak(lambda: self.call(fm.Taylor())) / _peak(lambda: self.call(taylor_numpy))
+
+    track_fused_over_callable_memory.unit = "x callable"
+
+
+def builtin_maps(d):
+    """name -> (map, D) of every built-in map at a size a model would use it (D' = 64 to 153)."""
+    rng = np.random.default_rng(2)
+    maps = {name: (fm.Elementwise(name), d) for name in ("elu", "squared_relu", "gelu", "silu", "sigmoid",
+                                                         "softplus")}
+    maps.update({
+        "elu scaled": (fm.Elementwise("elu").scaled(0.5), d),
+        "Taylor D16": (fm.Taylor(), 16),
+        "ReBased D16": (fm.ReBased(np.ones(16), np.zeros(16)), 16),
+        "DPFP nu1 D32": (fm.DPFP(1), 32),
+        "Performer m64": (fm.Performer.random(d, 64, seed=0).scaled(d ** -0.25), d),
+        "Hedgehog m32": (fm.Hedgehog(rng.standard_normal((d, 32)) / 8), d),
+        "T2R m64": (fm.T2R(rng.standard_normal((d, 64)) / 8), d),
+    })
+    return maps
+
+
+class MapOverIdentity:
+    """B1 H8 N2048, Dv = 64, float32, causal: each map's forward over identity on pre-mapped inputs."""
+    params = list(builtin_maps(64))
+    param_names = ["map"]
+    timeout = 600
+
+    def setup(self, name):
+        self.fmap, d = builtin_maps(64)[name]
+        self.q, self.k, self.v = _qkv(d)
+        self.qm, self.km = self.fmap(self.q), self.fmap(self.k)
+
+    def track_over_identity_premapped(self, name):
+        q, k, v, qm, km = self.q, self.k, self.v, self.qm, self.km
+        return _interleaved_ratio(lambda: linattn.causal_linear_attention(q, k, v, feature_map=self.fmap),
+                                  lambda: linattn.causal_linear_attention(qm, km, v, feature_map="identity"),
+                                  3 if SMOKE else 9)
+
+    track_over_identity_premapped.unit = "x identity"

@@ -1,0 +1,445 @@
+"""The feature maps beyond plain elu+1, relu and identity, computed row by row into a chunk buffer by C
+functions (one per map family and dtype, cpu/symbols.py) that the kernels call by an address they
+take as an argument: the maps' code is compiled once, not into every kernel variant, and a family
+only once a map of it is used.
+
+A map is a code (below) and a parameter vector ``fp`` in the compute dtype: ``fp[0]`` the scale of
+the input (phi(s x)), ``fp[1]`` the mapped dimension D', then the family's own parameters:
+
+- elementwise (D' = D): identity, elu+1, relu with a scale; squared relu, gelu, silu,
+  sigmoid, softplus;
+- TAYLOR (Based): [1, x / d**(1/4), x_i x_j / sqrt(2 d) for i = j, x_i x_j / sqrt(d) for i < j],
+  so that phi(x).phi(y) = 1 + x.y / sqrt(d) + (x.y)**2 / (2 d), D' = 1 + D + D(D+1)/2;
+- REBASED: y = gamma * layernorm(x) + beta (fp[2]: the norm's eps, then gamma, beta: D each), then
+  [y_i**2 for i = j, sqrt(2) y_i y_j for i < j]: phi(x).phi(x') = (y.y')**2, D' = D(D+1)/2;
+- DPFP (Schlag et al. 2021, their code): r = [relu(x), relu(-x)] (2D), then for nu' = 1..nu the
+  products r_i r_{(i - nu') mod 2D} (r times r rolled by nu'), D' = 2 D nu (fp[2] = nu);
+- PERFORMER (FAVOR+): exp(omega^T x - |x|**2 / 2) / sqrt(m), omega (D, m) after fp[1], D' = m;
+- HEDGEHOG: softmax([2 z, -2 z]) with z = x W + b (W (D, m), b (m)), D' = 2m;
+- T2R: relu(x W + b), D' = m.
+
+The exponentials of the elementwise maps and of Hedgehog's softmax take non-positive arguments only
+(exp_le0, vectorised); Performer's is exp of any argument (it overflows to inf as the formula does,
+for inputs too large: scale them). gelu: see ``gelu``.
+"""
+import math
+
+import numba
+import numpy as np
+from llvmlite import ir
+from numba import carray, types
+from numba.extending import intrinsic, overload
+
+from .._jit import FASTMATH, Kernel, array, njit
+from . import symbols
+from .elementwise import elu1, exp_f32_parts, exp_le0, load_rows, relu
+from .gating import like
+
+_OPTS = {"fastmath": set(FASTMATH), "error_model": "numpy"}
+
+# Codes 0-2 (elementwise.py: IDENTITY, ELU, RELU) are applied by the kernels themselves; these go
+# through map_rows. The first three are the same maps with an input scale.
+SCALED_IDENTITY, SCALED_ELU, SCALED_RELU = 3, 4, 5
+SQUARED_RELU, GELU, SILU, SIGMOID, SOFTPLUS = 6, 7, 8, 9, 10
+TAYLOR, REBASED, DPFP, PERFORMER, HEDGEHOG, T2R = 11, 12, 13, 14, 15, 16
+#: First code that map_rows computes (kernels apply smaller codes inline).
+FIRST = SCALED_IDENTITY
+#: Parameters before a family's own in ``fp``: the input scale and D'.
+HEAD = 2
+
+
+def exp_any(x):
+    """exp(x) for any x: a vectorising polynomial in float32 (inf past the largest float32, 0 below
+    the smallest normal), libm in float64. Only callable from Numba code."""
+    raise NotImplementedError("runs inside Numba kernels only")
+
+
+@overload(exp_any, jit_options=_OPTS)
+def _exp_any_overload(x):
+    if x == types.float32:
+        def impl(x):
+            p, n = exp_f32_parts(min(max(x, np.float32(-87.33654)), np.float32(88.72283)))
+            big = n > np.float32(127.0)  # n reaches 128 (2**128 is not a float32): p * 2 * 2**127
+            p = p + p if big else p
+            m = np.int32(n) - np.int32(1) if big else np.int32(n)
+            y = p * np.int32((m + np.int32(127)) << np.int32(23)).view(np.float32)
+            y = y if x >= np.float32(-87.33654) else np.float32(0.0)
+            y = y if x <= np.float32(88.72283) else np.float32(np.inf)
+            return y if x == x else x
+        return impl
+    return lambda x: math.exp(x)
+
+
+def _log1p_01(e):
+    """log(1 + e) for 0 <= e <= 1, as 2 atanh(u) with u = e / (2 + e) <= 1/3, a series that
+    vectorises: to u**17 in float32, u**35 in float64 (truncation below each one's eps). NaN stays
+    NaN. Only callable from Numba code."""
+    raise NotImplementedError("runs inside Numba kernels only")
+
+
+def _series(dtype, terms):
+    def impl(e):
+        two = dtype(2.0)
+        u = e / (two + e)
+        u2 = u * u
+        p = dtype(1.0 / (2 * terms + 1))
+        for j in range(terms - 1, -1, -1):
+            p = p * u2 + dtype(1.0 / (2 * j + 1))
+        return two * u * p
+    return impl
+
+
+@overload(_log1p_01, jit_options=_OPTS)
+def _log1p_overload(e):
+    if e == types.float32:
+        return _series(np.float32, 8)
+    return _series(np.float64, 17)
+
+
+def gelu(x):
+    """x Phi(x) = x (1 + erf(x / sqrt(2))) / 2: in float32 with Eigen's rational erf (absolute error
+    < 2e-7; relative accuracy is lost far left, where 1 + erf cancels, as in PyTorch's float32 gelu),
+    in float64 as x erfc(-x / sqrt(2)) / 2 with libm's erfc (no cancellation). Numba code only."""
+    raise NotImplementedError("runs inside Numba kernels only")
+
+
+@overload(gelu, jit_options=_OPTS)
+def _gelu_overload(x):
+    if x == types.float32:
+        def impl(x):
+            c = min(max(x * np.float32(0.7071067811865476), np.float32(-4.0)), np.float32(4.0))
+            x2 = c * c
+            p = x2 * np.float32(-2.72614225801306e-10) + np.float32(2.77068142495902e-08)
+            p = x2 * p + np.float32(-2.10102402082508e-06)
+            p = x2 * p + np.float32(-5.69250639462346e-05)
+            p = x2 * p + np.float32(-7.34990630326855e-04)
+            p = x2 * p + np.float32(-2.95459980854025e-03)
+            p = x2 * p + np.float32(-1.60960333262415e-02)
+            q = x2 * np.float32(-1.45660718464996e-05) + np.float32(-2.13374055278905e-04)
+            q = x2 * q + np.float32(-1.68282697438203e-03)
+            q = x2 * q + np.float32(-7.37332916720468e-03)
+            q = x2 * q + np.float32(-1.42647390514189e-02)
+            return x * (np.float32(1.0) + c * p / q) * np.float32(0.5)
+        return impl
+    return lambda x: x * math.erfc(-x * 0.7071067811865476) * 0.5
+
+
+@njit(helper=True)
+def _elementwise(code, x, y):
+    """y = f(x) for the elementwise codes (x already scaled), in x's dtype."""
+    one = like(1.0, y)
+    if code == SCALED_IDENTITY:
+        for a in range(x.shape[0]):
+            y[a] = x[a]
+    elif code == SCALED_ELU:
+        for a in range(x.shape[0]):
+            y[a] = elu1(x[a])
+    elif code == SCALED_RELU:
+        for a in range(x.shape[0]):
+            y[a] = relu(x[a])
+    elif code == SQUARED_RELU:
+        for a in range(x.shape[0]):
+            r = relu(x[a])
+            y[a] = r * r
+    elif code == GELU:
+        for a in range(x.shape[0]):
+            y[a] = gelu(x[a])
+    elif code == SILU or code == SIGMOID:
+        silu = code == SILU
+        for a in range(x.shape[0]):
+            v = x[a]
+            e = exp_le0(-abs(v))  # sigmoid(v) = 1 / (1 + e) for v >= 0, e / (1 + e) below
+            s = (one if v >= 0 else e) / (one + e)
+            s = s if v == v else v
+            y[a] = v * s if silu else s
+    else:  # SOFTPLUS: max(v, 0) + log(1 + exp(-|v|))
+        for a in range(x.shape[0]):
+            v = x[a]
+            y[a] = relu(v) + _log1p_01(exp_le0(-abs(v)))
+
+
+@njit(helper=True)
+def _relu0(v, zero):
+    """max(v, 0) with +0 (``zero``, in v's type) for negatives, where relu gives -0; NaN kept."""
+    return v if (v > 0 or v != v) else zero
+
+
+@njit(helper=True)
+def _outer_upper(x, y, y0, diag, off):
+    """y[y0:] = [diag x_i x_i, off x_i x_j for i < j], rows i in order: D(D+1)/2 values."""
+    d = x.shape[0]
+    p = y0
+    dg, of = like(diag, y), like(off, y)
+    for i in range(d):
+        xi = x[i]
+        y[p] = dg * xi * xi
+        p += 1
+        xo = of * xi
+        for j in range(i + 1, d):
+            y[p + j - i - 1] = xo * x[j]
+        p += d - i - 1
+
+
+@njit(helper=True)
+def _linear(x, w, b, z, has_b):
+    """z = x W (+ b when has_b) (W: (D, m), b: (m,))."""
+    for j in range(z.shape[0]):
+        z[j] = b[j] if has_b else 0
+    for a in range(x.shape[0]):
+        xa = x[a]
+        wa = w[a]
+        for j in range(z.shape[0]):
+            z[j] += xa * wa[j]
+
+
+# One function per family for one row: y[:D'] = phi(x) (x: D values already scaled by fp[0];
+# ``work``: 2D + D' values). Each is compiled into its own C function (below), only once it is used.
+
+
+@njit(helper=True)
+def _elementwise_row(code, fp, x, y, work):
+    _elementwise(code, x, y)
+
+
+@njit(helper=True)
+def _taylor_row(code, fp, x, y, work):
+    d = x.shape[0]
+    y[0] = 1
+    c1 = like(1.0 / math.sqrt(math.sqrt(d)), y)
+    for a in range(d):
+        y[1 + a] = x[a] * c1
+    _outer_upper(x, y, 1 + d, 1.0 / math.sqrt(2.0 * d), 1.0 / math.sqrt(d))
+
+
+@njit(helper=True)
+def _rebased_row(code, fp, x, y, work):
+    d = x.shape[0]
+    mean = 0.0
+    for a in range(d):
+        mean += x[a]
+    mean /= d
+    var = 0.0
+    for a in range(d):
+        var += (x[a] - mean) ** 2
+    inv = 1.0 / math.sqrt(var / d + fp[HEAD])
+    z = work[:d]
+    for a in range(d):
+        z[a] = (x[a] - mean) * inv * fp[HEAD + 1 + a] + fp[HEAD + 1 + d + a]
+    _outer_upper(z, y, 0, 1.0, math.sqrt(2.0))
+
+
+@njit(helper=True)
+def _dpfp_row(code, fp, x, y, work):
+    d = x.shape[0]
+    r = work[:2 * d]
+    zero = like(0.0, y)
+    for a in range(d):
+        r[a] = _relu0(x[a], zero)
+        r[d + a] = _relu0(-x[a], zero)
+    n2 = 2 * d
+    for nu in range(1, int(fp[HEAD]) + 1):
+        base = (nu - 1) * n2
+        shift = nu % n2
+        for i in range(n2):
+            j = i - shift
+            y[base + i] = r[i] * r[j + n2 if j < 0 else j]
+
+
+@njit(helper=True)
+def _performer_row(code, fp, x, y, work):
+    d, dk = x.shape[0], y.shape[0]
+    w = fp[HEAD:HEAD + d * dk].reshape(d, dk)
+    _linear(x, w, w[0], y, False)
+    half = 0.0
+    for a in range(d):
+        half += x[a] * x[a]
+    half = like(0.5 * half, y)
+    inv = like(1.0 / math.sqrt(dk), y)
+    for j in range(dk):
+        y[j] = exp_any(y[j] - half) * inv
+
+
+@njit(helper=True)
+def _hedgehog_row(code, fp, x, y, work):
+    """softmax over [2z, -2z], z = x W + b: shifted by 2 max |z|, exponentials of numbers <= 0."""
+    d, m = x.shape[0], y.shape[0] // 2
+    z = work[:m]
+    _linear(x, fp[HEAD:HEAD + d * m].reshape(d, m), fp[HEAD + d * m:HEAD + d * m + m], z, True)
+    top = z[0] - z[0]
+    for j in range(m):
+        top = max(top, abs(z[j]))
+    two = like(2.0, y)
+    top *= two
+    total = 0.0
+    for j in range(m):
+        a = exp_le0(two * z[j] - top)
+        b = exp_le0(-two * z[j] - top)
+        y[j] = a
+        y[m + j] = b
+        total += a + b
+    inv = like(1.0 / total, y)
+    for j in range(2 * m):
+        y[j] *= inv
+
+
+@njit(helper=True)
+def _t2r_row(code, fp, x, y, work):
+    d, m = x.shape[0], y.shape[0]
+    _linear(x, fp[HEAD:HEAD + d * m].reshape(d, m), fp[HEAD + d * m:HEAD + d * m + m], y, True)
+    zero = like(0.0, y)
+    for j in range(m):
+        y[j] = _relu0(y[j], zero)
+
+
+def _rows(src, rs, cs, c, d, dst, drs, code, fp, nfp, work, family):
+    """dst[t, :D'] = phi(scale src[t]) for t < c with family ``family``'s row function (a constant:
+    each C function compiles only its own): src rows ``rs`` elements apart with ``cs`` between their
+    elements, dst rows ``drs`` apart; ``work`` holds 3D + D' values. Numba code only."""
+    raise NotImplementedError("runs inside Numba kernels only")
+
+
+@overload(_rows, jit_options=_OPTS, prefer_literal=True)
+def _rows_overload(src, rs, cs, c, d, dst, drs, code, fp, nfp, work, family):
+    row = _ROWS[family.literal_value]
+
+    def impl(src, rs, cs, c, d, dst, drs, code, fp, nfp, work, family):
+        params = carray(fp, (nfp,))
+        dk = int(params[1])
+        out = carray(dst, ((c - 1) * drs + dk,))
+        buf = carray(work, (3 * d + dk,))
+        x = buf[:d]
+        scale = params[0]
+        for t in range(c):
+            for a in range(d):
+                x[a] = scale * src[t * rs + a * cs]
+            row(code, params, x, out[t * drs:t * drs + dk], buf[d:])
+    return impl
+
+
+_ROWS = (_elementwise_row, _taylor_row, _rebased_row, _dpfp_row, _performer_row, _hedgehog_row, _t2r_row)
+
+
+# The C functions (arguments: src, rs, cs, c, d, dst, drs, dst's width (unused: D' is fp[1]), code, fp,
+# len(fp), work), one per family.
+def _elementwise_c(src, rs, cs, c, d, dst, drs, width, code, fp, nfp, work):
+    _rows(src, rs, cs, c, d, dst, drs, code, fp, nfp, work, 0)
+
+
+def _taylor_c(src, rs, cs, c, d, dst, drs, width, code, fp, nfp, work):
+    _rows(src, rs, cs, c, d, dst, drs, code, fp, nfp, work, 1)
+
+
+def _rebased_c(src, rs, cs, c, d, dst, drs, width, code, fp, nfp, work):
+    _rows(src, rs, cs, c, d, dst, drs, code, fp, nfp, work, 2)
+
+
+def _dpfp_c(src, rs, cs, c, d, dst, drs, width, code, fp, nfp, work):
+    _rows(src, rs, cs, c, d, dst, drs, code, fp, nfp, work, 3)
+
+
+def _performer_c(src, rs, cs, c, d, dst, drs, width, code, fp, nfp, work):
+    _rows(src, rs, cs, c, d, dst, drs, code, fp, nfp, work, 4)
+
+
+def _hedgehog_c(src, rs, cs, c, d, dst, drs, width, code, fp, nfp, work):
+    _rows(src, rs, cs, c, d, dst, drs, code, fp, nfp, work, 5)
+
+
+def _t2r_c(src, rs, cs, c, d, dst, drs, width, code, fp, nfp, work):
+    _rows(src, rs, cs, c, d, dst, drs, code, fp, nfp, work, 6)
+
+
+_FAMILIES = {"elementwise": _elementwise_c, "taylor": _taylor_c, "rebased": _rebased_c, "dpfp": _dpfp_c,
+             "performer": _performer_c, "hedgehog": _hedgehog_c, "t2r": _t2r_c}
+_FAMILY_OF = {TAYLOR: "taylor", REBASED: "rebased", DPFP: "dpfp", PERFORMER: "performer", HEDGEHOG: "hedgehog",
+              T2R: "t2r"}
+
+
+def _c_signature(dt):
+    ptr, i = types.CPointer(dt), types.intp
+    return types.void(ptr, i, i, i, i, ptr, i, i, i, ptr, i, ptr)
+
+
+_SYMBOLS = {(dt, family): symbols.define(f"map_rows_{family}_{dt}", fn, _c_signature(dt))
+            for dt in (types.float32, types.float64) for family, fn in _FAMILIES.items()}
+
+
+def address(dtype, code):
+    """The address of the C function computing map ``code`` for a NumPy dtype (compiled or loaded on
+    first use): the kernels take it as an argument, so they need nothing registered and a family's
+    code is compiled only once it is used."""
+    family = _FAMILY_OF.get(code, "elementwise")
+    return symbols.address(_SYMBOLS[numba.from_dtype(np.dtype(dtype)), family])
+
+
+@intrinsic
+def _call_map_rows(typingctx, addr, src, i0, c, code, fp, dst, work):
+    """Call map_rows at ``addr`` for src[i0:i0 + c] (2-D, strides multiples of the itemsize) into
+    dst (2-D, unit column stride) with map ``code``, parameters ``fp`` (1-D, contiguous), ``work``."""
+    sig = types.void(addr, src, i0, c, code, fp, dst, work)
+
+    def codegen(context, builder, sig, args):
+        dtype = sig.args[1].dtype
+        size = context.get_abi_sizeof(context.get_data_type(dtype))
+        intp = context.get_value_type(types.intp)
+        s = context.make_array(sig.args[1])(context, builder, args[1])
+        start = context.cast(builder, args[2], sig.args[2], types.intp)
+        rs, cs = (builder.sdiv(builder.extract_value(s.strides, k), ir.Constant(intp, size)) for k in (0, 1))
+        first = builder.gep(s.data, [builder.mul(start, rs)])
+        dsta = context.make_array(sig.args[6])(context, builder, args[6])
+        drs = builder.sdiv(builder.extract_value(dsta.strides, 0), ir.Constant(intp, size))
+        fpa = context.make_array(sig.args[5])(context, builder, args[5])
+        wa = context.make_array(sig.args[7])(context, builder, args[7])
+        values = [first, rs, cs, context.cast(builder, args[3], sig.args[3], types.intp),
+                  builder.extract_value(s.shape, 1), dsta.data, drs, builder.extract_value(dsta.shape, 1),
+                  context.cast(builder, args[4], sig.args[4], types.intp), fpa.data,
+                  builder.extract_value(fpa.shape, 0), wa.data]
+        symbols.emit_call_address(builder, context.cast(builder, args[0], sig.args[0], types.intp), values)
+        return context.get_dummy_value()
+
+    return sig, codegen
+
+
+@njit(helper=True)
+def load_features(src, i0, c, mp, dst):
+    """dst[t, :D'] = phi(src[i0 + t]) for t < c, for the map ``mp`` = (code, fp, address, work): codes
+    below FIRST inline (elementwise.load_rows), the others through map_rows (dst: unit column
+    stride; work: 3D + D' values)."""
+    code = mp[0]
+    if code < FIRST:
+        load_rows(src, i0, c, code, dst)
+    elif c > 0:
+        _call_map_rows(mp[2], src, i0, c, code, mp[1], dst, mp[3])
+
+
+@njit(helper=True)
+def mapped_dim(code, fp, d):
+    """D' of map ``code`` with parameters ``fp`` for inputs of D features."""
+    return int(fp[1]) if code >= FIRST else d
+
+
+@njit(helper=True)
+def map_state(code, fp, addr, d, dk, dtype):
+    """The tuple load_features takes, with its work buffer."""
+    return (code, fp, addr, np.empty(3 * d + dk if code >= FIRST else 0, dtype))
+
+
+def _apply(x, code, fp, addr, y):
+    mp = map_state(code, fp, addr, x.shape[1], y.shape[1], y.dtype)
+    load_features(x, 0, x.shape[0], mp, y)
+
+
+def _apply_signature(dt, variant):
+    return types.void(array(dt, 2, "A", readonly=True), types.int64, array(dt, 1, readonly=True), types.int64,
+                      array(dt, 2))
+
+
+_apply_kernel = Kernel(_apply, _apply_signature, parallel=False)
+
+
+def apply(x, code, fp, dk):
+    """phi of the rows of a 2-D float32/float64 array ``x`` (strides multiples of its itemsize), as a
+    new (rows, D') array: the kernels' own code, for paths that map before they compute."""
+    y = np.empty((x.shape[0], dk), x.dtype)
+    _apply_kernel.get(x.dtype, None)(x, code, fp, address(x.dtype, code), y)
+    return y

@@ -1,0 +1,295 @@
+"""The built-in feature maps: each against its formula written out here in float64 NumPy from its paper
+(constants included), the kernel identities of the Taylor and ReBased maps, D' as a function of D,
+the fused kernels against the float64 reference with the formula as a callable, through the state
+(split/resume, prefill + step), with gates, and bad parameters."""
+import math
+
+import numpy as np
+import pytest
+
+import linattn
+from linattn import feature_maps as fm
+from linattn import reference
+
+from conftest import assert_close, make_qkv
+
+_erf = np.vectorize(math.erf)
+
+
+def _relu(x):
+    return np.maximum(x, 0)
+
+
+def _taylor_full(x):
+    """Based (flash-linear-attention's TaylorFeatureMap): [1, x / d**(1/4), vec(x x^T) / (sqrt(2) sqrt(d))]."""
+    d = x.shape[-1]
+    outer = (x[..., :, None] * x[..., None, :]).reshape(x.shape[:-1] + (d * d,))
+    return np.concatenate([np.ones(x.shape[:-1] + (1,)), x / d ** 0.25, outer / math.sqrt(2) / math.sqrt(d)], -1)
+
+
+def _layer_norm(x, gamma, beta, eps=1e-5):
+    mu = x.mean(-1, keepdims=True)
+    var = ((x - mu) ** 2).mean(-1, keepdims=True)
+    return (x - mu) / np.sqrt(var + eps) * gamma + beta
+
+
+def _rebased_full(x, gamma, beta):
+    """ReBased: (gamma LN(x) + beta), all D**2 products: phi(x).phi(y) = (y.y')**2."""
+    y = _layer_norm(x, gamma, beta)
+    d = x.shape[-1]
+    return (y[..., :, None] * y[..., None, :]).reshape(x.shape[:-1] + (d * d,))
+
+
+def _dpfp(x, nu):
+    """Schlag et al. 2021, the authors' code: x = cat([relu(x), relu(-x)]); cat(x * roll(x, j), j = 1..nu)."""
+    r = np.concatenate([_relu(x), _relu(-x)], -1)
+    return np.concatenate([r * np.roll(r, j, axis=-1) for j in range(1, nu + 1)], -1)
+
+
+def _performer(x, omega):
+    """FAVOR+: exp(omega^T x - |x|^2 / 2) / sqrt(m)."""
+    return np.exp(x @ omega - (x * x).sum(-1, keepdims=True) / 2) / math.sqrt(omega.shape[1])
+
+
+def _hedgehog(x, w, b):
+    z = x @ w + b
+    e = np.concatenate([2 * z, -2 * z], -1)
+    e = np.exp(e - e.max(-1, keepdims=True))
+    return e / e.sum(-1, keepdims=True)
+
+
+def _t2r(x, w, b):
+    return _relu(x @ w + b)
+
+
+ELEMENTWISE = {
+    "elu": lambda x: np.where(x > 0, x + 1, np.exp(np.minimum(x, 0))),
+    "relu": _relu,
+    "identity": lambda x: x,
+    "squared_relu": lambda x: _relu(x) ** 2,
+    "gelu": lambda x: x * 0.5 * (1 + _erf(x / math.sqrt(2))),
+    "silu": lambda x: x / (1 + np.exp(-x)),
+    "swish": lambda x: x / (1 + np.exp(-x)),
+    "sigmoid": lambda x: 1 / (1 + np.exp(-x)),
+    "softplus": lambda x: np.log1p(np.exp(-np.abs(x))) + _relu(x),
+}
+#: maps whose features' dot products are positive: normalised attention is well conditioned with them
+POSITIVE = {"elu", "sigmoid", "softplus", "taylor", "performer", "hedgehog", "rebased"}
+
+
+def _maps(d, seed=7):
+    """name -> (map object, float64 formula), for inputs of d features."""
+    rng = np.random.default_rng(seed)
+    gamma, beta = 1 + 0.2 * rng.standard_normal(d), 0.1 * rng.standard_normal(d)
+    omega = rng.standard_normal((d, 12))
+    w, b = rng.standard_normal((d, 6)) / math.sqrt(d), 0.1 * rng.standard_normal(6)
+    maps = {name: (fm.Elementwise(name), f) for name, f in ELEMENTWISE.items()}
+    maps.update({
+        "taylor": (fm.Taylor(), None),  # (D' differs from the full form: checked through its kernel)
+        "rebased": (fm.ReBased(gamma, beta), None),
+        "dpfp": (fm.DPFP(2), lambda x: _dpfp(x, 2)),
+        "performer": (fm.Performer(omega), lambda x: _performer(x, omega)),
+        "hedgehog": (fm.Hedgehog(w, b), lambda x: _hedgehog(x, w, b)),
+        "t2r": (fm.T2R(w, b), lambda x: _t2r(x, w, b)),
+    })
+    return maps
+
+
+NAMES = list(_maps(3))
+
+
+def _gram(phi_q, phi_k):
+    return phi_q @ np.swapaxes(phi_k, -1, -2)
+
+
+def _kernel_formula(name, d, seed=7):
+    """phi(x).phi(y) in closed form for the maps whose features differ from the written-out ones."""
+    if name == "taylor":
+        return lambda x, y: 1 + _gram(x, y) / math.sqrt(d) + _gram(x, y) ** 2 / (2 * d)
+    mp = _maps(d, seed)["rebased"][0]
+    return lambda x, y: _gram(_layer_norm(x, mp.gamma, mp.beta), _layer_norm(y, mp.gamma, mp.beta)) ** 2
+
+
+@pytest.mark.parametrize("dtype", [np.float32, np.float64])
+@pytest.mark.parametrize("name", NAMES)
+def test_map_against_formula(rng, name, dtype):
+    d = 5
+    mp, formula = _maps(d)[name]
+    x = (rng.standard_normal((3, 40, d)) * 1.5).astype(dtype)
+    x[0, 0, :] = [-12, -3, 0, 3, 12]  # far tails and zero
+    phi = mp(x)
+    assert phi.dtype == dtype and phi.shape == (3, 40, mp.out_dim(d))
+    x64 = x.astype(np.float64)
+    if formula is not None:
+        # relative to each row's largest feature or input (gelu's left tail cancels in float32, as in
+        # PyTorch: its error is that of erf, ~1e-7, times |x|)
+        want = formula(x64)
+        size = np.maximum(np.abs(want).max(-1, keepdims=True), np.abs(x64).max(-1, keepdims=True))
+        if name == "performer":  # exp(u) carries u's rounding, ~eps (|omega^T x| + |x|^2 / 2), relatively
+            size = np.abs(want) * (1 + np.abs(x64) @ np.abs(mp.weight) + (x64 * x64).sum(-1, keepdims=True) / 2)
+        # values below the smallest normal number are flushed to 0 (exp(-110) in float32, say)
+        err = np.maximum(np.abs(phi - want) - np.finfo(dtype).tiny, 0) / size
+        assert err.max() <= {np.float32: 5e-7, np.float64: 1e-14}[dtype], err.max()
+    if name in ("taylor", "rebased"):  # phi(x).phi(y) equals the closed form
+        want = _kernel_formula(name, d)(x64, x64[::-1])
+        full = (_taylor_full if name == "taylor" else lambda z: _rebased_full(z, mp.gamma, mp.beta))(x64)
+        assert_close(_gram(full, full[::-1]), want, np.float64)  # the written-out features, too
+        assert_close(_gram(phi.astype(np.float64), phi[::-1].astype(np.float64)), want, dtype)
+
+
+@pytest.mark.parametrize("name, d, want", [("taylor", 16, 153), ("taylor", 1, 3), ("rebased", 16, 136),
+                                           ("dpfp", 4, 16), ("performer", 16, 12), ("hedgehog", 16, 12),
+                                           ("t2r", 16, 6), ("gelu", 16, 16)])
+def test_out_dim(name, d, want):
+    mp = _maps(d)[name][0]
+    assert mp.out_dim(d) == want
+    assert mp(np.zeros((2, d))).shape == (2, want)
+
+
+def test_taylor_and_rebased_shapes_follow_d():
+    for d in (1, 2, 7, 16, 64):
+        assert fm.Taylor().out_dim(d) == 1 + d + d * (d + 1) // 2
+        assert fm.ReBased(np.ones(d), np.zeros(d)).out_dim(d) == d * (d + 1) // 2
+        assert fm.DPFP(3).out_dim(d) == 6 * d
+
+
+def test_performer_estimates_the_softmax_kernel():
+    """E[phi(x).phi(y)] = exp(x.y): with 50000 features the estimate is within a few percent (its
+    relative variance per feature is exp(|x + y|^2) - 1, about 1 here)."""
+    rng = np.random.default_rng(3)
+    d = 8
+    x, y = rng.standard_normal((2, 4, d)) * 0.25
+    for orthogonal in (True, False):
+        mp = fm.Performer.random(d, 50000, seed=11, orthogonal=orthogonal)
+        assert abs(mp.weight.mean()) < 0.01 and abs(mp.weight.std() - 1) < 0.01
+        est = _gram(mp(x), mp(y))
+        np.testing.assert_allclose(est, np.exp(_gram(x, y)), rtol=0.05)
+    omega = fm.Performer.random(d, 16, seed=1).weight  # orthogonal within each block of d columns
+    block = omega[:, :d] / np.linalg.norm(omega[:, :d], axis=0)
+    np.testing.assert_allclose(block.T @ block, np.eye(d), atol=1e-12)
+    np.testing.assert_array_equal(fm.Performer.random(d, 16, seed=1).weight, omega)
+
+
+def test_scaled_composes(rng):
+    x = rng.standard_normal((10, 6))
+    taylor = fm.Taylor()
+    np.testing.assert_allclose(taylor.scaled(0.5)(x), taylor(0.5 * x), rtol=1e-14)
+    np.testing.assert_allclose(taylor.scaled(0.5).scaled(4.0)(x), taylor(2 * x), rtol=1e-14)
+    assert repr(taylor.scaled(0.5)) == "Taylor().scaled(0.5)"
+    elu = fm.Elementwise("elu").scaled(0.25)
+    np.testing.assert_allclose(elu(x), ELEMENTWISE["elu"](0.25 * x), rtol=1e-14)
+    q, k, v = make_qkv(rng, (2,), 50, 6, 3, np.float64)
+    out = linattn.causal_linear_attention(q, k, v, feature_map=elu)
+    assert_close(out, reference.masked(q * 0.25, k * 0.25, v), np.float64)
+
+
+def _callable(mp, formula):
+    """The reference's phi: the written-out formula, or the map itself where the formula's D' differs."""
+    return formula if formula is not None else mp
+
+
+@pytest.mark.parametrize("dtype", [np.float32, np.float64])
+@pytest.mark.parametrize("name", NAMES)
+@pytest.mark.parametrize("lead, n, d, dv", [((2, 3), 70, 5, 4), ((), 1, 1, 1), ((3,), 65, 4, 8), ((1, 2), 63, 3, 7)])
+def test_attention_against_reference(rng, name, lead, n, d, dv, dtype):
+    mp, formula = _maps(d)[name]
+    phi = _callable(mp, formula)
+    q, k, v = make_qkv(rng, lead, n, d, dv, dtype)
+    q64, k64, v64 = (x.astype(np.float64) for x in (q, k, v))
+    for normalize in (True, False) if name in POSITIVE else (False,):
+        out = linattn.causal_linear_attention(q, k, v, feature_map=mp, normalize=normalize)
+        assert out.dtype == dtype
+        assert_close(out, reference.masked(q64, k64, v64, feature_map=phi, normalize=normalize), dtype)
+        out = linattn.linear_attention(q, k, v, feature_map=mp, normalize=normalize)
+        assert_close(out, reference.masked(q64, k64, v64, feature_map=phi, normalize=normalize, causal=False), dtype)
+
+
+@pytest.mark.parametrize("name", ["taylor", "performer", "hedgehog", "dpfp", "gelu"])
+def test_non_contiguous_views(rng, name):
+    """Heads of a fused QKV projection (strided views) and reversed sequences read in place."""
+    d, dv = 4, 4
+    mp, formula = _maps(d)[name]
+    phi = _callable(mp, formula)
+    qkv = rng.standard_normal((2, 90, 3, 3, d)).astype(np.float32) * 0.5  # (B, N, 3, H, D)
+    q, k, v = (qkv[:, ::-1, i].transpose(0, 2, 1, 3) for i in range(3))
+    normalize = name in POSITIVE
+    out = linattn.causal_linear_attention(q, k, v, feature_map=mp, normalize=normalize)
+    ref = reference.masked(*(x.astype(np.float64) for x in (q, k, v)), feature_map=phi, normalize=normalize)
+    assert_close(out, ref, np.float32)
+
+
+@pytest.mark.parametrize("name", NAMES)
+def test_split_resume_and_step(rng, name):
+    """Two calls through the state, and a prefill followed by steps, equal one call."""
+    lead, n, d, dv = (2, 3), 100, 4, 5
+    mp, _ = _maps(d)[name]
+    q, k, v = make_qkv(rng, lead, n, d, dv, np.float64)
+    normalize = name in POSITIVE
+    full, st = linattn.causal_linear_attention(q, k, v, feature_map=mp, normalize=normalize, return_state=True)
+    assert st.S.shape == lead + (mp.out_dim(d), dv) and st.Z.shape == lead + (mp.out_dim(d),)
+    a, st1 = linattn.causal_linear_attention(q[..., :37, :], k[..., :37, :], v[..., :37, :], feature_map=mp,
+                                             normalize=normalize, return_state=True)
+    b, st2 = linattn.causal_linear_attention(q[..., 37:, :], k[..., 37:, :], v[..., 37:, :], feature_map=mp,
+                                             normalize=normalize, initial_state=st1, return_state=True)
+    assert_close(np.concatenate([a, b], -2), full, np.float64)
+    assert_close(st2.S, st.S, np.float64)
+    steps = []
+    for t in range(37, 45):
+        steps.append(linattn.step(q[..., t, :], k[..., t, :], v[..., t, :], st1, feature_map=mp, normalize=normalize))
+    assert_close(np.stack(steps, -2), full[..., 37:45, :], np.float64)
+
+
+@pytest.mark.parametrize("name", ["taylor", "hedgehog", "dpfp"])
+def test_with_gates_and_weights(rng, name):
+    """Gates per key dimension have D' columns; attention_weights @ v equals the output."""
+    lead, n, d, dv = (2,), 80, 3, 4
+    mp, formula = _maps(d)[name]
+    phi = _callable(mp, formula)
+    q, k, v = make_qkv(rng, lead, n, d, dv, np.float64)
+    gate = -rng.random(lead + (n, mp.out_dim(d))) * 0.3
+    out = linattn.causal_linear_attention(q, k, v, feature_map=mp, gate=gate, decay=0.95)
+    assert_close(out, reference.loop(q, k, v, feature_map=phi, gate=gate, decay=0.95), np.float64)
+    w = linattn.attention_weights(q, k, feature_map=mp, gate=gate, decay=0.95)
+    assert_close(w @ v, out, np.float64)
+    with pytest.raises(ValueError, match="gate"):
+        linattn.causal_linear_attention(q, k, v, feature_map=mp, gate=gate[..., :d])
+
+
+def test_bad_parameters(rng):
+    d = 4
+    q, k, v = make_qkv(rng, (2,), 10, d, 3, np.float32)
+    with pytest.raises(ValueError, match="feature_map: unknown name 'tanh'"):
+        linattn.causal_linear_attention(q, k, v, feature_map="tanh")
+    with pytest.raises(TypeError, match="feature_map"):
+        linattn.causal_linear_attention(q, k, v, feature_map=3)
+    with pytest.raises(ValueError, match=r"weight of shape \(5, 6\).*D=4"):
+        linattn.causal_linear_attention(q, k, v, feature_map=fm.T2R(np.ones((5, 6))))
+    with pytest.raises(ValueError, match="D=4"):
+        linattn.step(q[:, 0], k[:, 0], v[:, 0], linattn.State(np.zeros((2, 6, 3)), np.zeros((2, 6))),
+                     feature_map=fm.Performer(np.ones((5, 6))))
+    with pytest.raises(ValueError, match="gamma and beta for D=3"):
+        linattn.linear_attention(q, k, v, feature_map=fm.ReBased(np.ones(3), np.zeros(3)))
+    with pytest.raises(ValueError, match="beta: expected shape"):
+        fm.ReBased(np.ones(3), np.zeros(4))
+    with pytest.raises(ValueError, match="omega: expected finite"):
+        fm.Performer(np.full((4, 2), np.nan))
+    with pytest.raises(ValueError, match="weight: expected shape"):
+        fm.Hedgehog(np.ones(4))
+    with pytest.raises(ValueError, match="bias: expected shape"):
+        fm.Hedgehog(np.ones((4, 3)), np.ones(2))
+    with pytest.raises(ValueError, match="bias: expected finite"):
+        fm.T2R(np.ones((4, 3)), [0, np.inf, 0])
+    with pytest.raises(TypeError, match="weight: expected an array of real numbers"):
+        fm.T2R([["a"]])
+    with pytest.raises(ValueError, match="nu: expected an integer >= 1"):
+        fm.DPFP(0)
+    with pytest.raises(TypeError, match="nu: expected an integer"):
+        fm.DPFP(1.5)
+    with pytest.raises(ValueError, match="scale: expected a finite number > 0"):
+        fm.Taylor().scaled(0)
+    with pytest.raises(ValueError, match="eps: expected a finite number >= 0"):
+        fm.ReBased(np.ones(3), np.zeros(3), eps=-1)
+    with pytest.raises(ValueError, match="m: expected an integer >= 1"):
+        fm.Performer.random(4, 0)
+    with pytest.raises(ValueError, match="feature_map: expected an array"):
+        fm.Taylor()(np.zeros((3, 0)))
