@@ -105,6 +105,11 @@ def test_device_option_on_host_arrays(cuda):
     fm = lambda x: np.concatenate([np.maximum(x, 0), np.maximum(-x, 0)], -1) + 0.1  # noqa: E731
     close(linattn.causal_linear_attention(q, k, v, feature_map=fm, device="cuda"),
           linattn.causal_linear_attention(q, k, v, feature_map=fm), np.float32)
+    for fmap in (linattn.feature_maps.Taylor(), "softplus"):  # host arrays are mapped on the host first
+        close(linattn.causal_linear_attention(q, k, v, feature_map=fmap, device="cuda"),
+              linattn.causal_linear_attention(q, k, v, feature_map=fmap), np.float32)
+        close(linattn.linear_attention(q, k, v, feature_map=fmap, device="cuda"),
+              linattn.linear_attention(q, k, v, feature_map=fmap), np.float32)
     st, st_cpu = linattn.State.zeros((3,), 2, 3), linattn.State.zeros((3,), 2, 3)
     for i in range(3):
         o = linattn.step(q[:, i], k[:, i], v[:, i], st, device="cuda")
