@@ -320,7 +320,8 @@ _ROWS = (_elementwise_row, _taylor_row, _rebased_row, _dpfp_row, _performer_row,
 
 
 # The C functions (arguments: src, rs, cs, c, d, dst, drs, dst's width (unused: D' is fp[1]), code, fp,
-# len(fp), work), one per family.
+# len(fp), work), one per family: plain module-level functions, each cached on disk by Numba (one that
+# took its row function as an argument could not be: "dynamic globals").
 def _elementwise_c(src, rs, cs, c, d, dst, drs, width, code, fp, nfp, work):
     _rows(src, rs, cs, c, d, dst, drs, code, fp, nfp, work, 0)
 
