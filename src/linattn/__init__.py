@@ -5,5 +5,5 @@ from .decoding import attention_weights, step
 from .state import State
 
 __version__ = "0.1.0"
-__all__ = ["causal_linear_attention", "linear_attention", "step", "attention_weights", "State", "feature_maps", "reference",
-           "__version__"]
+__all__ = ["causal_linear_attention", "linear_attention", "step", "attention_weights", "State", "feature_maps",
+           "reference", "__version__"]

@@ -302,7 +302,8 @@ def causal_linear_attention(q, k, v, *, feature_map="elu", eps=1e-6, normalize=T
         g = None if gates is None else np.ascontiguousarray(gates if kind == gates_mod.VECTOR else gates[..., None])
         cuda_kind = gates_mod.SCALAR if kind == gates_mod.CONSTANT else kind  # its zero gates, there
         res, S, Z, status = cuda_api.causal(
-            _flat(q, bh, 2), _flat(k, bh, 2), _flat(v, bh, 2), code if where == "device" else code[0], eps, normalize, lens, S0, Z0, return_state, comp,
+            _flat(q, bh, 2), _flat(k, bh, 2), _flat(v, bh, 2), code if where == "device" else code[0], eps, normalize,
+            lens, S0, Z0, return_state, comp,
             None if g is None else g.reshape((bh,) + g.shape[-2:]), cuda_kind, log_decay, scale)
         gates_mod.raise_bad_gate(status, lead)
         res = res.reshape(lead + (n, dv))
