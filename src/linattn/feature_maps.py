@@ -82,6 +82,16 @@ def _matrix(value, name, ndim, shape=None):
     return arr
 
 
+def _pair_table(pairs):
+    """The tables I, J, C (concatenated) of maps whose features are products u[I] u[J] C of a vector u."""
+    return np.array(pairs, np.float64).T.ravel()
+
+
+def _upper_pairs(d, diag, off, first=0):
+    """(i, j, c) for i <= j < d, row by row: c = ``diag`` on the diagonal, ``off`` above it."""
+    return [(i, j, diag if i == j else off) for i in range(first, d) for j in range(i, d)]
+
+
 class FeatureMap:
     """A feature map the kernels compute themselves (base class: use the maps below).
 
@@ -219,6 +229,11 @@ class Taylor(FeatureMap):
     def out_dim(self, d):
         return 1 + d + d * (d + 1) // 2
 
+    def _family_params(self, d):
+        # u = [x, 1]: the constant 1 = u_d u_d, x_a / d**(1/4) = u_a u_d / d**(1/4), then the products
+        pairs = [(d, d, 1.0)] + [(a, d, d ** -0.25) for a in range(d)]
+        return _pair_table(pairs + _upper_pairs(d, 1 / math.sqrt(2 * d), 1 / math.sqrt(d)))
+
 
 class ReBased(FeatureMap):
     """ReBased (Aksenov et al. 2024): y = gamma * LayerNorm(x) + beta (normalised over D with
@@ -248,7 +263,7 @@ class ReBased(FeatureMap):
         return d * (d + 1) // 2
 
     def _family_params(self, d):
-        return np.concatenate([[self.eps], self.gamma, self.beta])
+        return np.concatenate([[self.eps], self.gamma, self.beta, _pair_table(_upper_pairs(d, 1.0, math.sqrt(2)))])
 
     def _args(self):
         return f"gamma=<{self.gamma.shape[0]}>, beta=<{self.beta.shape[0]}>, eps={self.eps!r}"
@@ -284,7 +299,8 @@ class DPFP(FeatureMap):
         return 2 * d * self.nu
 
     def _family_params(self, d):
-        return np.array([self.nu], np.float64)
+        n2 = 2 * d  # u = [relu(x), relu(-x)]; feature (nu' - 1) 2D + i is u_i u_{(i - nu') mod 2D}
+        return _pair_table([(i, (i - nu) % n2, 1.0) for nu in range(1, self.nu + 1) for i in range(n2)])
 
     def _args(self):
         return f"nu={self.nu}"

@@ -8,12 +8,15 @@ the input (phi(s x)), ``fp[1]`` the mapped dimension D', then the family's own p
 
 - elementwise (D' = D): identity, elu+1, relu with a scale; squared relu, gelu, silu,
   sigmoid, softplus;
-- TAYLOR (Based): [1, x / d**(1/4), x_i x_j / sqrt(2 d) for i = j, x_i x_j / sqrt(d) for i < j],
-  so that phi(x).phi(y) = 1 + x.y / sqrt(d) + (x.y)**2 / (2 d), D' = 1 + D + D(D+1)/2;
-- REBASED: y = gamma * layernorm(x) + beta (fp[2]: the norm's eps, then gamma, beta: D each), then
-  [y_i**2 for i = j, sqrt(2) y_i y_j for i < j]: phi(x).phi(x') = (y.y')**2, D' = D(D+1)/2;
-- DPFP (Schlag et al. 2021, their code): r = [relu(x), relu(-x)] (2D), then for nu' = 1..nu the
-  products r_i r_{(i - nu') mod 2D} (r times r rolled by nu'), D' = 2 D nu (fp[2] = nu);
+- TAYLOR (Based): [1, x / d**(1/4), x_i**2 / sqrt(2 d) (i = j), x_i x_j / sqrt(d) (i < j)], so that
+  phi(x).phi(y) = 1 + x.y / sqrt(d) + (x.y)**2 / (2 d), D' = 1 + D + D(D+1)/2;
+- REBASED: u = gamma * layernorm(x) + beta (fp[2]: the norm's eps, then gamma, beta: D each), then
+  [u_i**2 for i = j, sqrt(2) u_i u_j for i < j]: phi(x).phi(x') = (u.u')**2, D' = D(D+1)/2;
+- DPFP (Schlag et al. 2021, their code): u = [relu(x), relu(-x)] (2D), then for nu' = 1..nu the
+  products u_i u_{(i - nu') mod 2D} (u times u rolled by nu'), D' = 2 D nu;
+
+  these three are products of pairs of a vector u (Taylor's is [x, 1]): their parameters end with
+  the tables I, J, C (D' each) of y_f = u[I_f] u[J_f] C_f (feature_maps.py builds them);
 - PERFORMER (FAVOR+): exp(omega^T x - |x|**2 / 2) / sqrt(m), omega (D, m) after fp[1], D' = m;
 - HEDGEHOG: softmax([2 z, -2 z]) with z = x W + b (W (D, m), b (m)), D' = 2m;
 - T2R: relu(x W + b), D' = m.
@@ -34,6 +37,8 @@ from .._jit import FASTMATH, Kernel, array, njit
 from . import symbols
 from .elementwise import elu1, exp_f32_parts, exp_le0, load_rows, relu
 from .gating import like
+from .smallgemm import small_gemm
+from .views import as_contiguous
 
 _OPTS = {"fastmath": set(FASTMATH), "error_model": "numpy"}
 
@@ -165,158 +170,170 @@ def _relu0(v, zero):
 
 
 @njit(helper=True)
-def _outer_upper(x, y, y0, diag, off):
-    """y[y0:] = [diag x_i x_i, off x_i x_j for i < j], rows i in order: D(D+1)/2 values."""
-    d = x.shape[0]
-    p = y0
-    dg, of = like(diag, y), like(off, y)
-    for i in range(d):
-        xi = x[i]
-        y[p] = dg * xi * xi
-        p += 1
-        xo = of * xi
-        for j in range(i + 1, d):
-            y[p + j - i - 1] = xo * x[j]
-        p += d - i - 1
+def _pairs(u, y, fp, off):
+    """y[f] = u[I[f]] u[J[f]] C[f] for f < D', with I, J, C (D' each) from fp[off:]: the products that
+    the Taylor, ReBased and DPFP maps are made of, one loop over the features (gathers vectorise)."""
+    dk = y.shape[0]
+    idx_i, idx_j, coef = fp[off:off + dk], fp[off + dk:off + 2 * dk], fp[off + 2 * dk:off + 3 * dk]
+    for f in range(dk):
+        y[f] = u[np.intp(idx_i[f])] * u[np.intp(idx_j[f])] * coef[f]
+
+
+# One function per family for a block of rows: Y[t, :D'] = phi(X[t]) (X: rows of D values already
+# scaled by fp[0]; Y: rows with unit stride; ``work``: BLOCK D' + 2D + 2 values). Each is compiled into its own C function
+# (below), only once it is used.
+
+#: Rows mapped at a time (the projections' products are BLOCK x D by D x m).
+BLOCK = 64
+
+
+def work_size(d, dk):
+    """Values of scratch a C function needs for inputs of D and maps of D' features (with the gathered
+    block of rows)."""
+    return BLOCK * (d + dk) + 2 * d + 2
 
 
 @njit(helper=True)
-def _linear(x, w, b, z, has_b):
-    """z = x W (+ b when has_b) (W: (D, m), b: (m,))."""
-    for j in range(z.shape[0]):
-        z[j] = b[j] if has_b else 0
-    for a in range(x.shape[0]):
-        xa = x[a]
-        wa = w[a]
-        for j in range(z.shape[0]):
-            z[j] += xa * wa[j]
-
-
-# One function per family for one row: y[:D'] = phi(x) (x: D values already scaled by fp[0];
-# ``work``: 2D + D' values). Each is compiled into its own C function (below), only once it is used.
+def _elementwise_block(code, fp, X, Y, work):
+    for t in range(X.shape[0]):
+        _elementwise(code, X[t], as_contiguous(Y[t]))
 
 
 @njit(helper=True)
-def _elementwise_row(code, fp, x, y, work):
-    _elementwise(code, x, y)
+def _taylor_block(code, fp, X, Y, work):
+    """u = [x, 1]: the constant, x / D**(1/4) and the products as pairs of u (fp: I, J, C)."""
+    d = X.shape[1]
+    u = work[:d + 1]
+    u[d] = 1
+    for t in range(X.shape[0]):
+        for a in range(d):
+            u[a] = X[t, a]
+        _pairs(u, as_contiguous(Y[t]), fp, HEAD)
 
 
 @njit(helper=True)
-def _taylor_row(code, fp, x, y, work):
-    d = x.shape[0]
-    y[0] = 1
-    c1 = like(1.0 / math.sqrt(math.sqrt(d)), y)
-    for a in range(d):
-        y[1 + a] = x[a] * c1
-    _outer_upper(x, y, 1 + d, 1.0 / math.sqrt(2.0 * d), 1.0 / math.sqrt(d))
+def _rebased_block(code, fp, X, Y, work):
+    """u = gamma LN(x) + beta (fp: eps, gamma, beta, then I, J, C)."""
+    d = X.shape[1]
+    u = work[:d]
+    for t in range(X.shape[0]):
+        x = X[t]
+        mean = 0.0
+        for a in range(d):
+            mean += x[a]
+        mean /= d
+        var = 0.0
+        for a in range(d):
+            var += (x[a] - mean) ** 2
+        inv = 1.0 / math.sqrt(var / d + fp[HEAD])
+        for a in range(d):
+            u[a] = (x[a] - mean) * inv * fp[HEAD + 1 + a] + fp[HEAD + 1 + d + a]
+        _pairs(u, as_contiguous(Y[t]), fp, HEAD + 1 + 2 * d)
 
 
 @njit(helper=True)
-def _rebased_row(code, fp, x, y, work):
-    d = x.shape[0]
-    mean = 0.0
-    for a in range(d):
-        mean += x[a]
-    mean /= d
-    var = 0.0
-    for a in range(d):
-        var += (x[a] - mean) ** 2
-    inv = 1.0 / math.sqrt(var / d + fp[HEAD])
-    z = work[:d]
-    for a in range(d):
-        z[a] = (x[a] - mean) * inv * fp[HEAD + 1 + a] + fp[HEAD + 1 + d + a]
-    _outer_upper(z, y, 0, 1.0, math.sqrt(2.0))
+def _dpfp_block(code, fp, X, Y, work):
+    """u = [relu(x), relu(-x)] (fp: I, J, C)."""
+    d = X.shape[1]
+    u = work[:2 * d]
+    zero = like(0.0, Y)
+    for t in range(X.shape[0]):
+        for a in range(d):
+            u[a] = _relu0(X[t, a], zero)
+            u[d + a] = _relu0(-X[t, a], zero)
+        _pairs(u, as_contiguous(Y[t]), fp, HEAD)
 
 
 @njit(helper=True)
-def _dpfp_row(code, fp, x, y, work):
-    d = x.shape[0]
-    r = work[:2 * d]
-    zero = like(0.0, y)
-    for a in range(d):
-        r[a] = _relu0(x[a], zero)
-        r[d + a] = _relu0(-x[a], zero)
-    n2 = 2 * d
-    for nu in range(1, int(fp[HEAD]) + 1):
-        base = (nu - 1) * n2
-        shift = nu % n2
-        for i in range(n2):
-            j = i - shift
-            y[base + i] = r[i] * r[j + n2 if j < 0 else j]
+def _projection(fp, X, Z):
+    """Z = X W with W (D, m) from fp (a register-tiled product)."""
+    d, m = X.shape[1], Z.shape[1]
+    small_gemm(X, fp[HEAD:HEAD + d * m].reshape(d, m), Z, False, -1, -1)
 
 
 @njit(helper=True)
-def _performer_row(code, fp, x, y, work):
-    d, dk = x.shape[0], y.shape[0]
-    w = fp[HEAD:HEAD + d * dk].reshape(d, dk)
-    _linear(x, w, w[0], y, False)
-    half = 0.0
-    for a in range(d):
-        half += x[a] * x[a]
-    half = like(0.5 * half, y)
-    inv = like(1.0 / math.sqrt(dk), y)
-    for j in range(dk):
-        y[j] = exp_any(y[j] - half) * inv
+def _performer_block(code, fp, X, Y, work):
+    d, m = X.shape[1], Y.shape[1]
+    _projection(fp, X, Y)
+    inv = like(1.0 / math.sqrt(m), Y)
+    for t in range(X.shape[0]):
+        half = 0.0
+        for a in range(d):
+            half += X[t, a] * X[t, a]
+        half = like(0.5 * half, Y)
+        y = as_contiguous(Y[t])
+        for j in range(m):
+            y[j] = exp_any(y[j] - half) * inv
 
 
 @njit(helper=True)
-def _hedgehog_row(code, fp, x, y, work):
+def _t2r_block(code, fp, X, Y, work):
+    d, m = X.shape[1], Y.shape[1]
+    _projection(fp, X, Y)
+    b = fp[HEAD + d * m:HEAD + d * m + m]
+    zero = like(0.0, Y)
+    for t in range(X.shape[0]):
+        y = as_contiguous(Y[t])
+        for j in range(m):
+            y[j] = _relu0(y[j] + b[j], zero)
+
+
+@njit(helper=True)
+def _hedgehog_block(code, fp, X, Y, work):
     """softmax over [2z, -2z], z = x W + b: shifted by 2 max |z|, exponentials of numbers <= 0."""
-    d, m = x.shape[0], y.shape[0] // 2
-    z = work[:m]
-    _linear(x, fp[HEAD:HEAD + d * m].reshape(d, m), fp[HEAD + d * m:HEAD + d * m + m], z, True)
-    top = z[0] - z[0]
-    for j in range(m):
-        top = max(top, abs(z[j]))
-    two = like(2.0, y)
-    top *= two
-    total = 0.0
-    for j in range(m):
-        a = exp_le0(two * z[j] - top)
-        b = exp_le0(-two * z[j] - top)
-        y[j] = a
-        y[m + j] = b
-        total += a + b
-    inv = like(1.0 / total, y)
-    for j in range(2 * m):
-        y[j] *= inv
-
-
-@njit(helper=True)
-def _t2r_row(code, fp, x, y, work):
-    d, m = x.shape[0], y.shape[0]
-    _linear(x, fp[HEAD:HEAD + d * m].reshape(d, m), fp[HEAD + d * m:HEAD + d * m + m], y, True)
-    zero = like(0.0, y)
-    for j in range(m):
-        y[j] = _relu0(y[j], zero)
+    d, m = X.shape[1], Y.shape[1] // 2
+    Z = work[:X.shape[0] * m].reshape(X.shape[0], m)
+    _projection(fp, X, Z)
+    b = fp[HEAD + d * m:HEAD + d * m + m]
+    two = like(2.0, Y)
+    for t in range(X.shape[0]):
+        z, y = Z[t], as_contiguous(Y[t])
+        top = z[0] - z[0]
+        for j in range(m):
+            z[j] += b[j]
+            top = max(top, abs(z[j]))
+        top *= two
+        total = 0.0
+        for j in range(m):
+            a = exp_le0(two * z[j] - top)
+            e = exp_le0(-two * z[j] - top)
+            y[j] = a
+            y[m + j] = e
+            total += a + e
+        inv = like(1.0 / total, Y)
+        for j in range(2 * m):
+            y[j] *= inv
 
 
 def _rows(src, rs, cs, c, d, dst, drs, code, fp, nfp, work, family):
-    """dst[t, :D'] = phi(scale src[t]) for t < c with family ``family``'s row function (a constant:
+    """dst[t, :D'] = phi(scale src[t]) for t < c with family ``family``'s block function (a constant:
     each C function compiles only its own): src rows ``rs`` elements apart with ``cs`` between their
-    elements, dst rows ``drs`` apart; ``work`` holds 3D + D' values. Numba code only."""
+    elements, dst rows ``drs`` apart; ``work`` holds work_size(D, D') values. Numba code only."""
     raise NotImplementedError("runs inside Numba kernels only")
 
 
 @overload(_rows, jit_options=_OPTS, prefer_literal=True)
 def _rows_overload(src, rs, cs, c, d, dst, drs, code, fp, nfp, work, family):
-    row = _ROWS[family.literal_value]
+    block = _BLOCKS[family.literal_value]
 
     def impl(src, rs, cs, c, d, dst, drs, code, fp, nfp, work, family):
         params = carray(fp, (nfp,))
         dk = int(params[1])
-        out = carray(dst, ((c - 1) * drs + dk,))
-        buf = carray(work, (3 * d + dk,))
-        x = buf[:d]
+        out = carray(dst, (c, drs))  # (the last row's tail past D' is never touched)
+        buf = carray(work, (BLOCK * (d + dk) + 2 * d + 2,))
         scale = params[0]
-        for t in range(c):
-            for a in range(d):
-                x[a] = scale * src[t * rs + a * cs]
-            row(code, params, x, out[t * drs:t * drs + dk], buf[d:])
+        for t0 in range(0, c, BLOCK):
+            cb = min(BLOCK, c - t0)
+            X = buf[:cb * d].reshape(cb, d)
+            for t in range(cb):
+                for a in range(d):
+                    X[t, a] = scale * src[(t0 + t) * rs + a * cs]
+            block(code, params, X, out[t0:t0 + cb, :dk], buf[BLOCK * d:])
     return impl
 
 
-_ROWS = (_elementwise_row, _taylor_row, _rebased_row, _dpfp_row, _performer_row, _hedgehog_row, _t2r_row)
+_BLOCKS = (_elementwise_block, _taylor_block, _rebased_block, _dpfp_block, _performer_block, _hedgehog_block,
+           _t2r_block)
 
 
 # The C functions (arguments: src, rs, cs, c, d, dst, drs, dst's width (unused: D' is fp[1]), code, fp,
@@ -405,7 +422,7 @@ def _call_map_rows(typingctx, addr, src, i0, c, code, fp, dst, work):
 def load_features(src, i0, c, mp, dst):
     """dst[t, :D'] = phi(src[i0 + t]) for t < c, for the map ``mp`` = (code, fp, address, work): codes
     below FIRST inline (elementwise.load_rows), the others through map_rows (dst: unit column
-    stride; work: 3D + D' values)."""
+    stride; work: work_size(D, D') values)."""
     code = mp[0]
     if code < FIRST:
         load_rows(src, i0, c, code, dst)
@@ -422,7 +439,7 @@ def mapped_dim(code, fp, d):
 @njit(helper=True)
 def map_state(code, fp, addr, d, dk, dtype):
     """The tuple load_features takes, with its work buffer."""
-    return (code, fp, addr, np.empty(3 * d + dk if code >= FIRST else 0, dtype))
+    return (code, fp, addr, np.empty(BLOCK * (d + dk) + 2 * d + 2 if code >= FIRST else 0, dtype))
 
 
 def _apply(x, code, fp, addr, y):
