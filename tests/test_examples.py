@@ -10,7 +10,8 @@ EXAMPLES = pathlib.Path(__file__).resolve().parent.parent / "examples"
 
 
 @pytest.mark.parametrize("script,args", [("quickstart.py", ["--small"]), ("generate.py", ["--small"]),
-                                         ("attention_heatmap.py", ["heat.png"]), ("retnet.py", ["--small"])])
+                                         ("attention_heatmap.py", ["heat.png"]), ("retnet.py", ["--small"]),
+                                         ("dask_zarr.py", ["--small", "--blocks", "4"])])
 def test_example_runs(script, args, tmp_path):
     res = subprocess.run([sys.executable, str(EXAMPLES / script), *args], capture_output=True, text=True,
                          cwd=tmp_path, timeout=600)
@@ -19,6 +20,8 @@ def test_example_runs(script, args, tmp_path):
         assert (tmp_path / "heat.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     if script == "retnet.py":  # the script exits 1 when the forms disagree
         assert "the three forms agree" in res.stdout
+    if script == "dask_zarr.py":  # the script exits 1 when the cluster's result differs from one call
+        assert "vs one NumPy call: max relative error" in res.stdout
     if script == "generate.py":
         assert "prefill + steps vs one call" in res.stdout
 

@@ -1,9 +1,9 @@
 """linattn: exact, fast linear attention (Katharopoulos et al. 2020) for NumPy arrays."""
-from . import feature_maps, reference
+from . import dask, feature_maps, reference
 from .attention import causal_linear_attention, linear_attention
 from .decoding import attention_weights, step
 from .state import State
 
 __version__ = "0.1.0"
-__all__ = ["causal_linear_attention", "linear_attention", "step", "attention_weights", "State", "feature_maps",
+__all__ = ["causal_linear_attention", "linear_attention", "step", "attention_weights", "State", "feature_maps", "dask",
            "reference", "__version__"]

@@ -140,6 +140,11 @@ def _seq4(arrays, lead, layout_of=4):
     return out, layout, tuple(v is None for v in views)
 
 
+def _dask(*arrays):
+    """Whether any of the arrays is a Dask collection (then linattn.dask builds the task graph)."""
+    return any(hasattr(type(x), "__dask_graph__") for x in arrays if x is not None)
+
+
 def _placement(device, *arrays, names):
     """Where to run (see checks.check_placement), decided at once for NumPy arrays and no device."""
     if device is None and all(type(x) is np.ndarray or x is None for x in arrays):
@@ -273,6 +278,12 @@ def causal_linear_attention(q, k, v, *, feature_map="elu", eps=1e-6, normalize=T
         if res is not None:
             return res
     S_in, Z_in = checks.state_parts(initial_state)
+    if _dask(q, k, v, S_in, Z_in, gate):
+        from . import dask as dask_mod
+
+        return dask_mod.causal_linear_attention(
+            q, k, v, feature_map=feature_map, eps=eps, normalize=normalize, initial_state=initial_state,
+            return_state=return_state, lengths=lengths, decay=decay, gate=gate, scale=scale, out=out, device=device)
     where = _placement(device, q, k, v, S_in, Z_in, names=("q", "k", "v", "initial_state.S", "initial_state.Z"))
     q, k, v, lead, n, dk, dv, comp, out_dt, eps, normalize, code = _prepare(
         q, k, v, feature_map, eps, normalize, where)
@@ -366,6 +377,11 @@ def linear_attention(q, k, v, *, feature_map="elu", eps=1e-6, normalize=True, sc
         res = _fast(False, q, k, v, feature_map, eps, normalize)
         if res is not None:
             return res
+    if _dask(q, k, v):
+        from . import dask as dask_mod
+
+        return dask_mod.linear_attention(q, k, v, feature_map=feature_map, eps=eps, normalize=normalize, scale=scale,
+                                         out=out, device=device)
     where = _placement(device, q, k, v, names=("q", "k", "v"))
     q, k, v, lead, n, dk, dv, comp, out_dt, eps, normalize, code = _prepare(
         q, k, v, feature_map, eps, normalize, where)

@@ -33,6 +33,7 @@ _layer = None
 _layer_lock = threading.Lock()
 _plans = {}  # plan() results by arguments
 _get_num_threads = numba.get_num_threads  # replaced by start_threads
+_cap = None  # LINATTN_NUM_THREADS (see num_threads)
 _blas_sharing = {}
 
 
@@ -80,12 +81,37 @@ def plan(bh, n, dk, dv, causal=True):
     return found
 
 
-def num_threads():
+def _pool_threads():
     """numba.get_num_threads() without its per-call checks once the pool runs (a third of a
     microsecond instead of two thirds: it is asked on every call)."""
     if _layer is None:
         start_threads()
     return _get_num_threads()
+
+
+def num_threads():
+    """Threads a kernel may use: Numba's number for this thread, at most LINATTN_NUM_THREADS.
+
+    LINATTN_NUM_THREADS (read when the pool starts) caps linattn's threads without touching Numba's
+    pool: where NUMBA_NUM_THREADS cannot be set before Numba is imported (a Dask worker's environment
+    is set after its process imported the user's modules), it keeps several workers on one machine
+    from running a thread per core each.
+    """
+    n = _pool_threads()
+    return n if _cap is None or n <= _cap else _cap
+
+
+def _read_cap():
+    value = os.environ.get("LINATTN_NUM_THREADS", "").strip()
+    if not value:
+        return None
+    try:
+        cap = int(value)
+    except ValueError:
+        cap = 0
+    if cap < 1:
+        raise ValueError(f"LINATTN_NUM_THREADS: expected an integer >= 1, got {value!r}")
+    return cap
 
 
 def concurrent_calls_safe():
@@ -116,6 +142,8 @@ def start_threads():
         finally:
             if ours and not all_shared:
                 del os.environ["GOMP_SPINCOUNT"]
+        global _cap
+        _cap = _read_cap()
         layer = numba.threading_layer()
         if layer in ("omp", "tbb"):  # layers that take parallel work from several threads at once
             _blas_sharing = blas_pool.share([path for path, ok in sharable.items() if ok])
@@ -160,8 +188,8 @@ def kernel_section(nthreads=None):
     threads for this Python thread is ``nthreads`` for the call, and the workqueue layer (which
     cannot run two parallel kernels at once) is locked. A kernel run by the calling thread alone
     (``nthreads == 1``) launches no parallel region: it needs no section at all (a shared no-op)."""
-    current = num_threads()
-    nthreads = current if nthreads is None else nthreads
+    current = _pool_threads()
+    nthreads = num_threads() if nthreads is None else nthreads
     if nthreads == 1 or (nthreads == current and concurrent_calls_safe()):
         return _NO_SECTION
     return _section(nthreads, current)

@@ -1,0 +1,189 @@
+"""linattn on Dask arrays: equal to one NumPy call for chunks along every axis, with state, lengths and
+gates, on the threaded scheduler and on a two-process LocalCluster; errors at graph construction; a
+task graph that grows linearly with the number of blocks."""
+import os
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+
+import linattn
+
+from conftest import assert_close
+
+da = pytest.importorskip("dask.array")
+dask = pytest.importorskip("dask")
+distributed = pytest.importorskip("distributed")
+
+
+@pytest.fixture(scope="module")
+def client():
+    environ = dict(os.environ)  # a LocalCluster's nanny sets its workers' variables in this process too
+    with dask.config.set(linattn.dask.worker_settings(1)):
+        cluster = distributed.LocalCluster(n_workers=2, threads_per_worker=1, host="127.0.0.1",
+                                           dashboard_address=None, processes=True)
+    c = distributed.Client(cluster)
+    yield c
+    c.close()
+    cluster.close()
+    os.environ.clear()
+    os.environ.update(environ)
+
+
+def _qkv(rng, lead, n, d, dv, dtype=np.float64):
+    q, k = ((rng.standard_normal(lead + (n, d)) * 0.5).astype(dtype) for _ in range(2))
+    return q, k, rng.standard_normal(lead + (n, dv)).astype(dtype)
+
+
+def _lazy(x, chunks):
+    return da.from_array(x, chunks=chunks)
+
+
+CHUNKINGS = {  # (B, H, N, D) chunks; v takes the same with its Dv
+    "one block": (2, 3, 200, 5),
+    "lead dims": (1, 2, 200, 5),
+    "along N, uneven": (2, 3, (1, 63, 65, 71), 5),
+    "both": (1, 1, (100, 100), 5),
+    "positions of one": (2, 3, (1,) * 200, 5),
+    "D and Dv split": (2, 3, 50, 2),
+}
+
+
+def _chunks_v(ch, dv):
+    return ch[:-1] + ((dv // 2, dv - dv // 2) if ch[-1] == 2 else dv,)
+
+
+@pytest.mark.parametrize("name", list(CHUNKINGS))
+def test_causal_matches_numpy(rng, name):
+    lead, n, d, dv = (2, 3), 200, 5, 4
+    q, k, v = _qkv(rng, lead, n, d, dv)
+    ch = CHUNKINGS[name]
+    if name == "positions of one":  # a graph of 200 blocks per sequence: keep it to the scheduler in-process
+        q, k, v = q[:, :1, :40], k[:, :1, :40], v[:, :1, :40]
+        ch = (2, 1, (1,) * 40, 5)
+    gate = -rng.random(q.shape[:-1])
+    gate[..., 17] = -np.inf  # a reset
+    lengths = np.array([q.shape[-2], q.shape[-2] - 13])
+    S0, Z0 = rng.random(q.shape[:-2] + (d, dv)), rng.random(q.shape[:-2] + (d,))
+    kw = dict(gate=gate, decay=0.9, lengths=lengths, initial_state=linattn.State(S0, Z0), return_state=True)
+    with dask.config.set(scheduler="threads"):
+        out, st = linattn.causal_linear_attention(_lazy(q, ch), _lazy(k, ch), _lazy(v, _chunks_v(ch, dv)), **kw)
+        assert isinstance(out, da.Array) and isinstance(st.S, da.Array) and isinstance(st.Z, da.Array)
+        ref, st_ref = linattn.causal_linear_attention(q, k, v, **kw)
+        assert_close(out.compute(), ref, np.float64)
+        assert_close(st.S.compute(), st_ref.S, np.float64)
+        assert_close(st.Z.compute(), st_ref.Z, np.float64)
+        plain = linattn.causal_linear_attention(_lazy(q, ch), _lazy(k, ch), _lazy(v, _chunks_v(ch, dv)))
+        assert_close(plain.compute(), linattn.causal_linear_attention(q, k, v), np.float64)
+
+
+@pytest.mark.parametrize("option", ["gate per dim", "decay per head", "feature map", "scale, no normaliser"])
+def test_options_across_blocks(rng, option):
+    lead, n, d, dv = (2, 3), 150, 4, 3
+    q, k, v = _qkv(rng, lead, n, d, dv)
+    kw = {"gate per dim": dict(gate=-rng.random(lead + (n, d)) * 0.5),
+          "decay per head": dict(decay=np.array([0.5, 0.9, 0.99])),
+          "feature map": dict(feature_map=linattn.feature_maps.Taylor(), gate=-rng.random(lead + (n,)) * 0.1),
+          "scale, no normaliser": dict(scale=0.3, normalize=False, feature_map="identity")}[option]
+    ch = (1, 3, (40, 40, 70), d)
+    with dask.config.set(scheduler="threads"):
+        out = linattn.causal_linear_attention(_lazy(q, ch), k, v, **kw).compute()  # k, v: NumPy, wrapped
+    assert_close(out, linattn.causal_linear_attention(q, k, v, **kw), np.float64)
+
+
+def test_views_of_a_dask_projection(rng):
+    """Heads sliced out of one dask array (a fused QKV projection) and a gate computed in dask: the
+    second pass's copy of their graphs computes them again."""
+    x = rng.standard_normal((2, 120, 3, 4, 8))
+    qkv = da.from_array(x, chunks=(1, 40, 3, 4, 8))
+    q, k, v = (qkv[:, :, i].transpose(0, 2, 1, 3) for i in range(3))
+    gate = -da.random.default_rng(1).random((2, 4, 120), chunks=(1, 2, 40))[:, :, ::-1]
+    with dask.config.set(scheduler="sync"):
+        out, st = linattn.causal_linear_attention(q, k, v, gate=gate, return_state=True)
+        out, S, g = dask.compute(out, st.S, gate)
+    ref, st_ref = linattn.causal_linear_attention(*(x[:, :, i].transpose(0, 2, 1, 3) for i in range(3)), gate=g,
+                                                  return_state=True)
+    assert_close(out, ref, np.float64)
+    assert_close(S, st_ref.S, np.float64)
+
+
+def test_float32_and_noncausal(rng):
+    q, k, v = _qkv(rng, (2,), 300, 8, 6, np.float32)
+    ch = (1, (100, 120, 80), 8)
+    with dask.config.set(scheduler="threads"):
+        out = linattn.causal_linear_attention(_lazy(q, ch), _lazy(k, ch), _lazy(v, (1, (100, 120, 80), 6)))
+        assert out.dtype == np.float32
+        assert_close(out.compute(), linattn.causal_linear_attention(q, k, v), np.float32)
+        for kw in ({}, dict(feature_map="relu", scale=0.5), dict(normalize=False)):
+            nc = linattn.linear_attention(_lazy(q, ch), _lazy(k, ch), v, **kw)
+            assert isinstance(nc, da.Array) and nc.dtype == np.float32
+            assert_close(nc.compute(), linattn.linear_attention(q, k, v, **kw), np.float32)
+
+
+def test_on_a_local_cluster(client, rng):
+    """Processes: the kernels are pickled to the workers and compiled or loaded there."""
+    lead, n, d, dv = (2, 2), 400, 8, 8
+    q, k, v = _qkv(rng, lead, n, d, dv)
+    gate = -rng.random(lead + (n,)) * 0.2
+    ch = (1, 2, (150, 150, 100), d)
+    out, st = linattn.causal_linear_attention(_lazy(q, ch), _lazy(k, ch), _lazy(v, ch), gate=gate,
+                                              lengths=np.array([400, 321]), return_state=True)
+    res, S = client.compute([out, st.S], sync=True)
+    ref, st_ref = linattn.causal_linear_attention(q, k, v, gate=gate, lengths=np.array([400, 321]), return_state=True)
+    assert_close(res, ref, np.float64)
+    assert_close(S, st_ref.S, np.float64)
+    nc = client.compute(linattn.linear_attention(_lazy(q, ch), _lazy(k, ch), _lazy(v, ch)), sync=True)
+    assert_close(nc, linattn.linear_attention(q, k, v), np.float64)
+    assert set(client.run(lambda: os.environ.get("LINATTN_NUM_THREADS")).values()) == {"1"}  # worker_settings
+
+    def kernel_threads():
+        from linattn.cpu import runtime
+
+        return runtime.num_threads()
+
+    assert set(client.run(kernel_threads).values()) == {1}  # linattn's kernels run on one thread there
+
+
+def test_task_count_grows_linearly(rng):
+    q, k, v = _qkv(rng, (1,), 4096, 4, 4)
+    counts = []
+    for blocks in (4, 8, 16, 32):
+        c = (1, 4096 // blocks, 4)
+        out, st = linattn.causal_linear_attention(_lazy(q, c), _lazy(k, c), _lazy(v, c), return_state=True)
+        counts.append(len(dict(out.__dask_graph__())))
+    steps = np.diff(counts) / np.diff([4, 8, 16, 32])
+    assert np.allclose(steps, steps[0]), counts  # the same number of tasks per block, whatever P
+    assert steps[0] <= 16, counts
+
+
+def test_errors_at_graph_construction(rng):
+    q, k, v = _qkv(rng, (2,), 50, 4, 3)
+    lq = _lazy(q, (1, 25, 4))
+    with pytest.raises(ValueError, match="k: expected sequence length N=50"):
+        linattn.causal_linear_attention(lq, k[:, :40], v)
+    with pytest.raises(ValueError, match="eps: expected a finite number"):
+        linattn.causal_linear_attention(lq, k, v, eps=-1.0)
+    with pytest.raises(ValueError, match="gate: expected shape"):
+        linattn.causal_linear_attention(lq, k, v, gate=_lazy(np.zeros((2, 49)), (1, 49)))
+    with pytest.raises(ValueError, match="lengths: expected values in"):
+        linattn.causal_linear_attention(lq, k, v, lengths=np.array([60, 1]))
+    with pytest.raises(ValueError, match=r"initial_state.S: expected shape"):
+        linattn.causal_linear_attention(lq, k, v, initial_state=linattn.State(np.zeros((2, 3, 3)), np.zeros((2, 4))))
+    with pytest.raises(TypeError, match="out, device: not available with dask arrays"):
+        linattn.causal_linear_attention(lq, k, v, out=np.empty((2, 50, 3)))
+    with pytest.raises(TypeError, match="decay"):
+        linattn.linear_attention(lq, k, v, decay=0.9)
+    with pytest.raises(ValueError, match="feature_map: unknown name"):
+        linattn.linear_attention(lq, k, v, feature_map="tanh")
+    with pytest.raises(ValueError, match="threads: expected an integer >= 1"):
+        linattn.dask.worker_settings(0)
+    bad = linattn.causal_linear_attention(lq, k, v, gate=np.full((2, 50), 0.5))  # values: found when computed
+    with pytest.raises(ValueError, match="gate: expected log gates <= 0"):
+        bad.compute(scheduler="sync")
+
+
+def test_importing_linattn_does_not_import_dask():
+    code = "import sys, linattn; linattn.causal_linear_attention; print('dask' in sys.modules)"
+    res = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert res.stdout.strip() == "False", res.stdout + res.stderr
