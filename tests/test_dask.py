@@ -157,6 +157,21 @@ def test_task_count_grows_linearly(rng):
     assert steps[0] <= 16, counts
 
 
+def test_leading_dims_only_is_one_task_per_block(rng):
+    q, k, v = _qkv(rng, (4, 2), 100, 4, 3)
+    S0, Z0 = rng.random((4, 2, 4, 3)), rng.random((4, 2, 4))
+    kw = dict(gate=-rng.random((4, 2, 100, 4)), decay=0.9, lengths=np.array([100, 3, 0, 50]),
+              initial_state=linattn.State(S0, Z0), feature_map="relu")
+    c = (1, 2, 100, 4)
+    out = linattn.causal_linear_attention(_lazy(q, c), _lazy(k, c), _lazy(v, (1, 2, 100, 3)), **kw)
+    blocks = [key for key in dict(out.__dask_graph__()) if key[0] == out.name]
+    assert len(blocks) == 4
+    layers = {name.rsplit("-", 1)[0] for name in out.__dask_graph__().layers}
+    assert not layers & {"local", "cumulative", "block"}, layers  # no passes, no scan: the inputs and one call
+    with dask.config.set(scheduler="threads"):
+        assert_close(out.compute(), linattn.causal_linear_attention(q, k, v, **kw), np.float64)
+
+
 def test_errors_at_graph_construction(rng):
     q, k, v = _qkv(rng, (2,), 50, 4, 3)
     lq = _lazy(q, (1, 25, 4))

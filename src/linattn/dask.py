@@ -1,7 +1,8 @@
 """linattn on Dask arrays: the same functions, keywords and results, lazily, on Dask's schedulers and
 ``dask.distributed`` clusters (``pip install "linattn[dask]"``; dask is imported only here).
 
-Blocks along the leading dims are independent: one task each, through the NumPy functions. Along N
+Blocks along the leading dims are independent: one task each, through the NumPy functions (with
+``return_state``, the state comes from the passes below). Along N
 (one long sequence over many workers) causal attention is exact in two parallel passes and a scan:
 
 1. each block's *local item*: the state its positions alone would leave, S_b = sum_s w_s phi(k_s) v_s^T
@@ -243,6 +244,24 @@ def causal_linear_attention(q, k, v, *, feature_map="elu", eps=1e-6, normalize=T
     starts = _starts(nchunks)
     W = 2 * dk + dk * dv
     g_args = (None, None) if g is None else (g, L + ("ng" if kind == gates_mod.VECTOR else "n"))
+    kwargs = dict(feature_map=fmap, eps=eps, normalize=normalize, scale=scale)
+    gamma_args = (None, None) if gamma_d is None else (gamma_d, L)
+    if P == 1 and not return_state:  # chunks along the leading dims only: one task per block
+        state_args = (None, None, None, None)
+        if initial_state is not None:
+            state_args = (da.asarray(S_in).rechunk(lead_chunks + ((dk,), (dv,))), L + "uy",
+                          da.asarray(Z_in).rechunk(lead_chunks + ((dk,),)), L + "u")
+
+        def whole(q_b, k_b, v_b, S_b, Z_b, g_b, lens_b, gamma_b):
+            extra = {} if g_b is None else {"gate": g_b}
+            if gamma_b is not None:
+                extra["decay"] = gamma_b
+            state = None if S_b is None else State(S_b, Z_b)
+            return numpy_fn(q_b, k_b, v_b, initial_state=state, lengths=lens_b, **extra, **kwargs)
+
+        return da.blockwise(whole, L + "ny", q, L + "nx", k, L + "nx", v, L + "ny", *state_args, *g_args, lens_d, L,
+                            *gamma_args, concatenate=True, align_arrays=False, dtype=out_dt,
+                            meta=np.empty((0,) * (nl + 2), out_dt))
     ld_args = (None, None) if ld_d is None else (ld_d, L)
 
     def local(k_b, v_b, g_b, lens_b, ld_b, p0):
@@ -267,13 +286,10 @@ def causal_linear_attention(q, k, v, *, feature_map="elu", eps=1e-6, normalize=T
                                          axis=nl, dtype=np.float64)
     entering = scanned[..., :P, :]
 
-    kwargs = dict(feature_map=fmap, eps=eps, normalize=normalize, scale=scale)
-
     def block(q_b, k_b, v_b, item_b, g_b, lens_b, gamma_b, p0):
         return _block_out(q_b, k_b, v_b, item_b, g_b, lens_b, gamma_b, p0, fn=numpy_fn, kwargs=kwargs, dk=dk, dv=dv,
                           comp=comp)
 
-    gamma_args = (None, None) if gamma_d is None else (gamma_d, L)
     # the second pass reads k, v (and the gates) anew: sharing the first pass's blocks would keep them in
     # memory until the scan reaches them (measured: O(N), not O(N / P), per worker)
     k, v = _reread(k), _reread(v)
