@@ -1,0 +1,70 @@
+"""Gradients (issue 14's targets), as ratios in one process, interleaved: the backward pass over the
+forward (causal, float32, D = Dv = 64; target <= 2.5x), and forward + backward against PyTorch
+autograd through the chunked PyTorch form of ../shared/bench/peers.py when torch is installed
+(target: >= 2x faster)."""
+import numpy as np
+
+import linattn
+
+from .bench_gates import _interleaved_ratio
+from .common import SMOKE, inputs
+
+CHUNK = 64
+
+
+def torch_chunked_forward_backward(q, k, v, dout, eps=1e-6):
+    """The chunkwise form in PyTorch (as peers.torch_chunked), then autograd's backward."""
+    import torch
+
+    tq, tk, tv = (torch.from_numpy(x).requires_grad_() for x in (q, k, v))
+    *lead, n, d = tq.shape
+    dv = tv.shape[-1]
+    nc = n // CHUNK
+    qf = (torch.nn.functional.elu(tq) + 1).reshape(*lead, nc, CHUNK, d)
+    kf = (torch.nn.functional.elu(tk) + 1).reshape(*lead, nc, CHUNK, d)
+    vc = tv.reshape(*lead, nc, CHUNK, dv)
+    va = torch.cat([vc, torch.ones(vc.shape[:-1] + (1,), dtype=vc.dtype)], -1)
+    kv = kf.transpose(-1, -2) @ va
+    s = torch.cumsum(kv, dim=-3) - kv
+    mask = torch.tril(torch.ones(CHUNK, CHUNK, dtype=tq.dtype))
+    o = ((qf @ kf.transpose(-1, -2)) * mask) @ va + qf @ s
+    out = (o[..., :dv] / (o[..., dv:] + eps)).reshape(*lead, n, dv)
+    out.backward(torch.from_numpy(dout))
+    return tq.grad, tk.grad, tv.grad
+
+
+def _shape(name):
+    b, h, n = {"B1 H8 N2048": (1, 8, 2048), "B2 H4 N8192": (2, 4, 8192)}[name]
+    return (b, h, 256 if SMOKE else n, 64)
+
+
+class Backward:
+    params = ["B1 H8 N2048", "B2 H4 N8192"]
+    param_names = ["shape"]
+    timeout = 600
+
+    def setup(self, shape):
+        self.q, self.k, self.v = inputs(_shape(shape))
+        self.dout = inputs(_shape(shape), seed=1)[2]
+
+    def forward_backward(self):
+        _, vjp = linattn.causal_linear_attention_vjp(self.q, self.k, self.v)
+        return vjp(self.dout)
+
+    def track_backward_over_forward(self, shape):
+        """(forward + backward - forward) / forward, from interleaved timings."""
+        ratio = _interleaved_ratio(self.forward_backward,
+                                   lambda: linattn.causal_linear_attention(self.q, self.k, self.v), 3 if SMOKE else 9)
+        return ratio - 1
+
+    track_backward_over_forward.unit = "x forward"
+
+    def track_torch_autograd_over_linattn(self, shape):
+        try:
+            import torch  # noqa: F401
+        except ImportError:
+            return float("nan")
+        return _interleaved_ratio(lambda: torch_chunked_forward_backward(self.q, self.k, self.v, self.dout),
+                                  self.forward_backward, 3 if SMOKE else 5)
+
+    track_torch_autograd_over_linattn.unit = "x linattn"

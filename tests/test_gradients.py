@@ -1,0 +1,137 @@
+"""Gradients: every option against central finite differences in float64 on small odd shapes, float32
+against float64, split/resume of gradients through the state, zero gradients past lengths, bad input."""
+import numpy as np
+import pytest
+
+import linattn
+
+from conftest import assert_close, rel_err
+
+CAUSAL_OPTIONS = {
+    "default": {},
+    "no normaliser": dict(normalize=False),
+    "relu, scale": dict(feature_map="relu", scale=0.7),
+    "identity, eps": dict(feature_map="identity", normalize=False, eps=0.0),
+    "lengths": dict(lengths="L"),
+    "initial state": dict(initial_state="S"),
+    "lengths and state": dict(lengths="L", initial_state="S", eps=1e-3),
+}
+
+
+def _inputs(rng, lead, n, d, dv):
+    q, k, v = (rng.standard_normal(lead + (n, x)) * 0.5 for x in (d, d, dv))
+    state = linattn.State(rng.random(lead + (d, dv)), rng.random(lead + (d,)) + 0.5)
+    return q, k, v, state
+
+
+def _resolve(kw, state, lead, n):
+    kw = dict(kw)
+    if kw.get("lengths") == "L":
+        kw["lengths"] = np.linspace(n, 0, lead[0]).astype(int) if lead else n
+    if kw.get("initial_state") == "S":
+        kw["initial_state"] = state
+    return kw
+
+
+def _numeric(loss, arrays, h=1e-6):
+    """Central differences of loss(*arrays) with respect to each array."""
+    grads = []
+    for idx, x in enumerate(arrays):
+        g = np.zeros_like(x)
+        for i in np.ndindex(x.shape):
+            plus, minus = list(arrays), list(arrays)
+            plus[idx], minus[idx] = x.copy(), x.copy()
+            plus[idx][i] += h
+            minus[idx][i] -= h
+            g[i] = (loss(*plus) - loss(*minus)) / (2 * h)
+        grads.append(g)
+    return grads
+
+
+@pytest.mark.parametrize("option", list(CAUSAL_OPTIONS))
+@pytest.mark.parametrize("lead, n, d, dv", [((2,), 13, 3, 2), ((), 1, 1, 1), ((1, 2), 9, 2, 3)])
+def test_causal_against_finite_differences(rng, option, lead, n, d, dv):
+    q, k, v, state = _inputs(rng, lead, n, d, dv)
+    kw = _resolve(CAUSAL_OPTIONS[option], state, lead, n)
+    out, st, vjp = linattn.causal_linear_attention_vjp(q, k, v, return_state=True, **kw)
+    assert_close(out, linattn.causal_linear_attention(q, k, v, **kw), np.float64)
+    W, WS, WZ = rng.standard_normal(out.shape), rng.standard_normal(st.S.shape), rng.standard_normal(st.Z.shape)
+    with_state = "initial_state" in kw
+
+    def loss(q, k, v, S0=state.S, Z0=state.Z):
+        extra = dict(kw, initial_state=linattn.State(S0, Z0)) if with_state else kw
+        o, s = linattn.causal_linear_attention(q, k, v, return_state=True, **extra)
+        return (o * W).sum() + (s.S * WS).sum() + (s.Z * WZ).sum()
+
+    grads = vjp(W, linattn.State(WS, WZ))
+    arrays = [q, k, v] + ([state.S, state.Z] if with_state else [])
+    want = _numeric(loss, arrays)
+    got = list(grads[:3]) + ([grads[3].S, grads[3].Z] if with_state else [])
+    assert len(grads) == (4 if with_state else 3)
+    for name, g, w in zip(["dq", "dk", "dv", "dS0", "dZ0"], got, want):
+        # central differences with h = 1e-6 carry ~1e-10 of rounding (a gradient can be ~1e-7: with one
+        # normalised position, out = v up to eps)
+        assert np.max(np.abs(g - w)) <= 1e-6 * np.max(np.abs(w)) + 1e-8, (name, rel_err(g, w))
+    if "lengths" in kw:  # past its length a sequence's inputs do not matter
+        lengths = np.broadcast_to(np.asarray(kw["lengths"]), lead)
+        for idx in np.ndindex(lead):
+            for g in grads[:3]:
+                assert np.all(g[idx][lengths[idx]:] == 0)
+
+
+@pytest.mark.parametrize("kw", [{}, dict(normalize=False, feature_map="identity"), dict(feature_map="relu", scale=0.5)])
+def test_noncausal_against_finite_differences(rng, kw):
+    q, k, v, _ = _inputs(rng, (2,), 11, 3, 2)
+    out, vjp = linattn.linear_attention_vjp(q, k, v, **kw)
+    assert_close(out, linattn.linear_attention(q, k, v, **kw), np.float64)
+    W = rng.standard_normal(out.shape)
+    want = _numeric(lambda q, k, v: (linattn.linear_attention(q, k, v, **kw) * W).sum(), [q, k, v])
+    for g, w in zip(vjp(W), want):
+        assert np.max(np.abs(g - w)) <= 1e-6 * np.max(np.abs(w)) + 1e-8
+
+
+def test_float32_follows_float64(rng):
+    q, k, v, state = _inputs(rng, (2, 3), 300, 16, 8)
+    W = rng.standard_normal((2, 3, 300, 8))
+    _, vjp64 = linattn.causal_linear_attention_vjp(q, k, v)
+    _, vjp32 = linattn.causal_linear_attention_vjp(*(x.astype(np.float32) for x in (q, k, v)))
+    for g32, g64 in zip(vjp32(W.astype(np.float32)), vjp64(W)):
+        assert g32.dtype == np.float32
+        assert rel_err(g32, g64) < 2e-5
+
+
+def test_split_resume_of_gradients(rng):
+    """Gradients of one call equal those of two calls chained through the state (backpropagated
+    piece by piece, last piece first)."""
+    q, k, v, _ = _inputs(rng, (2,), 100, 4, 3)
+    W = rng.standard_normal((2, 100, 3))
+    _, vjp = linattn.causal_linear_attention_vjp(q, k, v)
+    whole = vjp(W)
+    a = slice(None, 37)
+    b = slice(37, None)
+    _, st, vjp_a = linattn.causal_linear_attention_vjp(q[:, a], k[:, a], v[:, a], return_state=True)
+    _, vjp_b = linattn.causal_linear_attention_vjp(q[:, b], k[:, b], v[:, b], initial_state=st)
+    dq_b, dk_b, dv_b, dstate = vjp_b(W[:, b])
+    dq_a, dk_a, dv_a = vjp_a(W[:, a], dstate)
+    for g, parts in zip(whole, ((dq_a, dq_b), (dk_a, dk_b), (dv_a, dv_b))):
+        assert_close(np.concatenate(parts, 1), g, np.float64)
+
+
+def test_bad_input(rng):
+    q, k, v, _ = _inputs(rng, (2,), 10, 3, 2)
+    out, vjp = linattn.causal_linear_attention_vjp(q, k, v)
+    with pytest.raises(ValueError, match=r"dout: expected shape \(2, 10, 2\)"):
+        vjp(np.zeros((2, 10, 3)))
+    with pytest.raises(TypeError, match="dstate: the forward returned no state"):
+        vjp(np.zeros_like(out), linattn.State(np.zeros((2, 3, 2)), np.zeros((2, 3))))
+    _, _, vjp_s = linattn.causal_linear_attention_vjp(q, k, v, return_state=True)
+    with pytest.raises(ValueError, match=r"dstate.S: expected shape \(2, 3, 2\)"):
+        vjp_s(np.zeros_like(out), linattn.State(np.zeros((2, 3, 3)), np.zeros((2, 3))))
+    with pytest.raises(TypeError, match="feature_map: gradients are computed for 'elu', 'relu', 'identity'"):
+        linattn.causal_linear_attention_vjp(q, k, v, feature_map=np.tanh)
+    with pytest.raises(TypeError, match="feature_map: gradients"):
+        linattn.linear_attention_vjp(q, k, v, feature_map=linattn.feature_maps.Taylor())
+    with pytest.raises(TypeError, match="decay, gate: gradients with decay or gates are not available yet"):
+        linattn.causal_linear_attention_vjp(q, k, v, decay=0.9)
+    with pytest.raises(ValueError, match="k: expected sequence length"):
+        linattn.causal_linear_attention_vjp(q, k[:, :5], v)
