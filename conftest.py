@@ -3,5 +3,6 @@ import importlib.util
 
 collect_ignore = []
 if importlib.util.find_spec("torch") is None:
-    # The model benchmark's PyTorch twin imports torch at module level (tests that use it skip without it).
-    collect_ignore.append("src/linattn/benchmarks/torch_transformer.py")
+    # They import torch at module level (their tests skip without it): the model benchmark's PyTorch
+    # twin and the autograd adapter.
+    collect_ignore += ["src/linattn/benchmarks/torch_transformer.py", "src/linattn/torch.py"]

@@ -35,3 +35,11 @@ def test_gpu_check_without_gpu_and_in_simulator(tmp_path):
     res = subprocess.run([sys.executable, script, "--tiny"], capture_output=True, text=True, cwd=tmp_path,
                          timeout=600, env=dict(os.environ, NUMBA_ENABLE_CUDASIM="1"))
     assert res.returncode == 0 and res.stdout.strip().endswith("OK"), res.stdout + res.stderr
+
+
+def test_training_example(tmp_path):
+    pytest.importorskip("torch")
+    res = subprocess.run([sys.executable, str(EXAMPLES / "train_tiny_lm.py"), "--small"], capture_output=True,
+                         text=True, cwd=tmp_path, timeout=600)
+    assert res.returncode == 0, res.stdout + res.stderr  # it exits 1 when the losses disagree or do not fall
+    assert "the losses agree and fall" in res.stdout

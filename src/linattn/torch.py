@@ -1,0 +1,80 @@
+"""PyTorch autograd functions on CPU tensors, for training with linattn's kernels (``import linattn.torch``;
+torch is imported only by this module).
+
+``causal_linear_attention`` and ``linear_attention`` take and return ``torch.Tensor`` s (float32 or
+float64, on the CPU) and are differentiable: the forward and the backward pass run linattn's kernels
+(see :mod:`linattn.gradients`), through ``.numpy()`` views where the layout allows (no copy).
+"""
+import numpy as np
+import torch
+
+from . import gradients
+from .state import State
+
+
+def _array(t, name):
+    if not isinstance(t, torch.Tensor):
+        raise TypeError(f"{name}: expected a torch.Tensor, got {type(t).__name__}")
+    if t.device.type != "cpu":
+        raise TypeError(f"{name}: expected a CPU tensor, got one on {t.device} (linattn.torch runs on the CPU)")
+    if t.dtype not in (torch.float32, torch.float64):
+        raise TypeError(f"{name}: expected float32 or float64, got {t.dtype}")
+    return t.detach().numpy()
+
+
+def _tensor(x):
+    return None if x is None else torch.from_numpy(np.ascontiguousarray(x))
+
+
+class _Causal(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, q, k, v, S0, Z0, options):
+        state = None if S0 is None else State(_array(S0, "initial_state.S"), _array(Z0, "initial_state.Z"))
+        out, final, vjp = gradients.causal_linear_attention_vjp(
+            _array(q, "q"), _array(k, "k"), _array(v, "v"), initial_state=state, return_state=True, **options)
+        ctx.vjp, ctx.has_state = vjp, S0 is not None
+        return _tensor(out), _tensor(final.S), _tensor(final.Z)
+
+    @staticmethod
+    def backward(ctx, dout, dS, dZ):
+        grads = ctx.vjp(dout.contiguous().numpy(), State(dS.contiguous().numpy(), dZ.contiguous().numpy()))
+        dq, dk, dv = (_tensor(g) for g in grads[:3])
+        dS0, dZ0 = (_tensor(grads[3].S), _tensor(grads[3].Z)) if ctx.has_state else (None, None)
+        return dq, dk, dv, dS0, dZ0, None
+
+
+class _NonCausal(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, q, k, v, options):
+        out, vjp = gradients.linear_attention_vjp(_array(q, "q"), _array(k, "k"), _array(v, "v"), **options)
+        ctx.vjp = vjp
+        return _tensor(out)
+
+    @staticmethod
+    def backward(ctx, dout):
+        return (*(_tensor(g) for g in ctx.vjp(dout.contiguous().numpy())), None)
+
+
+def causal_linear_attention(q, k, v, *, feature_map="elu", eps=1e-6, normalize=True, initial_state=None,
+                            return_state=False, lengths=None, scale=None):
+    """:func:`linattn.causal_linear_attention` on CPU tensors, differentiable (q, k, v and the initial
+    state). ``initial_state``: a pair of tensors (S, Z); ``return_state=True`` returns
+    ``(out, (S, Z))``, differentiable too. Feature maps: "elu", "relu", "identity".
+
+    Examples
+    --------
+    >>> import torch, linattn.torch
+    >>> q, k, v = (torch.randn(2, 4, 64, 16, dtype=torch.float64, requires_grad=True) for _ in range(3))
+    >>> linattn.torch.causal_linear_attention(q, k, v).square().sum().backward()
+    >>> q.grad.shape
+    torch.Size([2, 4, 64, 16])
+    """
+    S0, Z0 = (None, None) if initial_state is None else initial_state
+    options = dict(feature_map=feature_map, eps=eps, normalize=normalize, lengths=lengths, scale=scale)
+    out, S, Z = _Causal.apply(q, k, v, S0, Z0, options)
+    return (out, (S, Z)) if return_state else out
+
+
+def linear_attention(q, k, v, *, feature_map="elu", eps=1e-6, normalize=True, scale=None):
+    """:func:`linattn.linear_attention` on CPU tensors, differentiable."""
+    return _NonCausal.apply(q, k, v, dict(feature_map=feature_map, eps=eps, normalize=normalize, scale=scale))
