@@ -27,7 +27,7 @@ def _times_derivative(name, grad, x, y):
     """grad * phi'(x) in place (y = phi(x)): elu(x) + 1 has derivative min(y, 1) (y = e^x below 0,
     x + 1 above), relu 1 above 0, identity 1."""
     if name == "elu":
-        grad *= np.minimum(y, y.dtype.type(1))
+        grad *= np.minimum(y, y.dtype.type(1), out=y)  # (y is not needed after)
     elif name == "relu":
         grad *= x > 0
     return grad
@@ -124,30 +124,34 @@ def causal_linear_attention_vjp(q, k, v, *, feature_map="elu", eps=1e-6, normali
             dS, dZ = checks.state_parts(dstate)
             dS = _check_grad(dS, "dstate.S", lead + (d, dv), comp)
             dZ = _check_grad(dZ, "dstate.Z", lead + (d,), comp)
+        ab = np.empty(lead + (n, dv + 1), comp)  # [a, b]
+        a = ab[..., :dv]
         if normalize:
-            a = g / den[..., None]
-            b = -(g * out).sum(-1) / den
+            np.divide(g, den[..., None], out=a)
+            np.divide(np.einsum("...i,...i->...", g, out), den, out=ab[..., dv])
+            np.negative(ab[..., dv], out=ab[..., dv])
         else:
-            a, b = g, np.zeros(lead + (n,), comp)
-        ab = np.concatenate([a, b[..., None]], -1)
+            a[...] = g
+            ab[..., dv] = 0
         qf, kf = fmap(q), fmap(k)
         sq = qf * comp.type(s) if s != 1.0 else qf
         zeros = np.zeros(lead + (dv + 1,), comp)
+        dk = np.empty(lead + (n, d), comp)  # the backwards calls write into reversed views of these
+        dvv = np.empty(lead + (n, dv), comp)
         # dQf = s (S_i a_i + Z_i b_i)
         dqf = causal_linear_attention(ab, v1, kf, feature_map="identity", normalize=False, scale=s,
                                       initial_state=State(np.swapaxes(np.concatenate([S0, Z0[..., None]], -1), -1, -2),
                                                           zeros))
         # dKf = G_j v_j + H_j and the initial state's gradient, backwards in time
-        dkf_r, back = causal_linear_attention(
+        _, back = causal_linear_attention(
             _reverse(v1), _reverse(ab), _reverse(sq), feature_map="identity", normalize=False,
             initial_state=State(np.swapaxes(np.concatenate([dS, dZ[..., None]], -1), -1, -2), zeros),
-            return_state=True)
+            return_state=True, out=_reverse(dk))
         # dv = G_j^T Kf_j, backwards in time
-        dv_r = causal_linear_attention(_reverse(kf), _reverse(sq), _reverse(a), feature_map="identity",
-                                       normalize=False, initial_state=State(dS, np.zeros(lead + (d,), comp)))
+        causal_linear_attention(_reverse(kf), _reverse(sq), _reverse(a), feature_map="identity", normalize=False,
+                                initial_state=State(dS, np.zeros(lead + (d,), comp)), out=_reverse(dvv))
         dq = _times_derivative(name, dqf, q, qf)
-        dk = _times_derivative(name, np.ascontiguousarray(dkf_r[..., ::-1, :]), k, kf)
-        dvv = np.ascontiguousarray(dv_r[..., ::-1, :])
+        dk = _times_derivative(name, dk, k, kf)
         if valid is not None:  # past its length a sequence's inputs do not matter
             dq, dk, dvv = (np.where(valid, x, 0) for x in (dq, dk, dvv))
         dq, dk, dvv = (x.astype(out_dt, copy=False) for x in (dq, dk, dvv))

@@ -37,7 +37,7 @@ from .._jit import FASTMATH, Kernel, array, njit
 from . import symbols
 from .elementwise import elu1, exp_f32_parts, exp_le0, load_rows, relu
 from .gating import like
-from .smallgemm import small_gemm
+from .smallgemm import noinline, small_gemm
 from .views import as_contiguous
 
 _OPTS = {"fastmath": set(FASTMATH), "error_model": "numpy"}
@@ -419,15 +419,22 @@ def _call_map_rows(typingctx, addr, src, i0, c, code, fp, dst, work):
 
 
 @njit(helper=True)
+def _mapped_rows(src, i0, c, mp, dst):
+    """The C function's call, kept out of the kernels' inlined code (it compiles once per signature)."""
+    noinline()
+    if c > 0:
+        _call_map_rows(mp[2], src, i0, c, mp[0], mp[1], dst, mp[3])
+
+
+@njit(helper=True)
 def load_features(src, i0, c, mp, dst):
     """dst[t, :D'] = phi(src[i0 + t]) for t < c, for the map ``mp`` = (code, fp, address, work): codes
     below FIRST inline (elementwise.load_rows), the others through map_rows (dst: unit column
     stride; work: work_size(D, D') values)."""
-    code = mp[0]
-    if code < FIRST:
-        load_rows(src, i0, c, code, dst)
-    elif c > 0:
-        _call_map_rows(mp[2], src, i0, c, code, mp[1], dst, mp[3])
+    if mp[0] < FIRST:
+        load_rows(src, i0, c, mp[0], dst)
+    else:
+        _mapped_rows(src, i0, c, mp, dst)
 
 
 @njit(helper=True)
