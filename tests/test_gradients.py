@@ -26,9 +26,9 @@ def _inputs(rng, lead, n, d, dv):
 
 def _resolve(kw, state, lead, n):
     kw = dict(kw)
-    if kw.get("lengths") == "L":
+    if isinstance(kw.get("lengths"), str):
         kw["lengths"] = np.linspace(n, 0, lead[0]).astype(int) if lead else n
-    if kw.get("initial_state") == "S":
+    if isinstance(kw.get("initial_state"), str):
         kw["initial_state"] = state
     return kw
 
@@ -90,6 +90,64 @@ def test_noncausal_against_finite_differences(rng, kw):
         assert np.max(np.abs(g - w)) <= 1e-6 * np.max(np.abs(w)) + 1e-8
 
 
+GATED = {
+    "gate": lambda rng, lead, n: dict(gate=-rng.random(lead + (n,))),
+    "decay per sequence": lambda rng, lead, n: dict(decay=np.linspace(0.7, 0.95, lead[-1])),
+    "gate, decay, lengths, state": lambda rng, lead, n: dict(gate=-rng.random(lead + (n,)), decay=0.9,
+                                                             lengths=np.array([n, n // 2]), initial_state="S"),
+    "reset": lambda rng, lead, n: dict(gate=np.where(np.arange(n) == n // 3, -np.inf, -0.1 * np.ones(lead + (n,))),
+                                       normalize=False),
+}
+
+
+@pytest.mark.parametrize("option", list(GATED))
+def test_gates_and_decay_against_finite_differences(rng, option):
+    """The inputs' gradients with decay and a gate per position, and the gradients of the gate and decay
+    values themselves (the last results of vjp, in that order)."""
+    lead, n, d, dv = (2,), 11, 3, 2
+    q, k, v, state = _inputs(rng, lead, n, d, dv)
+    kw = _resolve(GATED[option](rng, lead, n), state, lead, n)
+    out, st, vjp = linattn.causal_linear_attention_vjp(q, k, v, return_state=True, **kw)
+    assert_close(out, linattn.causal_linear_attention(q, k, v, **kw), np.float64)
+    W, WS, WZ = rng.standard_normal(out.shape), rng.standard_normal(st.S.shape), rng.standard_normal(st.Z.shape)
+    names = ["q", "k", "v"] + (["S0"] if "initial_state" in kw else []) + [x for x in ("gate", "decay") if x in kw]
+
+    def loss(**changed):
+        args, extra = dict(q=q, k=k, v=v), dict(kw)
+        for key, value in changed.items():
+            if key in args:
+                args[key] = value
+            elif key == "S0":
+                extra["initial_state"] = linattn.State(value, state.Z)
+            else:
+                extra[key] = value
+        o, s = linattn.causal_linear_attention(args["q"], args["k"], args["v"], return_state=True, **extra)
+        return (o * W).sum() + (s.S * WS).sum() + (s.Z * WZ).sum()
+
+    grads = vjp(W, linattn.State(WS, WZ))
+    assert len(grads) == len(names)
+    for key, got in zip(names, grads):
+        x = dict(q=q, k=k, v=v, S0=state.S).get(key)
+        x = np.asarray(kw[key], np.float64) if x is None else x
+        got = got.S if key == "S0" else np.broadcast_to(got, x.shape)
+        assert got.shape == x.shape
+        finite = np.isfinite(x)  # a -inf gate has no neighbourhood to differentiate in
+        h = 1e-6
+        want = np.zeros_like(x)
+        for i in np.ndindex(x.shape):
+            if not finite[i]:
+                continue
+            plus, minus = x.copy(), x.copy()
+            plus[i] += h
+            minus[i] -= h
+            if key == "gate" and plus[i] > 0:  # one-sided at a gate of 0
+                want[i] = (loss(**{key: x}) - loss(**{key: minus})) / h
+            else:
+                want[i] = (loss(**{key: plus}) - loss(**{key: minus})) / (2 * h)
+        got = np.where(finite, got, 0)
+        assert np.max(np.abs(got - want)) <= 1e-6 * np.max(np.abs(want)) + 1e-8, (key, rel_err(got, want))
+
+
 def test_float32_follows_float64(rng):
     q, k, v, state = _inputs(rng, (2, 3), 300, 16, 8)
     W = rng.standard_normal((2, 3, 300, 8))
@@ -131,7 +189,9 @@ def test_bad_input(rng):
         linattn.causal_linear_attention_vjp(q, k, v, feature_map=np.tanh)
     with pytest.raises(TypeError, match="feature_map: gradients"):
         linattn.linear_attention_vjp(q, k, v, feature_map=linattn.feature_maps.Taylor())
-    with pytest.raises(TypeError, match="decay, gate: gradients with decay or gates are not available yet"):
-        linattn.causal_linear_attention_vjp(q, k, v, decay=0.9)
+    with pytest.raises(TypeError, match="gate: gradients with a gate per key dimension are not available yet"):
+        linattn.causal_linear_attention_vjp(q, k, v, gate=np.zeros((2, 10, 3)))
+    with pytest.raises(ValueError, match="gate: expected log gates <= 0"):
+        linattn.causal_linear_attention_vjp(q, k, v, gate=np.full((2, 10), 0.1))
     with pytest.raises(ValueError, match="k: expected sequence length"):
         linattn.causal_linear_attention_vjp(q, k[:, :5], v)
