@@ -46,6 +46,16 @@ def test_gradcheck(feature_map):
                                                                         normalize=normalize), (q, k, v))
 
 
+def test_gradcheck_with_gate_and_decay():
+    q, k, v = _inputs()
+    gate = (-torch.rand(2, 9, dtype=torch.float64) - 0.01).requires_grad_()
+
+    def f(q, k, v, gate):
+        return lt.causal_linear_attention(q, k, v, gate=gate, decay=0.9)
+
+    assert torch.autograd.gradcheck(f, (q, k, v, gate))
+
+
 def test_against_pytorch_autograd():
     q, k, v = _inputs((2, 3, 40, 4), dv=5, dtype=torch.float32, seed=1)
     out = lt.causal_linear_attention(q, k, v)

@@ -28,19 +28,26 @@ def _tensor(x):
 
 class _Causal(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, q, k, v, S0, Z0, options):
+    def forward(ctx, q, k, v, S0, Z0, gate, options):
         state = None if S0 is None else State(_array(S0, "initial_state.S"), _array(Z0, "initial_state.Z"))
         out, final, vjp = gradients.causal_linear_attention_vjp(
-            _array(q, "q"), _array(k, "k"), _array(v, "v"), initial_state=state, return_state=True, **options)
-        ctx.vjp, ctx.has_state = vjp, S0 is not None
+            _array(q, "q"), _array(k, "k"), _array(v, "v"), initial_state=state, return_state=True,
+            gate=None if gate is None else _array(gate, "gate"), **options)
+        ctx.vjp, ctx.has_state, ctx.has_gate = vjp, S0 is not None, gate is not None
         return _tensor(out), _tensor(final.S), _tensor(final.Z)
 
     @staticmethod
     def backward(ctx, dout, dS, dZ):
-        grads = ctx.vjp(dout.contiguous().numpy(), State(dS.contiguous().numpy(), dZ.contiguous().numpy()))
+        grads = list(ctx.vjp(dout.contiguous().numpy(), State(dS.contiguous().numpy(), dZ.contiguous().numpy())))
         dq, dk, dv = (_tensor(g) for g in grads[:3])
-        dS0, dZ0 = (_tensor(grads[3].S), _tensor(grads[3].Z)) if ctx.has_state else (None, None)
-        return dq, dk, dv, dS0, dZ0, None
+        dS0 = dZ0 = dgate = None
+        rest = grads[3:]
+        if ctx.has_state:
+            dS0, dZ0 = _tensor(rest[0].S), _tensor(rest[0].Z)
+            rest = rest[1:]
+        if ctx.has_gate:
+            dgate = _tensor(rest[0])
+        return dq, dk, dv, dS0, dZ0, dgate, None
 
 
 class _NonCausal(torch.autograd.Function):
@@ -56,10 +63,11 @@ class _NonCausal(torch.autograd.Function):
 
 
 def causal_linear_attention(q, k, v, *, feature_map="elu", eps=1e-6, normalize=True, initial_state=None,
-                            return_state=False, lengths=None, scale=None):
-    """:func:`linattn.causal_linear_attention` on CPU tensors, differentiable (q, k, v and the initial
-    state). ``initial_state``: a pair of tensors (S, Z); ``return_state=True`` returns
-    ``(out, (S, Z))``, differentiable too. Feature maps: "elu", "relu", "identity".
+                            return_state=False, lengths=None, decay=None, gate=None, scale=None):
+    """:func:`linattn.causal_linear_attention` on CPU tensors, differentiable (q, k, v, the initial
+    state and ``gate``: a tensor of log gates, one per position). ``initial_state``: a pair of tensors
+    (S, Z); ``return_state=True`` returns ``(out, (S, Z))``, differentiable too. ``decay``: constants
+    (not differentiated here). Feature maps: "elu", "relu", "identity".
 
     Examples
     --------
@@ -70,8 +78,11 @@ def causal_linear_attention(q, k, v, *, feature_map="elu", eps=1e-6, normalize=T
     torch.Size([2, 4, 64, 16])
     """
     S0, Z0 = (None, None) if initial_state is None else initial_state
-    options = dict(feature_map=feature_map, eps=eps, normalize=normalize, lengths=lengths, scale=scale)
-    out, S, Z = _Causal.apply(q, k, v, S0, Z0, options)
+    if decay is not None and isinstance(decay, torch.Tensor):
+        decay = _array(decay, "decay")
+    options = dict(feature_map=feature_map, eps=eps, normalize=normalize, lengths=lengths, scale=scale,
+                   decay=decay)
+    out, S, Z = _Causal.apply(q, k, v, S0, Z0, gate, options)
     return (out, (S, Z)) if return_state else out
 
 
