@@ -59,11 +59,24 @@ class Backward:
 
     track_backward_over_forward.unit = "x forward"
 
-    def track_torch_autograd_over_linattn(self, shape):
+
+
+class TorchAutograd:
+    """Forward + backward: PyTorch autograd through the chunked form over linattn (skipped without torch)."""
+    params = Backward.params
+    param_names = Backward.param_names
+    timeout = 600
+
+    def setup(self, shape):
         try:
             import torch  # noqa: F401
         except ImportError:
-            return float("nan")
+            raise NotImplementedError("torch is not installed") from None
+        Backward.setup(self, shape)
+
+    forward_backward = Backward.forward_backward
+
+    def track_torch_autograd_over_linattn(self, shape):
         return _interleaved_ratio(lambda: torch_chunked_forward_backward(self.q, self.k, self.v, self.dout),
                                   self.forward_backward, 3 if SMOKE else 5)
 
