@@ -2,8 +2,6 @@
 forward (causal, float32, D = Dv = 64; target <= 2.5x), and forward + backward against PyTorch
 autograd through the chunked PyTorch form of ../shared/bench/peers.py when torch is installed
 (target: >= 2x faster)."""
-import numpy as np
-
 import linattn
 
 from .bench_gates import _interleaved_ratio

@@ -184,10 +184,8 @@ def _starts(nchunks):
 
 def _check(q, k, v, feature_map, eps, normalize, scale):
     """The NumPy functions' checks on shapes, dtypes and options, at graph construction."""
-    mq, mk, mv, lead, n, d, dv, comp, out_dt = checks.check_qkv(_as_meta(q), _as_meta(k), _as_meta(v))
-    fmap = as_map(feature_map)
-    if isinstance(fmap, FeatureMap) and fmap.kernel_code() < 3:
-        fmap = as_map(fmap.name)  # the same map as an object (named maps are FeatureMaps too)
+    *_, lead, n, d, dv, comp, out_dt = checks.check_qkv(_as_meta(q), _as_meta(k), _as_meta(v))
+    fmap = as_map(feature_map)  # (a FeatureMap, or the user's callable)
     eps = checks.check_eps(eps)
     normalize = checks.check_flag(normalize, "normalize")
     scale = gates_mod.check_scale(scale)

@@ -30,6 +30,7 @@ from .attention import causal_linear_attention, linear_attention
 from .feature_maps import FeatureMap, as_map
 from .state import State
 
+
 def _times_derivative(name, grad, x, y):
     """grad * phi'(x) in place (y = phi(x)): elu(x) + 1 has derivative min(y, 1) (y = e^x below 0,
     x + 1 above), relu 1 above 0, identity 1."""
