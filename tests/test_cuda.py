@@ -40,12 +40,13 @@ def close(a, b, dtype):
     np.testing.assert_allclose(a, b, rtol=tol, atol=tol * max(1.0, float(np.max(np.abs(b)))))
 
 
-@pytest.mark.parametrize("dtype", [np.float32, np.float64])
-@pytest.mark.parametrize("feature_map", ["elu", "relu", "identity"])
+@pytest.mark.parametrize("dtype, feature_map", [(dt, fm) for dt in (np.float32, np.float64)
+                                                for fm in ("elu", "relu", "identity")]
+                         + [(np.float64, fm) for fm in ("squared_relu", "gelu", "silu", "sigmoid", "softplus")])
 def test_causal_and_noncausal(cuda, dtype, feature_map):
     rng = np.random.default_rng(1)
     q, k, v = qkv(rng, (2,), 9, 3, 5, dtype)
-    if feature_map == "identity":
+    if feature_map in ("identity", "gelu", "silu"):  # maps with negative values: keep the normaliser away from 0
         q, k = np.abs(q) + 0.2, np.abs(k) + 0.2
     dq, dk, dv = (dev(cuda, x) for x in (q, k, v))
     for normalize in (True, False):
@@ -76,8 +77,8 @@ def test_state_handoff_and_lengths(cuda):
     close(stl.S.copy_to_host(), st_ref.S, np.float32)
 
 
-@pytest.mark.parametrize("dtype", [np.float32, np.float64])
-@pytest.mark.parametrize("feature_map", ["elu", "relu"])
+@pytest.mark.parametrize("dtype, feature_map", [(np.float32, "elu"), (np.float64, "elu"), (np.float32, "relu"),
+                                                (np.float64, "relu"), (np.float32, "softplus")])
 def test_step_on_device(cuda, dtype, feature_map):
     rng = np.random.default_rng(3)
     q, k, v = qkv(rng, (2, 2), 6, 3, 5, dtype)
@@ -138,7 +139,7 @@ def test_errors(cuda):
         linattn.causal_linear_attention(dq, k, v)
     with pytest.raises(TypeError, match="feature_map: a callable runs on host arrays"):
         linattn.causal_linear_attention(dq, dev(cuda, k), dev(cuda, v), feature_map=np.abs)
-    for fmap in ("gelu", linattn.feature_maps.Taylor()):
+    for fmap in (linattn.feature_maps.Taylor(), linattn.feature_maps.Elementwise("gelu").scaled(0.5)):
         with pytest.raises(TypeError, match="feature_map: the CUDA kernels apply 'elu', 'relu', 'identity'"):
             linattn.causal_linear_attention(dq, dev(cuda, k), dev(cuda, v), feature_map=fmap)
     with pytest.raises(ValueError, match="device: 'cpu' was asked for"):

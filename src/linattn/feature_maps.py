@@ -454,14 +454,21 @@ def resolve(feature_map):
     return fmap, IDENTITY, True
 
 
+#: The maps the CUDA kernels apply themselves (unscaled elementwise maps), by kernel code.
+DEVICE_CODES = {ELU, RELU, IDENTITY, mapfns.SQUARED_RELU, mapfns.GELU, mapfns.SILU, mapfns.SIGMOID,
+                mapfns.SOFTPLUS}
+
+
 def resolve_for_device(feature_map):
-    """Kernel code of a map the CUDA kernels apply ("elu", "relu", "identity"); others are a TypeError."""
-    fn, code, maps_first = resolve(feature_map)
-    if not maps_first:
-        return code
-    named = ", ".join(map(repr, NAMED))
-    if not isinstance(fn, FeatureMap):
+    """Kernel code of a map the CUDA kernels apply (the elementwise maps, unscaled); others are a
+    TypeError."""
+    fmap = as_map(feature_map)
+    named = ", ".join(repr(n) for n in NAMES if n != "swish")
+    if not isinstance(fmap, FeatureMap):
         raise TypeError("feature_map: a callable runs on host arrays; on CUDA device arrays use "
                         f"{named} (or pass host arrays with device='cuda')")
-    raise TypeError(f"feature_map: the CUDA kernels apply {named} (unscaled); {feature_map!r} runs on the CPU "
-                    "kernels only: pass host arrays")
+    code = fmap.kernel_code()
+    if code not in DEVICE_CODES or fmap.input_scale != 1.0:
+        raise TypeError(f"feature_map: the CUDA kernels apply {named} (unscaled); {feature_map!r} runs on the "
+                        "CPU kernels only: pass host arrays")
+    return code

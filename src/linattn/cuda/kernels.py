@@ -20,10 +20,26 @@ from numba import cuda, float64
 
 @cuda.jit(device=True)
 def phi(x, fm):
+    """The elementwise feature maps by code (cpu/elementwise.py, cpu/mapfns.py), in float64."""
     if fm == 1:  # elu + 1
         return x + 1.0 if x > 0 else math.exp(x)
     if fm == 2:  # relu, keeping NaN
         return x if (x > 0 or x != x) else 0.0 * x
+    if fm == 6:  # squared relu
+        r = x if (x > 0 or x != x) else 0.0
+        return r * r
+    if fm == 7:  # gelu: x Phi(x), with erfc (no cancellation on the left)
+        return 0.5 * x * math.erfc(-x * 0.7071067811865476)
+    if fm == 8 or fm == 9:  # silu, sigmoid: exp of -|x| only
+        e = math.exp(-abs(x))
+        sig = (1.0 if x >= 0 else e) / (1.0 + e)
+        if x != x:
+            return x
+        return x * sig if fm == 8 else sig
+    if fm == 10:  # softplus: max(x, 0) + log(1 + exp(-|x|))
+        if x != x:
+            return x
+        return (x if x > 0 else 0.0) + math.log1p(math.exp(-abs(x)))
     return x
 
 
