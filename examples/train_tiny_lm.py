@@ -27,8 +27,7 @@ def torch_chunked(q, k, v, eps=1e-6, chunk=32):
         q, k, v = (torch.nn.functional.pad(x, (0, 0, 0, pad)) for x in (q, k, v))
     nc = (n + pad) // chunk
     qf = (torch.nn.functional.elu(q) + 1).reshape(*lead, nc, chunk, d)
-    kf = (torch.nn.functional.elu(k) + 1).reshape(*lead, nc, chunk, d)
-    kf = kf * (torch.arange(n + pad) < n).reshape(nc, chunk, 1).to(kf.dtype)  # padding enters nothing
+    kf = (torch.nn.functional.elu(k) + 1).reshape(*lead, nc, chunk, d)  # (padding: after every real position)
     vc = v.reshape(*lead, nc, chunk, v.shape[-1])
     va = torch.cat([vc, torch.ones(vc.shape[:-1] + (1,), dtype=vc.dtype)], -1)
     kv = kf.transpose(-1, -2) @ va

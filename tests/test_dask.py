@@ -172,6 +172,15 @@ def test_leading_dims_only_is_one_task_per_block(rng):
         assert_close(out.compute(), linattn.causal_linear_attention(q, k, v, **kw), np.float64)
 
 
+def test_empty_sequences_keep_the_state(rng):
+    q, k, v = (np.zeros((2, 0, 3)) for _ in range(3))
+    state = linattn.State(rng.random((2, 3, 3)), rng.random((2, 3)))
+    out, st = linattn.causal_linear_attention(_lazy(q, (1, 1, 3)), k, v, initial_state=state, return_state=True)
+    assert isinstance(out, da.Array) and isinstance(st.S, da.Array) and out.shape == (2, 0, 3)
+    np.testing.assert_array_equal(st.S.compute(), state.S)
+    np.testing.assert_array_equal(st.Z.compute(), state.Z)
+
+
 def test_errors_at_graph_construction(rng):
     q, k, v = _qkv(rng, (2,), 50, 4, 3)
     lq = _lazy(q, (1, 25, 4))

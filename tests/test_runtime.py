@@ -65,3 +65,18 @@ def test_dynamic_schedule_is_restored(rng):
         assert numba.get_parallel_chunksize() == 5
     finally:
         numba.set_parallel_chunksize(previous)
+
+
+@pytest.mark.parametrize("value, shown", [("1", "threads 1"), ("0", "LINATTN_NUM_THREADS: expected an integer >= 1"),
+                                          ("two", "LINATTN_NUM_THREADS: expected an integer >= 1, got 'two'")])
+def test_linattn_num_threads_caps_the_kernels(value, shown):
+    code = ("import numpy as np, linattn\n"
+            "from linattn.cpu import runtime\n"
+            "try:\n"
+            "    linattn.causal_linear_attention(*np.ones((3, 2, 64, 4)))\n"
+            "    print('threads', runtime.num_threads())\n"
+            "except ValueError as e:\n"
+            "    print(e)\n")
+    res = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300,
+                         env=dict(os.environ, LINATTN_NUM_THREADS=value))
+    assert shown in res.stdout, res.stdout + res.stderr

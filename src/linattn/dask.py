@@ -225,10 +225,13 @@ def causal_linear_attention(q, k, v, *, feature_map="elu", eps=1e-6, normalize=T
     lens = np.full(lead, n, np.int64) if lengths is None else checks.check_lengths(lengths, lead, n).reshape(lead)
     if initial_state is not None:
         S_in, Z_in = checks.check_state(initial_state, "initial_state", lead, dk, dv, comp)
-    if n == 0 or math.prod(lead) == 0:
+    if n == 0 or math.prod(lead) == 0:  # nothing to distribute: the NumPy call (on empty arrays), as dask arrays
+        state = None if initial_state is None else State(np.asarray(S_in), np.asarray(Z_in))
         res = numpy_fn(*(np.zeros(x.shape, x.dtype) for x in (q, k, v)), feature_map=fmap, eps=eps,
-                       normalize=normalize, return_state=return_state, scale=scale)
-        return res
+                       normalize=normalize, return_state=return_state, scale=scale, initial_state=state)
+        if not return_state:
+            return da.from_array(res)
+        return da.from_array(res[0]), State(da.from_array(res[1].S), da.from_array(res[1].Z))
     arrays = _unify([q, k, v] + ([gate] if gate is not None else []), nl)
     q, k, v = arrays[:3]
     g = None if gate is None else arrays[3]

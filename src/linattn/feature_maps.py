@@ -422,6 +422,7 @@ NAMED = {
     "relu": (relu, RELU),
     "identity": (identity, IDENTITY),
 }
+_NUMPY_BY_CODE = {code: fn for fn, code in NAMED.values()}
 
 
 def as_map(feature_map):
@@ -446,11 +447,9 @@ def resolve(feature_map):
     kernels apply inline give their code (0-2) and the others IDENTITY with ``maps_first`` True and a
     function that maps an array (the map itself, or the user's callable)."""
     fmap = as_map(feature_map)
-    if isinstance(fmap, FeatureMap):
-        code = fmap.kernel_code()
-        if code < mapfns.FIRST:
-            return NAMED[[n for n, (_, c) in NAMED.items() if c == code][0]][0], code, False
-        return fmap, IDENTITY, True
+    code = fmap.kernel_code() if isinstance(fmap, FeatureMap) else IDENTITY
+    if isinstance(fmap, FeatureMap) and code < mapfns.FIRST:
+        return _NUMPY_BY_CODE[code], code, False
     return fmap, IDENTITY, True
 
 

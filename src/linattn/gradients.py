@@ -70,6 +70,21 @@ def _check_grad(value, name, shape, dtype):
     return arr.astype(dtype, copy=False)
 
 
+def _output_adjoints(g, out, den, normalize):
+    """[a, b] (..., N, Dv + 1): the gradients of the numerators (a = g / den) and of the denominators
+    (b = -(g . out) / den); without normalisation a = g, b = 0."""
+    dv = g.shape[-1]
+    ab = np.empty(g.shape[:-1] + (dv + 1,), g.dtype)
+    if normalize:
+        np.divide(g, den[..., None], out=ab[..., :dv])
+        np.divide(np.einsum("...i,...i->...", g, out), den, out=ab[..., dv])
+        np.negative(ab[..., dv], out=ab[..., dv])
+    else:
+        ab[..., :dv] = g
+        ab[..., dv] = 0
+    return ab
+
+
 def _gate_gradients(qf, dqf, kf, dkf, dS, dZ, final, valid, kind, gate, decay, log_decay, lead):
     """[dgate] and/or [ddecay] from the features and their gradients (dqf, dkf before phi').
 
@@ -180,15 +195,8 @@ def causal_linear_attention_vjp(q, k, v, *, feature_map="elu", eps=1e-6, normali
             dS, dZ = checks.state_parts(dstate)
             dS = _check_grad(dS, "dstate.S", lead + (d, dv), comp)
             dZ = _check_grad(dZ, "dstate.Z", lead + (d,), comp)
-        ab = np.empty(lead + (n, dv + 1), comp)  # [a, b]
+        ab = _output_adjoints(g, out, den, normalize)
         a = ab[..., :dv]
-        if normalize:
-            np.divide(g, den[..., None], out=a)
-            np.divide(np.einsum("...i,...i->...", g, out), den, out=ab[..., dv])
-            np.negative(ab[..., dv], out=ab[..., dv])
-        else:
-            a[...] = g
-            ab[..., dv] = 0
         qf, kf = fmap(q), fmap(k)
         sq = qf * comp.type(s) if s != 1.0 else qf
         zeros = np.zeros(lead + (dv + 1,), comp)
@@ -257,12 +265,8 @@ def linear_attention_vjp(q, k, v, *, feature_map="elu", eps=1e-6, normalize=True
 
     def vjp(dout):
         g = _check_grad(dout, "dout", lead + (n, dv), comp)
-        if normalize:
-            a = g / den[..., None]
-            b = -(g * out).sum(-1) / den
-        else:
-            a, b = g, np.zeros(lead + (n,), comp)
-        ab = np.concatenate([a, b[..., None]], -1)
+        ab = _output_adjoints(g, out, den, normalize)
+        a = ab[..., :dv]
         qf, kf = fmap(q), fmap(k)
         sq = qf * comp.type(s) if s != 1.0 else qf
         dqf = linear_attention(ab, v1, kf, feature_map="identity", normalize=False, scale=s)

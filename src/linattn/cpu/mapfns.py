@@ -35,7 +35,7 @@ from numba.extending import intrinsic, overload
 
 from .._jit import FASTMATH, Kernel, array, njit
 from . import symbols
-from .elementwise import elu1, exp_f32_parts, exp_le0, load_rows, relu
+from .elementwise import exp_f32_parts, exp_le0, load_rows, map_row, relu
 from .gating import like
 from .smallgemm import noinline, small_gemm
 from .views import as_contiguous
@@ -133,15 +133,8 @@ def _gelu_overload(x):
 def _elementwise(code, x, y):
     """y = f(x) for the elementwise codes (x already scaled), in x's dtype."""
     one = like(1.0, y)
-    if code == SCALED_IDENTITY:
-        for a in range(x.shape[0]):
-            y[a] = x[a]
-    elif code == SCALED_ELU:
-        for a in range(x.shape[0]):
-            y[a] = elu1(x[a])
-    elif code == SCALED_RELU:
-        for a in range(x.shape[0]):
-            y[a] = relu(x[a])
+    if code < SQUARED_RELU:  # identity, elu + 1, relu (of a scaled input): the kernels' own loops
+        map_row(x, code - SCALED_IDENTITY, y)
     elif code == SQUARED_RELU:
         for a in range(x.shape[0]):
             r = relu(x[a])
@@ -172,7 +165,7 @@ def _relu0(v, zero):
 @njit(helper=True)
 def _pairs(u, y, fp, off):
     """y[f] = u[I[f]] u[J[f]] C[f] for f < D', with I, J, C (D' each) from fp[off:]: the products that
-    the Taylor, ReBased and DPFP maps are made of, one loop over the features (gathers vectorise)."""
+    the Taylor, ReBased and DPFP maps are made of, one loop over the features (with gathers)."""
     dk = y.shape[0]
     idx_i, idx_j, coef = fp[off:off + dk], fp[off + dk:off + 2 * dk], fp[off + 2 * dk:off + 3 * dk]
     for f in range(dk):
@@ -180,13 +173,14 @@ def _pairs(u, y, fp, off):
 
 
 # One function per family for a block of rows: Y[t, :D'] = phi(X[t]) (X: rows of D values already
-# scaled by fp[0]; Y: rows with unit stride; ``work``: BLOCK D' + 2D + 2 values). Each is compiled into its own C function
-# (below), only once it is used.
+# scaled by fp[0]; Y: rows with unit stride; ``work``: BLOCK D' + 2D + 2 values). Each is compiled
+# into its own C function (below), only once it is used.
 
 #: Rows mapped at a time (the projections' products are BLOCK x D by D x m).
 BLOCK = 64
 
 
+@njit(helper=True)
 def work_size(d, dk):
     """Values of scratch a C function needs for inputs of D and maps of D' features (with the gathered
     block of rows)."""
@@ -320,7 +314,7 @@ def _rows_overload(src, rs, cs, c, d, dst, drs, code, fp, nfp, work, family):
         params = carray(fp, (nfp,))
         dk = int(params[1])
         out = carray(dst, (c, drs))  # (the last row's tail past D' is never touched)
-        buf = carray(work, (BLOCK * (d + dk) + 2 * d + 2,))
+        buf = carray(work, (work_size(d, dk),))
         scale = params[0]
         for t0 in range(0, c, BLOCK):
             cb = min(BLOCK, c - t0)
@@ -336,34 +330,34 @@ _BLOCKS = (_elementwise_block, _taylor_block, _rebased_block, _dpfp_block, _perf
            _t2r_block)
 
 
-# The C functions (arguments: src, rs, cs, c, d, dst, drs, dst's width (unused: D' is fp[1]), code, fp,
-# len(fp), work), one per family: plain module-level functions, each cached on disk by Numba (one that
+# The C functions (arguments: src, rs, cs, c, d, dst, drs, code, fp, len(fp), work; D' is fp[1]), one
+# per family: plain module-level functions, each cached on disk by Numba (one that
 # took its row function as an argument could not be: "dynamic globals").
-def _elementwise_c(src, rs, cs, c, d, dst, drs, width, code, fp, nfp, work):
+def _elementwise_c(src, rs, cs, c, d, dst, drs, code, fp, nfp, work):
     _rows(src, rs, cs, c, d, dst, drs, code, fp, nfp, work, 0)
 
 
-def _taylor_c(src, rs, cs, c, d, dst, drs, width, code, fp, nfp, work):
+def _taylor_c(src, rs, cs, c, d, dst, drs, code, fp, nfp, work):
     _rows(src, rs, cs, c, d, dst, drs, code, fp, nfp, work, 1)
 
 
-def _rebased_c(src, rs, cs, c, d, dst, drs, width, code, fp, nfp, work):
+def _rebased_c(src, rs, cs, c, d, dst, drs, code, fp, nfp, work):
     _rows(src, rs, cs, c, d, dst, drs, code, fp, nfp, work, 2)
 
 
-def _dpfp_c(src, rs, cs, c, d, dst, drs, width, code, fp, nfp, work):
+def _dpfp_c(src, rs, cs, c, d, dst, drs, code, fp, nfp, work):
     _rows(src, rs, cs, c, d, dst, drs, code, fp, nfp, work, 3)
 
 
-def _performer_c(src, rs, cs, c, d, dst, drs, width, code, fp, nfp, work):
+def _performer_c(src, rs, cs, c, d, dst, drs, code, fp, nfp, work):
     _rows(src, rs, cs, c, d, dst, drs, code, fp, nfp, work, 4)
 
 
-def _hedgehog_c(src, rs, cs, c, d, dst, drs, width, code, fp, nfp, work):
+def _hedgehog_c(src, rs, cs, c, d, dst, drs, code, fp, nfp, work):
     _rows(src, rs, cs, c, d, dst, drs, code, fp, nfp, work, 5)
 
 
-def _t2r_c(src, rs, cs, c, d, dst, drs, width, code, fp, nfp, work):
+def _t2r_c(src, rs, cs, c, d, dst, drs, code, fp, nfp, work):
     _rows(src, rs, cs, c, d, dst, drs, code, fp, nfp, work, 6)
 
 
@@ -375,7 +369,7 @@ _FAMILY_OF = {TAYLOR: "taylor", REBASED: "rebased", DPFP: "dpfp", PERFORMER: "pe
 
 def _c_signature(dt):
     ptr, i = types.CPointer(dt), types.intp
-    return types.void(ptr, i, i, i, i, ptr, i, i, i, ptr, i, ptr)
+    return types.void(ptr, i, i, i, i, ptr, i, i, ptr, i, ptr)
 
 
 _SYMBOLS = {(dt, family): symbols.define(f"map_rows_{family}_{dt}", fn, _c_signature(dt))
@@ -409,7 +403,7 @@ def _call_map_rows(typingctx, addr, src, i0, c, code, fp, dst, work):
         fpa = context.make_array(sig.args[5])(context, builder, args[5])
         wa = context.make_array(sig.args[7])(context, builder, args[7])
         values = [first, rs, cs, context.cast(builder, args[3], sig.args[3], types.intp),
-                  builder.extract_value(s.shape, 1), dsta.data, drs, builder.extract_value(dsta.shape, 1),
+                  builder.extract_value(s.shape, 1), dsta.data, drs,
                   context.cast(builder, args[4], sig.args[4], types.intp), fpa.data,
                   builder.extract_value(fpa.shape, 0), wa.data]
         symbols.emit_call_address(builder, context.cast(builder, args[0], sig.args[0], types.intp), values)
@@ -446,7 +440,7 @@ def mapped_dim(code, fp, d):
 @njit(helper=True)
 def map_state(code, fp, addr, d, dk, dtype):
     """The tuple load_features takes, with its work buffer."""
-    return (code, fp, addr, np.empty(BLOCK * (d + dk) + 2 * d + 2 if code >= FIRST else 0, dtype))
+    return (code, fp, addr, np.empty(work_size(d, dk) if code >= FIRST else 0, dtype))
 
 
 def _apply(x, code, fp, addr, y):

@@ -125,7 +125,7 @@ def start_threads():
     threading layer. Called before a parallel kernel is compiled or loaded, which would launch the
     pool: libgomp reads its environment when the pool loads it, so the variable is set only for that
     moment. A pool that user code already started is left as it is."""
-    global _layer, _get_num_threads, _blas_sharing
+    global _layer, _get_num_threads, _blas_sharing, _cap
     if _layer is not None:
         return
     with _layer_lock:
@@ -142,7 +142,6 @@ def start_threads():
         finally:
             if ours and not all_shared:
                 del os.environ["GOMP_SPINCOUNT"]
-        global _cap
         _cap = _read_cap()
         layer = numba.threading_layer()
         if layer in ("omp", "tbb"):  # layers that take parallel work from several threads at once
