@@ -19,6 +19,7 @@ _FLOATS = (np.dtype(np.float32), np.dtype(np.float64))
 _NO_GATES = {dt: np.zeros(0, dt) for dt in _FLOATS}  # the kernels' "no gates" (and "no map parameters")
 _CONSTANT_ONLY = {dt: np.zeros((0, 0), dt) for dt in _FLOATS}  # their "a constant decay alone"
 _ZERO_DECAY = np.zeros(0)
+_NO_DEN = {dt: np.zeros((1, 1, 0), dt) for dt in _FLOATS}  # the causal kernel keeps no denominators
 for _x in list(_NO_GATES.values()) + list(_CONSTANT_ONLY.values()) + [_ZERO_DECAY]:
     _x.setflags(write=False)
 _constants = {}  # (bh, n) -> lengths all n; (dtype, D', Dv) -> state arrays with no rows
@@ -73,7 +74,7 @@ def _fast(causal, q, k, v, feature_map, eps, normalize):
         status = np.zeros(3, np.int64)
         with kernel_section(nthreads):
             kernel(q4, k4, v4, code, _NO_GATES[dt], 0, dt.type(eps), normalize, dt.type(1.0), _full_lengths(bh, n),
-                   chunk, frac, nthreads, S0, Z0, o4, S, Z, _NO_GATES[dt], _ZERO_DECAY, status)
+                   chunk, frac, nthreads, S0, Z0, o4, S, Z, _NO_GATES[dt], _ZERO_DECAY, status, _NO_DEN[dt])
     else:
         kernel = chunked.noncausal_forward.get(dt, "C")
         with kernel_section(nthreads):
@@ -284,6 +285,16 @@ def causal_linear_attention(q, k, v, *, feature_map="elu", eps=1e-6, normalize=T
         return dask_mod.causal_linear_attention(
             q, k, v, feature_map=feature_map, eps=eps, normalize=normalize, initial_state=initial_state,
             return_state=return_state, lengths=lengths, decay=decay, gate=gate, scale=scale, out=out, device=device)
+    return causal_with_denominators(q, k, v, feature_map, eps, normalize, initial_state, return_state, lengths, decay,
+                                    gate, scale, out, device)[0]
+
+
+def causal_with_denominators(q, k, v, feature_map="elu", eps=1e-6, normalize=True, initial_state=None,
+                             return_state=False, lengths=None, decay=None, gate=None, scale=None, out=None, device=None,
+                             keep_denominators=False):
+    """causal_linear_attention's work for arrays (not Dask's): ``(result, den)``, where ``den`` (..., N), when
+    ``keep_denominators`` on the CPU with normalisation, holds scale phi(q_i).Z_i + eps (else None)."""
+    S_in, Z_in = checks.state_parts(initial_state)
     where = _placement(device, q, k, v, S_in, Z_in, names=("q", "k", "v", "initial_state.S", "initial_state.Z"))
     q, k, v, lead, n, dk, dv, comp, out_dt, eps, normalize, code = _prepare(
         q, k, v, feature_map, eps, normalize, where)
@@ -298,6 +309,7 @@ def causal_linear_attention(q, k, v, *, feature_map="elu", eps=1e-6, normalize=T
         initial_state = (as_device(S_in), as_device(Z_in))
     bh = math.prod(lead)
     lens = _full_lengths(bh, n) if lengths is None else checks.check_lengths(lengths, lead, n)
+    den = None
     if initial_state is None:  # no rows: the kernels start from zero
         S0, Z0 = _no_state(comp, dk, dv)[:2]
     else:
@@ -320,6 +332,7 @@ def causal_linear_attention(q, k, v, *, feature_map="elu", eps=1e-6, normalize=T
         res = res.reshape(lead + (n, dv))
     else:
         rows = bh if return_state else 0  # no rows: the kernel skips writing the state
+        den = np.zeros(lead + (n,), comp) if keep_denominators and normalize else None
         S, Z = np.empty((rows, dk, dv), comp), np.empty((rows, dk), comp)
         res = _result_array(out, lead, n, dv, comp, (q, k, v))
         if bh and n:
@@ -333,9 +346,11 @@ def causal_linear_attention(q, k, v, *, feature_map="elu", eps=1e-6, normalize=T
             ld = log_decay if log_decay is not None else (np.zeros(bh) if kind else _ZERO_DECAY)
             status = np.zeros(3, np.int64)
             kernel = chunked.causal_forward.get(comp, (layout, kind))
+            if den is not None:
+                den4 = den.reshape(q4.shape[:3])
             with kernel_section(nthreads):
                 kernel(q4, k4, v4, *code, comp.type(eps), normalize, comp.type(scale), lens, chunk, frac, nthreads, S0,
-                       Z0, o4, S, Z, g4, ld, status)
+                       Z0, o4, S, Z, g4, ld, status, _NO_DEN[comp] if den is None else den4)
             gates_mod.raise_bad_gate(status, lead)
             if copied[3]:  # res allowed no 4-D view with the inputs' split
                 res[...] = o4.reshape(res.shape)
@@ -344,8 +359,8 @@ def causal_linear_attention(q, k, v, *, feature_map="elu", eps=1e-6, normalize=T
             Z[...] = Z0 if len(Z0) else 0
     res = _deliver(res, out, out_dt, where)
     if return_state:
-        return res, State(S.reshape(lead + (dk, dv)), Z.reshape(lead + (dk,)))
-    return res
+        return (res, State(S.reshape(lead + (dk, dv)), Z.reshape(lead + (dk,)))), den
+    return res, den
 
 
 def linear_attention(q, k, v, *, feature_map="elu", eps=1e-6, normalize=True, scale=None, out=None, device=None,

@@ -23,10 +23,15 @@ factor), and d lam_t = sum_{i >= t} (Q_f,i . dQ_f,i - K_f,i . dK_f,i) + <dS, S_f
 per key dimension would need the decay along the values' dimension in the first two calls, which the
 kernels do not have: not differentiated yet.
 """
+import math
+
 import numpy as np
 
 from . import checks
-from .attention import causal_linear_attention, linear_attention
+from .attention import _seq4, causal_with_denominators, linear_attention
+from .cpu import backward
+from .cpu.elementwise import ELU, IDENTITY, RELU
+from .cpu.runtime import kernel_section, plan
 from .feature_maps import FeatureMap, as_map
 from .state import State
 
@@ -41,8 +46,9 @@ def _times_derivative(name, grad, x, y):
     return grad
 
 
-#: Feature maps differentiated.
-_DERIVATIVES = ("elu", "relu", "identity")
+#: Feature maps differentiated, and their codes in the backward kernel.
+_CODES = {"elu": ELU, "relu": RELU, "identity": IDENTITY}
+_DERIVATIVES = tuple(_CODES)
 
 
 def _map_and_derivative(feature_map):
@@ -56,11 +62,6 @@ def _map_and_derivative(feature_map):
 
 def _ones_column(x):
     return np.concatenate([x, np.ones(x.shape[:-1] + (1,), x.dtype)], -1)
-
-
-def _reverse(x):
-    """x backwards in time: a view (the kernels read negative strides in place)."""
-    return x[..., ::-1, :]
 
 
 def _check_grad(value, name, shape, dtype):
@@ -85,32 +86,33 @@ def _output_adjoints(g, out, den, normalize):
     return ab
 
 
-def _gate_gradients(qf, dqf, kf, dkf, dS, dZ, final, valid, kind, gate, decay, log_decay, lead):
-    """[dgate] and/or [ddecay] from the features and their gradients (dqf, dkf before phi').
+def _gate_gradients(terms, dS, dZ, final, valid, gate, decay, log_decay, lead, comp):
+    """[dgate] and/or [ddecay] from the per-position terms qf_t . dqf_t - kf_t . dkf_t (..., N).
 
-    With lam_t the log factor of position t and R_end = rowdot(dS_final, S_final) (over [S, Z]),
-    d lam_t = sum_{i >= t} (qf_i * dqf_i - kf_i * dkf_i) + R_end, per key dimension (the identity
-    flash-linear-attention uses for its gates' gradients, with Z as one more value column)."""
-    from . import gates as gates_mod
-
-    terms = (qf.astype(np.float64) * dqf - kf.astype(np.float64) * dkf)
-    if valid is not None:  # (dkf past a length is not the gradient yet: it is masked later)
-        terms = np.where(valid, terms, 0.0)
-    dlam = np.flip(np.cumsum(np.flip(terms, -2), -2), -2)
-    dlam += (dS.astype(np.float64) * final.S).sum(-1)[..., None, :] + (dZ.astype(np.float64) * final.Z)[..., None, :]
+    With lam_t the log factor of position t and R_end = <dS_end, S_end> + <dZ_end, Z_end>,
+    d lam_t = sum_{i >= t} terms_i + R_end (the identity flash-linear-attention uses for its gates'
+    gradients, with Z as one more value column)."""
+    if valid is not None:  # (not written past a length)
+        terms = np.where(valid[..., 0], terms, 0.0)
+    dlam = np.flip(np.cumsum(np.flip(terms, -1), -1), -1)
+    dlam += ((dS.astype(np.float64) * final.S).sum((-1, -2)) + (dZ.astype(np.float64) * final.Z).sum(-1))[..., None]
     if valid is not None:
-        dlam = np.where(valid, dlam, 0.0)
+        dlam = np.where(valid[..., 0], dlam, 0.0)
     out = []
-    comp = qf.dtype
     if gate is not None:
-        out.append((dlam if kind == gates_mod.VECTOR else dlam.sum(-1)).astype(comp))
+        out.append(dlam.astype(comp))
     if decay is not None:
-        per_seq = dlam.sum((-1, -2)) / np.exp(log_decay.reshape(lead))  # d decay = d log decay / decay
+        per_seq = dlam.sum(-1) / np.exp(log_decay.reshape(lead))  # d decay = d log decay / decay
         extra = per_seq.ndim - decay.ndim
         per_seq = per_seq.sum(tuple(range(extra))) if extra > 0 else per_seq
         axes = tuple(i for i, s in enumerate(decay.shape) if s == 1 and per_seq.shape[i] != 1)
         out.append(per_seq.sum(axes, keepdims=True).reshape(decay.shape))
     return out
+
+
+def _unit_rows(x):
+    """x with unit stride along its last axis (the backward kernel reads rows as vectors)."""
+    return x if x.strides[-1] == x.itemsize or x.shape[-1] <= 1 else np.ascontiguousarray(x)
 
 
 def causal_linear_attention_vjp(q, k, v, *, feature_map="elu", eps=1e-6, normalize=True, initial_state=None,
@@ -158,18 +160,12 @@ def causal_linear_attention_vjp(q, k, v, *, feature_map="elu", eps=1e-6, normali
     if has_state:
         S0, Z0 = checks.check_state(initial_state, "initial_state", lead, d, dv, comp)
         S0, Z0 = np.asarray(S0), np.asarray(Z0)
-    else:
-        S0, Z0 = np.zeros(lead + (d, dv), comp), np.zeros(lead + (d,), comp)
-    v1 = _ones_column(v)
-    # num and den in one call: v with a column of ones, the state with Z as its last column
-    aug, st = causal_linear_attention(q, k, v1, feature_map=fmap, normalize=False, scale=s, decay=decay, gate=gate,
-                                      initial_state=State(np.concatenate([S0, Z0[..., None]], -1),
-                                                          np.zeros(lead + (d,), comp)),
-                                      return_state=True, lengths=lens)
-    num, den = aug[..., :dv], aug[..., dv] + comp.type(eps)
-    out = num / den[..., None] if normalize else num
+    (out, final), den = causal_with_denominators(
+        q, k, v, fmap, eps, normalize, State(S0, Z0) if has_state else None, True, lens, decay, gate, s,
+        keep_denominators=True)
+    if den is None:  # (not read without normalisation)
+        den = np.zeros(lead + (n,), comp)
     valid = None if lens is None else (np.arange(n) < lens[..., None])[..., None]
-    final = State(st.S[..., :dv].copy(), st.S[..., dv].copy())
     # the log factor of every position, (..., N, D') or (..., N, 1), decay folded in, 0 past a length; and
     # the same backwards in time, shifted by one (the state after position t decays by position t+1's)
     lam = lam_rev = None
@@ -181,53 +177,63 @@ def causal_linear_attention_vjp(q, k, v, *, feature_map="elu", eps=1e-6, normali
         if valid is not None:
             lam = np.where(valid, lam, 0.0)
         lam_rev = np.concatenate([np.zeros_like(lam[..., :1, :]), lam[..., ::-1, :][..., :-1, :]], -2)
-        lam, lam_rev = (x.astype(comp) if x.shape[-1] > 1 else x[..., 0].astype(comp) for x in (lam, lam_rev))
+        lam, lam_rev = (x[..., 0].astype(comp) for x in (lam, lam_rev))
+
+    code = _CODES[name]
+    bh = math.prod(lead)
+    lens_all = np.full(bh, n, np.int64) if lens is None else np.ascontiguousarray(lens.reshape(bh), np.int64)
+    gated = kind != gates_mod.NONE
+    if gated:
+        lam, lam_rev = (x.reshape((1, bh, n)) for x in (lam, lam_rev))
+    S0t = (np.ascontiguousarray(np.swapaxes(np.concatenate([S0, Z0[..., None]], -1), -1, -2)).reshape(bh, dv + 1, d)
+           if has_state else np.empty((0, dv + 1, d), comp))
 
     def vjp(dout, dstate=None):
-        g = _check_grad(dout, "dout", lead + (n, dv), comp)
-        if valid is not None:
-            g = np.where(valid, g, 0)
+        g = _unit_rows(_check_grad(dout, "dout", lead + (n, dv), comp))
         if dstate is None:
-            dS, dZ = np.zeros(lead + (d, dv), comp), np.zeros(lead + (d,), comp)
+            H0 = np.empty((0, dv + 1, d), comp)
+            dS = dZ = None
         else:
             if not return_state:
                 raise TypeError("dstate: the forward returned no state (return_state=False)")
             dS, dZ = checks.state_parts(dstate)
             dS = _check_grad(dS, "dstate.S", lead + (d, dv), comp)
             dZ = _check_grad(dZ, "dstate.Z", lead + (d,), comp)
-        ab = _output_adjoints(g, out, den, normalize)
-        a = ab[..., :dv]
-        qf, kf = fmap(q), fmap(k)
-        sq = qf * comp.type(s) if s != 1.0 else qf
-        zeros = np.zeros(lead + (dv + 1,), comp)
-        dk = np.empty(lead + (n, d), comp)  # the backwards calls write into reversed views of these
-        dvv = np.empty(lead + (n, dv), comp)
-        # dQf = s (S_i a_i + Z_i b_i)
-        dqf = causal_linear_attention(ab, v1, kf, feature_map="identity", normalize=False, scale=s, gate=lam,
-                                      initial_state=State(np.swapaxes(np.concatenate([S0, Z0[..., None]], -1), -1, -2),
-                                                          zeros))
-        # dKf = G_j v_j + H_j and the initial state's gradient, backwards in time
-        _, back = causal_linear_attention(
-            _reverse(v1), _reverse(ab), _reverse(sq), feature_map="identity", normalize=False, gate=lam_rev,
-            initial_state=State(np.swapaxes(np.concatenate([dS, dZ[..., None]], -1), -1, -2), zeros),
-            return_state=True, out=_reverse(dk))
-        # dv = G_j^T Kf_j, backwards in time
-        causal_linear_attention(_reverse(kf), _reverse(sq), _reverse(a), feature_map="identity", normalize=False,
-                                gate=lam_rev, initial_state=State(dS, np.zeros(lead + (d,), comp)), out=_reverse(dvv))
+            H0 = np.ascontiguousarray(np.swapaxes(np.concatenate([dS, dZ[..., None]], -1), -1, -2)).reshape(
+                bh, dv + 1, d)
+        (q4, k4, v4, g4, o4), _, _ = _seq4(tuple(_unit_rows(x) for x in (q, k, v, g, out)), lead)
+        g12 = q4.shape[:2]
+        dq, dk, dvv = np.empty(lead + (n, d), comp), np.empty(lead + (n, d), comp), np.empty(lead + (n, dv), comp)
+        rows = bh if has_state else 0
+        H_out = np.empty((rows, dv + 1, d), comp)
+        Z0 = np.zeros((bh if (has_state or dS is not None) else 0, dv + 1), comp)
+        Z_out = np.empty((rows, dv + 1), comp)
+        rq, rk = (np.empty((bh, n)) if gated else np.empty((1, 0)) for _ in range(2))
+        status = np.zeros(3, np.int64)
+        if bh and n:
+            chunk, _, nthreads = plan(bh, n, d, dv, causal=True)
+            nthreads = min(nthreads, 2 * bh)
+            kernel = backward.causal_backward.get(comp, int(gated))
+            no_gates = np.empty(0, comp)
+            with kernel_section(nthreads):
+                kernel(q4, k4, v4, g4, o4, den.reshape(g12 + (n,)), code, normalize, comp.type(s), lens_all, chunk,
+                       nthreads, S0t, H0, Z0, lam.reshape(g12 + (n,)) if gated else no_gates,
+                       lam_rev.reshape(g12 + (n,)) if gated else no_gates, np.zeros(bh),
+                       dq.reshape(g12 + (n, d)), dk.reshape(g12 + (n, d)), dvv.reshape(g12 + (n, dv)), H_out, Z_out,
+                       rq, rk, status)
+        elif has_state:
+            H_out[...] = H0 if len(H0) else 0
+        if dS is None:
+            dS, dZ = np.zeros(lead + (d, dv), comp), np.zeros(lead + (d,), comp)
         extra = []
-        if kind != gates_mod.NONE:
-            extra = _gate_gradients(qf, dqf, kf, dk, dS, dZ, final, valid, kind, gate, decay_arr, log_decay, lead)
-        dq = _times_derivative(name, dqf, q, qf)
-        dk = _times_derivative(name, dk, k, kf)
-        if valid is not None:  # past its length a sequence's inputs do not matter
-            dq, dk, dvv = (np.where(valid, x, 0) for x in (dq, dk, dvv))
-        dq, dk, dvv = (x.astype(out_dt, copy=False) for x in (dq, dk, dvv))
-        grads = [dq, dk, dvv]
+        if gated:
+            extra = _gate_gradients((rq - rk).reshape(lead + (n,)), dS, dZ, final, valid, gate, decay_arr, log_decay,
+                                    lead, comp)
+        grads = [x.astype(out_dt, copy=False) for x in (dq, dk, dvv)]
         if has_state:
-            G0 = np.swapaxes(back.S, -1, -2)  # (D', Dv + 1): the gradient of [S, Z] before position 0's factor
-            if lam is not None:
-                f0 = np.exp(lam[..., 0, :] if lam.ndim == len(lead) + 2 else lam[..., 0:1])
-                G0 = G0 * f0[..., :, None]
+            G0 = np.swapaxes(H_out.reshape(lead + (dv + 1, d)), -1, -2)  # the adjoint before position 0's factor
+            if gated and n:
+                G0 = G0 * np.exp(lam.reshape(lead + (n,))[..., 0])[..., None, None]
             grads.append(State(G0[..., :dv].astype(comp), G0[..., dv].astype(comp)))
         return tuple(grads + extra)
 

@@ -181,9 +181,10 @@ def _write_state(acc, accz, P, Pz, h, S_out, Z_out, has_acc, has_p, lam, decayed
 
 
 @njit(helper=True)
-def _normalize_rows(out, i0, c, QA, Z, d_, causal, eps, scale):
+def _normalize_rows(out, i0, c, QA, Z, d_, causal, eps, scale, keep):
     """Divide out[i0+t] (one head) by phi(q_t).Z (+ sum_{s<=t} A[t, s] when causal) + eps / scale,
-    and multiply it by 1 (phi(q) times ``scale``: scale phi(q).S / (scale phi(q).Z + eps))."""
+    and multiply it by 1 (phi(q) times ``scale``: scale phi(q).S / (scale phi(q).Z + eps)); the
+    denominators scale phi(q).Z + eps go to keep[i0+t] when ``keep`` has elements."""
     for t in range(c):
         den = Z[0] - Z[0]  # zero in the compute dtype
         for a in range(d_):
@@ -192,6 +193,8 @@ def _normalize_rows(out, i0, c, QA, Z, d_, causal, eps, scale):
             for s in range(t + 1):
                 den += QA[t, d_ + s]
         inv = scale / (scale * den + eps)
+        if keep.shape[0] > 0:
+            keep[i0 + t] = scale * den + eps
         row = as_contiguous(out[i0 + t])  # out has unit stride along its rows (the wrappers see to it)
         for e in range(row.shape[0]):
             row[e] *= inv
@@ -208,7 +211,7 @@ def _scale_rows(out, i0, c, scale):
 
 @njit(helper=True)
 def _causal_segment(q, k, v, out, mp, eps, normalize, scale, length, chunk, c0, c1, last, S0, Z0, h, S_out, Z_out,
-                    gates, ld, status, QA, SV, Kf, KT, G, R, F, X, sums):
+                    gates, ld, status, den, QA, SV, Kf, KT, G, R, F, X, sums):
     """Outputs of chunks [c0, c1) of one head (q, k, v, out: (N, X) views), from the state before
     chunk c0 (recomputed from the head's start); the last segment also zeroes the padding past
     ``length`` and writes the final state to S_out[h], Z_out[h] (when they have rows). With gates
@@ -254,7 +257,7 @@ def _causal_segment(q, k, v, out, mp, eps, normalize, scale, length, chunk, c0, 
         else:  # a zero state: the chunk's own part only
             small_gemm(QA[:c, d_:d_ + c], SV[d_:d_ + c], out[i0:i0 + c], False, 0, -1)
         if normalize:
-            _normalize_rows(out, i0, c, QA, Z, d_, True, eps, scale)
+            _normalize_rows(out, i0, c, QA, Z, d_, True, eps, scale, den)
         elif scale != 1:
             _scale_rows(out, i0, c, scale)
         beta = gate_pending(gates, P, Pz, lam, c, G, R, F, has_p)
@@ -277,7 +280,7 @@ def _causal_segment(q, k, v, out, mp, eps, normalize, scale, length, chunk, c0, 
 
 @njit(helper=True)
 def _causal_worker(q, k, v, fm, fp, fa, eps, normalize, scale, lengths, chunk, frac, S0, Z0, out, S_out, Z_out,
-                   gates, ld, status, counter):
+                   gates, ld, status, den, counter):
     """One thread's share of _causal_forward: work items taken from ``counter`` until none are left."""
     noinline()  # called from two places (serial and parallel): one compiled copy
     g2, n, d_ = q.shape[1], q.shape[2], mapped_dim(fm, fp, q.shape[3])
@@ -298,14 +301,15 @@ def _causal_worker(q, k, v, fm, fp, fa, eps, normalize, scale, lengths, chunk, f
         last = s == nseg - 1
         if c0 < c1 or (last and (S_out.shape[0] > 0 or length < n)):
             h1, h2 = h // g2, h % g2
+            keep = den[h1, h2] if den.shape[2] > 0 else den[0, 0]
             _causal_segment(q[h1, h2], k[h1, h2], v[h1, h2], out[h1, h2], mp, eps, normalize, scale, length, chunk,
-                            c0, c1, last, S0, Z0, h, S_out, Z_out, gates, ld, status, QA, SV, Kf, KT, G, R, F,
+                            c0, c1, last, S0, Z0, h, S_out, Z_out, gates, ld, status, keep, QA, SV, Kf, KT, G, R, F,
                             X, sums)
         item = take(counter)
 
 
 def _causal_forward(q, k, v, fm, fp, fa, eps, normalize, scale, lengths, chunk, frac, nthreads, S0, Z0, out, S_out,
-                    Z_out, gates, ld, status):
+                    Z_out, gates, ld, status, den):
     """Causal linear attention of every head; head h stops at lengths[h] (later outputs are 0).
 
     q, k: (G1, G2, N, D); v, out: (G1, G2, N, Dv), any strides with unit stride along the last
@@ -318,17 +322,18 @@ def _causal_forward(q, k, v, fm, fp, fa, eps, normalize, scale, lengths, chunk, 
     decay per head, float64) decay the state; a bad gate value is reported in ``status``.
     ``scale`` multiplies phi(q). The feature map: code ``fm``, parameters ``fp`` and the address of
     cpu/mapfns.py's map_rows ``fa`` (0 when fm is computed inline); S0, S_out and the gates have D'
-    columns where the map changes the dimension.
+    columns where the map changes the dimension. With normalisation, ``den`` (G1, G2, N) receives the
+    denominators scale phi(q_i).Z_i + eps (the backward pass needs them) unless its last dim is 0.
     """
     counter = np.empty(1, np.int64)  # np.zeros would become a parallel loop (a parfor) of its own
     counter[0] = 0
     if nthreads <= 1:
         _causal_worker(q, k, v, fm, fp, fa, eps, normalize, scale, lengths, chunk, frac, S0, Z0, out, S_out, Z_out,
-                       gates, ld, status, counter)
+                       gates, ld, status, den, counter)
     else:
         for _ in prange(nthreads):
             _causal_worker(q, k, v, fm, fp, fa, eps, normalize, scale, lengths, chunk, frac, S0, Z0, out, S_out,
-                           Z_out, gates, ld, status, counter)
+                           Z_out, gates, ld, status, den, counter)
 
 
 @njit(helper=True)
@@ -355,7 +360,7 @@ def _noncausal_segment(q, k, v, out, mp, eps, normalize, scale, chunk, c0, c1, Q
         load_features(q, i0, c, mp, QA)
         small_gemm(QA[:c], S, out[i0:i0 + c], False, -1, -1)
         if normalize:
-            _normalize_rows(out, i0, c, QA, Z, d_, False, eps, scale)
+            _normalize_rows(out, i0, c, QA, Z, d_, False, eps, scale, QA[0, :0])
         elif scale != 1:
             _scale_rows(out, i0, c, scale)
 
@@ -412,7 +417,7 @@ def _causal_signature(dt, variant):
                       array(i64, 1, readonly=True), i64,
                       array(f64, 1, readonly=True), i64, array(dt, 3, readonly=True),
                       array(dt, 2, readonly=True), array(dt, 4, layout), array(dt, 3), array(dt, 2),
-                      _gates_type(dt, kind), array(f64, 1, readonly=True), array(i64, 1))
+                      _gates_type(dt, kind), array(f64, 1, readonly=True), array(i64, 1), array(dt, 3))
 
 
 def _noncausal_signature(dt, layout):

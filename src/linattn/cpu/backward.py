@@ -1,0 +1,272 @@
+"""The backward pass of causal linear attention: dq, dk, dv (and the initial state's gradient, and the
+per-position terms of a gate's gradient) in two chunkwise scans per head, one forward and one
+backward in time, run as two work items.
+
+Per head, with the state augmented by Z as one more value column (S, Dv + 1 columns; v1 = [v, 1]),
+the forward's denominators ``den`` and outputs ``out``, and the output gradient g: ab_t = [a_t, b_t]
+= [g_t / den_t, -(g_t . out_t) / den_t] (without normalisation [g_t, 0]); qs = scale phi(q). Then
+
+- dq_t = scale phi'(q_t) S_t ab_t: causal attention forward in time with queries ab, keys v1 and
+  values phi(k), from the initial state S_0^T;
+- with H_t = sum_{i >= t} (factors of (t, i]) qs_i ab_i^T + (factors of (t, end]) dS_end, the adjoint
+  of the state: dk_t = phi'(k_t) H_t v1_t and dv_t = H_t[:, :Dv]^T phi(k_t): causal attention
+  backwards in time with queries v1 (and phi(k)), keys ab (and qs), values qs (and a), from dS_end^T,
+  the log factors shifted by a position (the adjoint after t decays by t + 1's factor); its final
+  state is the initial state's gradient (times position 0's factor: the caller's).
+
+Each scan is the forward kernel's chunk: [X | tril(X Y^T), decayed] @ [state ; W], then the state
+update (Y times its factors)^T W folded into float64 every FOLD_EVERY chunks (cpu/chunked.py's
+helpers, cpu/gating.py's for the factors). The backward scan reads reversed views of its head, so
+its "causal" order is time reversed and the same code serves both. Extra memory is O(chunk * (D +
+Dv) + D * Dv) per item. With gates, rq_t = qs_t . dqs_t and rk_t = phi(k_t) . dkf_t (before phi')
+are written for the gates' gradient (its running sums are the caller's).
+"""
+import numpy as np
+from numba import prange, types
+
+from .._jit import Kernel, array, njit
+from .chunked import FOLD_EVERY, _current, _fold, _init_state, _state_buffers, _write_state
+from .elementwise import ELU, RELU, load_rows
+from .gating import (chunk_gates, gate_buffers, gate_key_columns, gate_pending, gate_queries, gate_scores,
+                     gate_state_factors)
+from .schedule import take
+from .smallgemm import noinline, small_gemm
+from .vector import transpose_rows
+from .views import as_contiguous
+
+
+@njit(helper=True)
+def _load_adjoints(g, out, den, i0, c, normalize, AB):
+    """AB[t, :Dv + 1] = [a_t, b_t] of position i0 + t (the gradients of the numerator and of the
+    denominator): [g / den, -(g . out) / den], or [g, 0] without normalisation."""
+    dv = g.shape[1]
+    for t in range(c):
+        gt, row = as_contiguous(g[i0 + t]), AB[t]
+        if normalize:
+            ot = as_contiguous(out[i0 + t])
+            inv = 1 / den[i0 + t]
+            dot = gt[0] - gt[0]
+            for e in range(dv):
+                dot += gt[e] * ot[e]
+            for e in range(dv):
+                row[e] = gt[e] * inv
+            row[dv] = -dot * inv
+        else:
+            for e in range(dv):
+                row[e] = gt[e]
+            row[dv] = 0
+
+
+@njit(helper=True)
+def _load_values(v, i0, c, V1):
+    """V1[t, :Dv + 1] = [v_{i0+t}, 1]."""
+    dv = v.shape[1]
+    for t in range(c):
+        src, row = as_contiguous(v[i0 + t]), V1[t]
+        for e in range(dv):
+            row[e] = src[e]
+        row[dv] = 1
+
+
+@njit(helper=True)
+def _scale_rows(X, c, s):
+    if s != 1:
+        for t in range(c):
+            row = X[t]
+            for a in range(X.shape[1]):
+                row[a] *= s
+
+
+@njit(helper=True)
+def _times_derivative(R, Y, c, fm, s, one, dst, i0, r, has_r):
+    """dst[i0 + t] = s R[t] phi'(x_t), from Y[t] = phi(x_t) (elu + 1: min(y, 1), the exp below 0;
+    relu: 1 where y > 0; identity: 1), and r[i0 + t] = s Y[t] . R[t] when ``has_r``. ``one``: 1 in
+    the arrays' dtype."""
+    d = R.shape[1]
+    zero = one - one
+    for t in range(c):
+        rt, yt, row = R[t], Y[t], as_contiguous(dst[i0 + t])
+        if has_r:
+            acc = 0.0
+            for a in range(d):
+                acc += np.float64(yt[a]) * np.float64(rt[a])
+            r[i0 + t] = s * acc
+        if fm == ELU:
+            for a in range(d):
+                y = yt[a]
+                row[a] = s * rt[a] * (y if not y > one else one)
+        elif fm == RELU:
+            for a in range(d):
+                row[a] = s * rt[a] * (one if yt[a] > zero else zero)
+        else:
+            for a in range(d):
+                row[a] = s * rt[a]
+
+
+@njit(helper=True)
+def _zero_rows(x, i0, i1):
+    for i in range(i0, i1):
+        row = as_contiguous(x[i])
+        for e in range(row.shape[0]):
+            row[e] = 0
+
+
+@njit(helper=True)
+def _chunk_output(gates, QA, KT, SV, x, c, G, Rg, F, X, has_state, res):
+    """res[:c] = [X | tril(X Y^T), decayed] @ [state ; W], with X in QA[:c, :x], Y^T in KT, the state
+    in SV[:x] and W in SV[x:x + c] (the forward kernel's chunk; QA's X rows are left scaled by the
+    factors of the state before the chunk)."""
+    gate_scores(gates, QA, KT, SV, x, c, G, Rg, F, X)
+    gate_queries(gates, QA, x, c, F)
+    if has_state:
+        small_gemm(QA[:c, :x + c], SV[:x + c], res, False, x, -1)
+    else:
+        small_gemm(QA[:c, x:x + c], SV[x:x + c], res, False, 0, -1)
+
+
+@njit(helper=True)
+def _chunk_update(gates, KT, SV, x, c, G, Rg, F, P, Pz, lam, has_p):
+    """P = (decayed) P + (Y times its factors at the chunk's end)^T W (KT's columns are scaled)."""
+    beta = gate_pending(gates, P, Pz, lam, c, G, Rg, F, has_p)
+    gate_key_columns(gates, KT, SV, c, F, Pz)
+    small_gemm(KT[:, :c], SV[x:x + c], P, beta if has_p else 0, -1, -1)
+
+
+@njit(helper=True)
+def _scan(q, k, v, g, out, den, fm, normalize, s, one, start, chunk, S0, Z0, h, gates, ld, status, backwards, dq, dk,
+          dv, H_out, Z_out, r, has_r, QA, SV, KT, AB, KF, R, QA2, SV2, KT2, sums, G, Rg, F, X):
+    """One scan over positions [start, N) of one head's (N, X) views (reversed views when
+    ``backwards``): forward, dq from the state S0[h]; backwards, dk and dv from the adjoint S0[h]
+    (= dS_end^T), its final value to H_out[h] when it has rows."""
+    n, e, d = q.shape[0], AB.shape[1], SV.shape[1]
+    dvdim = e - 1
+    decayed = gates.ndim > 1
+    P, B, acc, Pz, Bz, Z, accz, lam = _state_buffers(e, d, QA.dtype)
+    fb = np.empty(e if decayed else 0, QA.dtype)
+    has_acc = _init_state(S0, Z0, h, acc, accz, B, Bz)
+    has_p = False
+    gate_state_factors(gates, lam, fb)
+    _current(B, Bz, P, Pz, SV, Z, has_acc, has_p, fb, decayed)
+    ci = 0
+    for i0 in range(start, n, chunk):
+        c = min(chunk, n - i0)
+        chunk_gates(gates, h, ld, i0, c, G, Rg, F, status)
+        if not backwards:  # X = ab, Y = v1, W = phi(k); out: dq
+            _load_adjoints(g, out, den, i0, c, normalize, QA)
+            _load_values(v, i0, c, AB)
+            transpose_rows(AB, KT, sums, c)
+            load_rows(k, i0, c, fm, SV[e:])
+            _chunk_output(gates, QA, KT, SV, e, c, G, Rg, F, X, has_acc or has_p, R[:c])
+            load_rows(q, i0, c, fm, KF)
+            _times_derivative(R, KF, c, fm, s, one, dq, i0, r, has_r)
+        else:  # X = v1, Y = ab, W = qs; out: dk; then X = phi(k), Y = qs, W = a, state H[:, :Dv]; out: dv
+            _load_values(v, i0, c, QA)
+            _load_adjoints(g, out, den, i0, c, normalize, AB)
+            transpose_rows(AB, KT, sums, c)
+            load_rows(q, i0, c, fm, SV[e:])
+            _scale_rows(SV[e:], c, s)
+            transpose_rows(SV[e:], KT2, sums, c)
+            load_rows(k, i0, c, fm, QA2)
+            for t in range(c):
+                src, dst = AB[t], SV2[d + t]
+                for j in range(dvdim):
+                    dst[j] = src[j]
+            for a in range(d):  # H[:, :Dv] from H^T
+                for j in range(dvdim):
+                    SV2[a, j] = SV[j, a]
+            _chunk_output(gates, QA, KT, SV, e, c, G, Rg, F, X, has_acc or has_p, R[:c])
+            _times_derivative(R, QA2, c, fm, one, one, dk, i0, r, has_r)
+            _chunk_output(gates, QA2, KT2, SV2, d, c, G, Rg, F, X, has_acc or has_p, dv[i0:i0 + c])
+        _chunk_update(gates, KT, SV, e, c, G, Rg, F, P, Pz, lam, has_p)
+        has_p = True
+        ci += 1
+        if ci % FOLD_EVERY == 0:
+            _fold(acc, accz, B, Bz, P, Pz, has_acc, lam, decayed)
+            has_acc, has_p = True, False
+        gate_state_factors(gates, lam, fb)
+        _current(B, Bz, P, Pz, SV, Z, has_acc, has_p, fb, decayed)
+    if backwards:
+        _zero_rows(dk, 0, start)
+        _zero_rows(dv, 0, start)
+        if H_out.shape[0] > 0:
+            _write_state(acc, accz, P, Pz, h, H_out, Z_out, has_acc, has_p, lam, decayed)
+
+
+@njit(helper=True)
+def _worker(q, k, v, g, out, den, fm, normalize, s, lengths, chunk, S0, H0, Z0, gates, gates_rev, ld, dq, dk, dv,
+            H_out, Z_out, rq, rk, status, counter):
+    """One thread's share of _causal_backward: items (head, direction) taken from ``counter``."""
+    noinline()
+    g2, n, d = q.shape[1], q.shape[2], q.shape[3]
+    e, dt = v.shape[3] + 1, dq.dtype
+    has_r = rq.shape[1] > 0
+    one = np.ones(1, dt)[0]
+    QA = np.empty((chunk, e + chunk), dt)  # [X | scores]
+    SV = np.empty((e + chunk, d), dt)  # [state ; W]
+    KT = np.empty((e, chunk), dt)
+    AB = np.empty((chunk, e), dt)
+    KF = np.empty((chunk, d), dt)
+    R = np.empty((chunk, d), dt)
+    QA2 = np.empty((chunk, d + chunk), dt)
+    SV2 = np.empty((d + chunk, e - 1), dt)
+    KT2 = np.empty((d, chunk), dt)
+    sums = np.zeros(max(d, e), dt)
+    G, Rg, F, X = gate_buffers(gates, chunk, dt)
+    items = 2 * q.shape[0] * g2
+    item = take(counter)
+    while item < items:
+        h, backwards = item // 2, item % 2 == 0  # the longer backward scans first
+        h1, h2, length = h // g2, h % g2, lengths[h]
+        r = (rk if backwards else rq)[h if has_r else 0]
+        if backwards:
+            _scan(q[h1, h2][::-1], k[h1, h2][::-1], v[h1, h2][::-1], g[h1, h2][::-1], out[h1, h2][::-1],
+                  den[h1, h2][::-1], fm, normalize, s, one, n - length, chunk, H0, Z0, h, gates_rev, ld, status, True,
+                  dq[h1, h2], dk[h1, h2][::-1], dv[h1, h2][::-1], H_out, Z_out, r[::-1], has_r, QA, SV, KT, AB, KF, R,
+                  QA2, SV2, KT2, sums, G, Rg, F, X)
+        else:
+            _scan(q[h1, h2][:length], k[h1, h2][:length], v[h1, h2][:length], g[h1, h2][:length],
+                  out[h1, h2][:length], den[h1, h2][:length], fm, normalize, s, one, 0, chunk, S0, Z0, h, gates, ld,
+                  status, False, dq[h1, h2], dk[h1, h2], dv[h1, h2], H_out, Z_out, r, has_r, QA, SV, KT, AB, KF,
+                  R, QA2, SV2, KT2, sums, G, Rg, F, X)
+            _zero_rows(dq[h1, h2], length, n)
+        item = take(counter)
+
+
+def _causal_backward(q, k, v, g, out, den, fm, normalize, s, lengths, chunk, nthreads, S0, H0, Z0, gates, gates_rev,
+                     ld, dq, dk, dv, H_out, Z_out, rq, rk, status):
+    """Gradients of causal linear attention for every head (see the module docstring).
+
+    q, k: (G1, G2, N, D); v, g, out: (G1, G2, N, Dv); den: (G1, G2, N), the forward's denominators;
+    all with unit stride along their last axis. ``fm``: cpu/elementwise.py's map code; ``s``: the
+    scale of phi(q). S0: the initial state transposed, [S_0 | Z_0]^T (heads, Dv + 1, D), H0: the
+    final state's gradient the same way, or arrays with no rows for zeros; Z0: zeros (heads, Dv + 1)
+    (the Z of cpu/chunked.py's state helpers, unused here). ``gates``: the log factor of each position
+    (G1, G2, N), zero past its head's length, or an empty 1-D array; ``gates_rev``: the same reversed
+    in time and shifted by one position (position N - 1 - t holds the factor of t + 1, position 0
+    zero); ld: zeros per head. Out: dq, dk, dv (zero past ``lengths``), H_out (heads, Dv + 1, D): the
+    adjoint of the state before position 0's factor (unless it has no rows), rq, rk (heads, N) in
+    float64 with gates (else (1, 0)); Z_out: scratch (heads, Dv + 1) where H_out has rows.
+    """
+    counter = np.empty(1, np.int64)
+    counter[0] = 0
+    if nthreads <= 1:
+        _worker(q, k, v, g, out, den, fm, normalize, s, lengths, chunk, S0, H0, Z0, gates, gates_rev, ld, dq, dk, dv,
+                H_out, Z_out, rq, rk, status, counter)
+    else:
+        for _ in prange(nthreads):
+            _worker(q, k, v, g, out, den, fm, normalize, s, lengths, chunk, S0, H0, Z0, gates, gates_rev, ld, dq, dk,
+                    dv, H_out, Z_out, rq, rk, status, counter)
+
+
+def _signature(dt, kind):
+    seq, i64, f64 = array(dt, 4, "A", readonly=True), types.int64, types.float64
+    gate_t = array(dt, 3, "A", readonly=True) if kind else array(dt, 1, readonly=True)
+    return types.void(seq, seq, seq, seq, seq, array(dt, 3, "A", readonly=True), i64, types.boolean, dt,
+                      array(i64, 1, readonly=True), i64, i64, array(dt, 3, readonly=True), array(dt, 3, readonly=True),
+                      array(dt, 2, readonly=True), gate_t, gate_t, array(f64, 1, readonly=True),
+                      array(dt, 4, "A"), array(dt, 4, "A"), array(dt, 4, "A"), array(dt, 3), array(dt, 2),
+                      array(f64, 2, "A"), array(f64, 2, "A"), array(i64, 1))
+
+
+#: kind: 0 without gates, 1 with a log factor per position (decay and gates folded into it)
+causal_backward = Kernel(_causal_backward, _signature)
