@@ -193,13 +193,17 @@ def test_segments(rng, frac):
     frac = np.asarray(frac, np.float64)
     no_gates = (np.zeros(0, np.float32), np.zeros(0), np.zeros(3, np.int64))
     no_map = (np.zeros(0, np.float32), 0)  # elu+1 inline: no parameters, no map_rows
+    den = np.full((1, 3, n), np.nan, np.float32)  # the denominators kept for the backward pass
     chunked.causal_forward.get(np.float32, ("C", 0))(q[None], k[None], v[None], 1, *no_map, np.float32(1e-6), True,
                                                       np.float32(1), lengths, chunk_size(n), frac, 2, S0, Z0, out[None],
-                                                      S, Z, *no_gates)
+                                                      S, Z, *no_gates, den)
     for h, L in enumerate(lengths):
         ref, (S_ref, Z_ref) = reference.loop(q[h, :L], k[h, :L], v[h, :L], initial_state=(S0[h], Z0[h]),
                                              return_state=True)
         assert_close(out[h, :L], ref, np.float32)
+        qf, kf = (np.where(x[h, :L] > 0, x[h, :L] + 1.0, np.exp(np.minimum(x[h, :L], 0.0))) for x in (q, k))
+        den_ref = np.einsum("nd,nd->n", qf, Z0[h] + np.cumsum(kf, 0)) + 1e-6
+        assert_close(den[0, h, :L], den_ref, np.float32)
         np.testing.assert_array_equal(out[h, L:], 0)
         assert_close(S[h], S_ref, np.float32)
         assert_close(Z[h], Z_ref, np.float32)

@@ -195,3 +195,94 @@ def test_bad_input(rng):
         linattn.causal_linear_attention_vjp(q, k, v, gate=np.full((2, 10), 0.1))
     with pytest.raises(ValueError, match="k: expected sequence length"):
         linattn.causal_linear_attention_vjp(q, k[:, :5], v)
+
+
+def _directional(loss, x, delta, h):
+    """(loss(x + h delta) - loss(x - h delta)) / 2h: the derivative along delta."""
+    return (loss(x + h * delta) - loss(x - h * delta)) / (2 * h)
+
+
+KERNEL_CASES = {  # (lead, n, d, dv, options): multi-chunk sizes through the backward kernel's every path
+    "N1000, folds": ((2,), 1000, 5, 3, {}),
+    "N63 D1": ((3,), 63, 1, 4, dict(scale=0.8, normalize=False)),  # (normalised, D = 1 makes dq cancel out)
+    "N65 Dv1": ((1, 2), 65, 4, 1, {}),
+    "N1": ((2,), 1, 3, 2, {}),
+    "lengths, state": ((3,), 530, 4, 6, dict(lengths=np.array([530, 97, 0]), initial_state="S")),
+    "gates, resets, decay": ((2,), 700, 3, 5, dict(gate="G", decay=np.array([0.97, 0.999]), initial_state="S")),
+    "gate, lengths": ((2,), 200, 6, 2, dict(gate="G", lengths=np.array([33, 200]), feature_map="identity", normalize=False)),
+}
+
+
+@pytest.mark.parametrize("case", list(KERNEL_CASES))
+def test_kernel_along_random_directions(rng, case):
+    """Every gradient against the derivative of the forward along random directions (float64), on
+    sizes of many chunks (N = 1000 folds the state into float64 every 16 chunks), D != Dv, D = 1,
+    and with a final-state gradient; then the same in float32 against float64."""
+    lead, n, d, dv, kw = KERNEL_CASES[case]
+    q, k, v, state = _inputs(rng, lead, n, d, dv)
+    kw = dict(kw)
+    if kw.get("initial_state") == "S":
+        kw["initial_state"] = state
+    if kw.get("gate") == "G":
+        gate = -0.01 - rng.random(lead + (n,)) * 0.3
+        gate[..., n // 3] = -np.inf  # a reset
+        gate[..., n // 2] = -1e4
+        kw["gate"] = gate
+    out, st, vjp = linattn.causal_linear_attention_vjp(q, k, v, return_state=True, **kw)
+    W, WS, WZ = rng.standard_normal(out.shape), rng.standard_normal(st.S.shape), rng.standard_normal(st.Z.shape)
+    grads = vjp(W, linattn.State(WS, WZ))
+    inputs = dict(q=q, k=k, v=v)
+    if "initial_state" in kw:
+        inputs["S0"] = state.S
+    inputs.update((key, kw[key]) for key in ("gate", "decay") if key in kw)
+    assert len(grads) == len(inputs)
+    for name, grad in zip(inputs, grads):
+        x = inputs[name]
+
+        def loss(value, name=name):
+            args, extra = dict(q=q, k=k, v=v), dict(kw)
+            if name == "S0":
+                extra["initial_state"] = linattn.State(value, state.Z)
+            elif name in args:
+                args[name] = value
+            else:
+                extra[name] = value
+            o, s = linattn.causal_linear_attention(args["q"], args["k"], args["v"], return_state=True, **extra)
+            return (o * W).sum() + (s.S * WS).sum() + (s.Z * WZ).sum()
+
+        grad = grad.S if name == "S0" else grad
+        for _ in range(2):
+            delta = np.where(np.isfinite(x), rng.standard_normal(x.shape), 0)
+            want = _directional(loss, x, delta, 1e-5)
+            assert abs((grad * delta).sum() - want) <= 1e-7 * (np.abs(grad * delta).sum() + 1e-3), (name, want)
+    if "lengths" in kw:  # past its length a sequence's inputs do not matter
+        valid = np.arange(n) < np.asarray(kw["lengths"])[..., None]
+        for grad in grads[:3]:
+            assert np.all(grad[~valid] == 0)
+    kw32 = dict(kw)
+    if "initial_state" in kw:
+        kw32["initial_state"] = linattn.State(*(x.astype(np.float32) for x in state))
+    _, _, vjp32 = linattn.causal_linear_attention_vjp(*(x.astype(np.float32) for x in (q, k, v)), return_state=True,
+                                                      **kw32)
+    grads32 = vjp32(W.astype(np.float32), linattn.State(WS.astype(np.float32), WZ.astype(np.float32)))
+    for g32, g64 in zip(grads32, grads):
+        g32, g64 = (g.S if isinstance(g, linattn.State) else g for g in (g32, g64))
+        assert g32.dtype == (np.float64 if g64 is grads[-1] and "decay" in kw else np.float32)
+        # relative to the gradients' own scale, or dv's where dq and dk cancel out to nearly nothing
+        # (normalised with N = 1: out = v whatever q and k)
+        scale = max(np.abs(g64).max(initial=0), np.abs(grads[2]).max(initial=0))
+        assert np.abs(g32 - g64).max(initial=0) <= 1e-4 * scale
+
+
+def test_views_and_layouts(rng):
+    """Heads of a fused QKV projection, time-reversed views, a strided dout: the same gradients as from
+    contiguous copies."""
+    b, n, h, d = 2, 150, 3, 4
+    qkv = rng.standard_normal((b, n, 3, h, d)).astype(np.float32)
+    q, k, v = (qkv[:, :, i].transpose(0, 2, 1, 3) for i in range(3))
+    k = k[:, :, ::-1]
+    dout = rng.standard_normal((b, h, n, 2 * d)).astype(np.float32)[..., ::2]
+    _, vjp = linattn.causal_linear_attention_vjp(q, k, v)
+    _, vjp_c = linattn.causal_linear_attention_vjp(*(np.ascontiguousarray(x) for x in (q, k, v)))
+    for got, want in zip(vjp(dout), vjp_c(np.ascontiguousarray(dout))):
+        np.testing.assert_array_equal(got, want)

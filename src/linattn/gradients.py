@@ -1,4 +1,4 @@
-r"""Gradients: vector-Jacobian products of the forward functions, computed with the forward kernels.
+r"""Gradients: vector-Jacobian products of the forward functions.
 
 For causal attention with :math:`Q_f = \phi(q)`, :math:`K_f = \phi(k)`, scale s and, per position i,
 :math:`num_i = s Q_{f,i}^T S_i`, :math:`den_i = s Q_{f,i}^T Z_i + eps`, :math:`out_i = num_i / den_i`,
@@ -12,15 +12,17 @@ s Q_{f,i} a_i^T` and :math:`H_j = dZ + \sum_{i \ge j} s Q_{f,i} b_i` (dS, dZ: th
   s Q_f, from [dS; dZ]^T; its final state is the initial state's gradient;
 - :math:`dv_j = G_j^T K_{f,j}`: backwards, queries K_f, keys s Q_f, values a, from dS;
 
-so a backward pass is three calls of the chunkwise kernels (no O(N^2) and no O(N D' Dv) memory; the
-states in float64 accumulators), parallel as the forward is. Non-causal: the same with
-``linear_attention``. Then dq = dQ_f phi'(q), dk = dK_f phi'(k).
+Causal: the forward (run by the vjp's forward call, which keeps the denominators) and the
+cpu/backward.py kernel, which does the first in one scan forward in time and the other two in one
+scan backwards per head (no O(N^2) and no O(N D' Dv) memory; the states in float64 accumulators),
+applying phi' as it writes: dq = dQ_f phi'(q), dk = dK_f phi'(k). Non-causal: the three are three
+calls of ``linear_attention``.
 
-With decay and a gate per position (log factor lam_t of the state before t), the three calls take
-the same gates, the backwards ones shifted by a position (the adjoint after t decays by t+1's
+With decay and a gate per position (log factor lam_t of the state before t), both scans take the
+log factors, the backwards one shifted by a position (the adjoint after t decays by t+1's
 factor), and d lam_t = sum_{i >= t} (Q_f,i . dQ_f,i - K_f,i . dK_f,i) + <dS, S_final> + <dZ, Z_final>
 (the identity flash-linear-attention's gated kernels use; Z counts as one more value column). A gate
-per key dimension would need the decay along the values' dimension in the first two calls, which the
+per key dimension would need the decay along the values' dimension in the first two, which the
 kernels do not have: not differentiated yet.
 """
 import math
