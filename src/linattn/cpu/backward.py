@@ -134,11 +134,11 @@ def _chunk_update(gates, KT, SV, x, c, G, Rg, F, P, Pz, lam, has_p):
 
 @njit(helper=True)
 def _scan(q, k, v, g, out, den, fm, normalize, s, one, start, chunk, S0, Z0, h, gates, ld, status, backwards, dq, dk,
-          dv, H_out, Z_out, r, has_r, QA, SV, KT, AB, KF, R, QA2, SV2, KT2, sums, G, Rg, F, X):
+          dv, H_out, Z_out, r, has_r, QA, SV, KT, KF, R, QA2, SV2, KT2, sums, G, Rg, F, X):
     """One scan over positions [start, N) of one head's (N, X) views (reversed views when
     ``backwards``): forward, dq from the state S0[h]; backwards, dk and dv from the adjoint S0[h]
     (= dS_end^T), its final value to H_out[h] when it has rows."""
-    n, e, d = q.shape[0], AB.shape[1], SV.shape[1]
+    n, e, d = q.shape[0], KT.shape[0], SV.shape[1]
     dvdim = e - 1
     decayed = gates.ndim > 1
     P, B, acc, Pz, Bz, Z, accz, lam = _state_buffers(e, d, QA.dtype)
@@ -153,27 +153,22 @@ def _scan(q, k, v, g, out, den, fm, normalize, s, one, start, chunk, S0, Z0, h, 
         chunk_gates(gates, h, ld, i0, c, G, Rg, F, status)
         if not backwards:  # X = ab, Y = v1, W = phi(k); out: dq
             _load_adjoints(g, out, den, i0, c, normalize, QA)
-            _load_values(v, i0, c, AB)
-            transpose_rows(AB, KT, sums, c)
+            transpose_rows(v[i0:], KT, sums, c)
+            for t in range(c):
+                KT[dvdim, t] = 1
             load_rows(k, i0, c, fm, SV[e:])
             _chunk_output(gates, QA, KT, SV, e, c, G, Rg, F, X, has_acc or has_p, R[:c])
             load_rows(q, i0, c, fm, KF)
             _times_derivative(R, KF, c, fm, s, one, dq, i0, r, has_r)
         else:  # X = v1, Y = ab, W = qs; out: dk; then X = phi(k), Y = qs, W = a, state H[:, :Dv]; out: dv
             _load_values(v, i0, c, QA)
-            _load_adjoints(g, out, den, i0, c, normalize, AB)
-            transpose_rows(AB, KT, sums, c)
+            _load_adjoints(g, out, den, i0, c, normalize, SV2[d:])  # [a, b] rows: a is dv's W
+            transpose_rows(SV2[d:], KT, sums, c)
             load_rows(q, i0, c, fm, SV[e:])
             _scale_rows(SV[e:], c, s)
             transpose_rows(SV[e:], KT2, sums, c)
             load_rows(k, i0, c, fm, QA2)
-            for t in range(c):
-                src, dst = AB[t], SV2[d + t]
-                for j in range(dvdim):
-                    dst[j] = src[j]
-            for a in range(d):  # H[:, :Dv] from H^T
-                for j in range(dvdim):
-                    SV2[a, j] = SV[j, a]
+            transpose_rows(SV, SV2, sums, dvdim)  # H[:, :Dv] from H^T
             _chunk_output(gates, QA, KT, SV, e, c, G, Rg, F, X, has_acc or has_p, R[:c])
             _times_derivative(R, QA2, c, fm, one, one, dk, i0, r, has_r)
             _chunk_output(gates, QA2, KT2, SV2, d, c, G, Rg, F, X, has_acc or has_p, dv[i0:i0 + c])
@@ -204,11 +199,10 @@ def _worker(q, k, v, g, out, den, fm, normalize, s, lengths, chunk, S0, H0, Z0, 
     QA = np.empty((chunk, e + chunk), dt)  # [X | scores]
     SV = np.empty((e + chunk, d), dt)  # [state ; W]
     KT = np.empty((e, chunk), dt)
-    AB = np.empty((chunk, e), dt)
     KF = np.empty((chunk, d), dt)
     R = np.empty((chunk, d), dt)
     QA2 = np.empty((chunk, d + chunk), dt)
-    SV2 = np.empty((d + chunk, e - 1), dt)
+    SV2 = np.empty((d + chunk, e), dt)  # [H[:, :Dv] ; a], a column of b past the values
     KT2 = np.empty((d, chunk), dt)
     sums = np.zeros(max(d, e), dt)
     G, Rg, F, X = gate_buffers(gates, chunk, dt)
@@ -221,12 +215,12 @@ def _worker(q, k, v, g, out, den, fm, normalize, s, lengths, chunk, S0, H0, Z0, 
         if backwards:
             _scan(q[h1, h2][::-1], k[h1, h2][::-1], v[h1, h2][::-1], g[h1, h2][::-1], out[h1, h2][::-1],
                   den[h1, h2][::-1], fm, normalize, s, one, n - length, chunk, H0, Z0, h, gates_rev, ld, status, True,
-                  dq[h1, h2], dk[h1, h2][::-1], dv[h1, h2][::-1], H_out, Z_out, r[::-1], has_r, QA, SV, KT, AB, KF, R,
+                  dq[h1, h2], dk[h1, h2][::-1], dv[h1, h2][::-1], H_out, Z_out, r[::-1], has_r, QA, SV, KT, KF, R,
                   QA2, SV2, KT2, sums, G, Rg, F, X)
         else:
             _scan(q[h1, h2][:length], k[h1, h2][:length], v[h1, h2][:length], g[h1, h2][:length],
                   out[h1, h2][:length], den[h1, h2][:length], fm, normalize, s, one, 0, chunk, S0, Z0, h, gates, ld,
-                  status, False, dq[h1, h2], dk[h1, h2], dv[h1, h2], H_out, Z_out, r, has_r, QA, SV, KT, AB, KF,
+                  status, False, dq[h1, h2], dk[h1, h2], dv[h1, h2], H_out, Z_out, r, has_r, QA, SV, KT, KF,
                   R, QA2, SV2, KT2, sums, G, Rg, F, X)
             _zero_rows(dq[h1, h2], length, n)
         item = take(counter)
