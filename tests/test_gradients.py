@@ -185,10 +185,21 @@ def test_bad_input(rng):
     _, _, vjp_s = linattn.causal_linear_attention_vjp(q, k, v, return_state=True)
     with pytest.raises(ValueError, match=r"dstate.S: expected shape \(2, 3, 2\)"):
         vjp_s(np.zeros_like(out), linattn.State(np.zeros((2, 3, 3)), np.zeros((2, 3))))
-    with pytest.raises(TypeError, match="feature_map: gradients are computed for 'elu', 'relu', 'identity'"):
+    with pytest.raises(TypeError, match="feature_map: a callable is differentiated only with its own derivative"):
         linattn.causal_linear_attention_vjp(q, k, v, feature_map=np.tanh)
-    with pytest.raises(TypeError, match="feature_map: gradients"):
-        linattn.linear_attention_vjp(q, k, v, feature_map=linattn.feature_maps.Taylor())
+    with pytest.raises(TypeError, match="feature_map: a callable is differentiated only"):
+        linattn.linear_attention_vjp(q, k, v, feature_map=lambda x: x * x)
+
+    class Bad:
+        def __call__(self, x):
+            return np.tanh(x)
+
+        def vjp(self, x, dphi):
+            return dphi[..., :1]
+
+    _, vjp_bad = linattn.causal_linear_attention_vjp(q, k, v, feature_map=Bad())
+    with pytest.raises(ValueError, match=r"feature_map: its vjp returned shape \(2, 10, 1\), expected"):
+        vjp_bad(np.zeros_like(out))
     with pytest.raises(TypeError, match="gate: gradients with a gate per key dimension are not available yet"):
         linattn.causal_linear_attention_vjp(q, k, v, gate=np.zeros((2, 10, 3)))
     with pytest.raises(ValueError, match="gate: expected log gates <= 0"):
@@ -286,3 +297,63 @@ def test_views_and_layouts(rng):
     _, vjp_c = linattn.causal_linear_attention_vjp(*(np.ascontiguousarray(x) for x in (q, k, v)))
     for got, want in zip(vjp(dout), vjp_c(np.ascontiguousarray(dout))):
         np.testing.assert_array_equal(got, want)
+
+
+def _maps(rng, d):
+    fm = linattn.feature_maps
+    return ([fm.Elementwise(name) for name in fm.NAMES] + [fm.Elementwise("elu").scaled(0.5),
+            fm.Elementwise("gelu").scaled(0.7), fm.Taylor(), fm.Taylor().scaled(d ** -0.25),
+            fm.ReBased(rng.random(d) + 0.5, rng.standard_normal(d)), fm.DPFP(2),
+            fm.Performer.random(d, 7, seed=1).scaled(0.6), fm.Hedgehog(rng.standard_normal((d, 4)), rng.standard_normal(4)),
+            fm.T2R(rng.standard_normal((d, 6)), rng.standard_normal(6))])
+
+
+def test_feature_map_vjps(rng):
+    """Each map's vjp against central differences of the map itself (float64), and in float32."""
+    d = 5
+    x = rng.standard_normal((3, 2, d))
+    for fmap in _maps(rng, d):
+        dphi = rng.standard_normal((3, 2, fmap.out_dim(d)))
+        got = fmap.vjp(x, dphi)
+        assert got.shape == x.shape and got.dtype == np.float64
+        want = np.zeros_like(x)
+        for i in np.ndindex(x.shape):
+            plus, minus = x.copy(), x.copy()
+            plus[i] += 1e-6
+            minus[i] -= 1e-6
+            want[i] = ((fmap(plus) - fmap(minus)) * dphi).sum() / 2e-6
+        assert rel_err(got, want) < 1e-7, fmap
+        got32 = fmap.vjp(x.astype(np.float32), dphi.astype(np.float32))
+        assert got32.dtype == np.float32 and rel_err(got32, got) < 1e-5, fmap
+
+
+@pytest.mark.parametrize("causal", [True, False])
+def test_every_map_through_attention(rng, causal):
+    """Gradients with each feature map (the elementwise ones by their vjp when scaled, the others
+    through phi applied before the kernel) along random directions, causal over several chunks with
+    lengths, and non-causal; a callable with its own vjp too."""
+    lead, n, d, dv = (2,), 70 if causal else 9, 3, 2
+    q, k, v, _ = _inputs(rng, lead, n, d, dv)
+
+    class Cube:  # a callable with its derivative
+        def __call__(self, x):
+            return np.asarray(x) ** 3 + 2
+
+        def vjp(self, x, dphi):
+            return 3 * np.asarray(x) ** 2 * dphi
+
+    kw = dict(lengths=np.array([n, n // 2])) if causal else {}
+    forward = linattn.causal_linear_attention if causal else linattn.linear_attention
+    for fmap in _maps(rng, d) + [Cube()]:
+        make = linattn.causal_linear_attention_vjp if causal else linattn.linear_attention_vjp
+        out, vjp = make(q, k, v, feature_map=fmap, **kw)
+        W = rng.standard_normal(out.shape)
+        for name, grad in zip("qkv", vjp(W)):
+            args = dict(q=q, k=k, v=v)
+
+            def loss(value, name=name):
+                return (forward(**{**args, name: value}, feature_map=fmap, **kw) * W).sum()
+
+            delta = rng.standard_normal(args[name].shape)
+            want = _directional(loss, args[name], delta, 1e-6)
+            assert abs((grad * delta).sum() - want) <= 1e-6 * (np.abs(grad * delta).sum() + 1e-6), (fmap, name)

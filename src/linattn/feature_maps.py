@@ -92,6 +92,20 @@ def _upper_pairs(d, diag, off, first=0):
     return [(i, j, diag if i == j else off) for i in range(first, d) for j in range(i, d)]
 
 
+def _pairs_vjp(u, g, table):
+    """du for features f = u[I] u[J] C (``table``: I, J, C concatenated) from their gradient g."""
+    i, j, c = table.reshape(3, -1)
+    i, j = i.astype(np.intp), j.astype(np.intp)
+    gc = g * c.astype(g.dtype)
+    onehot_i, onehot_j = (np.eye(u.shape[-1], dtype=g.dtype)[idx] for idx in (i, j))  # (D', len(u))
+    return (gc * u[..., j]) @ onehot_i + (gc * u[..., i]) @ onehot_j
+
+
+def _sigmoid(u):
+    e = np.exp(-np.abs(u))
+    return np.where(u >= 0, 1 / (1 + e), e / (1 + e))
+
+
 class FeatureMap:
     """A feature map the kernels compute themselves (base class: use the maps below).
 
@@ -156,6 +170,18 @@ class FeatureMap:
             code += mapfns.SCALED_IDENTITY
         return mapfns.apply(rows, code, self.params(d, comp), dk).reshape(x.shape[:-1] + (dk,))
 
+    def vjp(self, x, dphi, y=None):
+        """The gradient of x from that of phi(x): dphi (..., D') -> dx (..., D), in dphi's dtype.
+        ``y``, phi(x) when the caller has it (saves computing it again). Weights of learned maps get
+        no gradient here."""
+        raise NotImplementedError
+
+    def _prepared(self, x, dphi, y):
+        """(u = scale x, dphi, y = phi(x)) in dphi's dtype."""
+        dt = dphi.dtype
+        u = np.asarray(x, dt) * dt.type(self.input_scale)
+        return u, dphi, (self(x).astype(dt, copy=False) if y is None else y)
+
     def _args(self):
         return ""
 
@@ -198,6 +224,31 @@ class Elementwise(FeatureMap):
     def out_dim(self, d):
         return d
 
+    def vjp(self, x, dphi, y=None):
+        u, dphi, y = self._prepared(x, dphi, y if self.name not in ("relu", "identity", "squared_relu") else 0)
+        one = u.dtype.type(1)
+        name = self.name
+        if name == "elu":
+            f = np.where(u > 0, one, y)  # e^u below 0
+        elif name == "relu":
+            f = (u > 0).astype(u.dtype)
+        elif name == "identity":
+            f = np.ones_like(u)
+        elif name == "squared_relu":
+            f = 2 * np.maximum(u, 0)
+        elif name == "gelu":  # Phi(u) + u pdf(u), Phi(u) = gelu(u) / u
+            with np.errstate(divide="ignore", invalid="ignore"):
+                cdf = np.where(u != 0, y / u, u.dtype.type(0.5))
+            f = cdf + u * np.exp(-0.5 * u * u) * u.dtype.type(1 / math.sqrt(2 * math.pi))
+        elif name in ("silu", "swish"):
+            sig = _sigmoid(u)
+            f = sig * (1 + u * (1 - sig))
+        elif name == "sigmoid":
+            f = y * (1 - y)
+        else:  # softplus: sigmoid(u) = 1 - exp(-softplus(u))
+            f = -np.expm1(-y)
+        return dphi * f * u.dtype.type(self.input_scale)
+
     def _args(self):
         return repr(self.name)
 
@@ -228,6 +279,12 @@ class Taylor(FeatureMap):
 
     def out_dim(self, d):
         return 1 + d + d * (d + 1) // 2
+
+    def vjp(self, x, dphi, y=None):
+        u = np.asarray(x, dphi.dtype) * dphi.dtype.type(self.input_scale)
+        u1 = np.concatenate([u, np.ones(u.shape[:-1] + (1,), u.dtype)], -1)
+        du = _pairs_vjp(u1, dphi, self._family_params(u.shape[-1]))
+        return du[..., :-1] * u.dtype.type(self.input_scale)
 
     def _family_params(self, d):
         # u = [x, 1]: the constant 1 = u_d u_d, x_a / d**(1/4) = u_a u_d / d**(1/4), then the products
@@ -265,6 +322,20 @@ class ReBased(FeatureMap):
     def _family_params(self, d):
         return np.concatenate([[self.eps], self.gamma, self.beta, _pair_table(_upper_pairs(d, 1.0, math.sqrt(2)))])
 
+    def vjp(self, x, dphi, y=None):
+        dt = dphi.dtype
+        xs = np.asarray(x, dt) * dt.type(self.input_scale)
+        d = xs.shape[-1]
+        self.out_dim(d)
+        centred = xs - xs.mean(-1, keepdims=True)
+        r = 1 / np.sqrt((centred * centred).mean(-1, keepdims=True) + dt.type(self.eps))
+        n = centred * r
+        gamma = self.gamma.astype(dt)
+        u = gamma * n + self.beta.astype(dt)
+        dn = _pairs_vjp(u, dphi, self._family_params(d)[1 + 2 * d:]) * gamma
+        dxs = r * (dn - dn.mean(-1, keepdims=True) - n * (dn * n).mean(-1, keepdims=True))
+        return dxs * dt.type(self.input_scale)
+
     def _args(self):
         return f"gamma=<{self.gamma.shape[0]}>, beta=<{self.beta.shape[0]}>, eps={self.eps!r}"
 
@@ -301,6 +372,12 @@ class DPFP(FeatureMap):
     def _family_params(self, d):
         n2 = 2 * d  # u = [relu(x), relu(-x)]; feature (nu' - 1) 2D + i is u_i u_{(i - nu') mod 2D}
         return _pair_table([(i, (i - nu) % n2, 1.0) for nu in range(1, self.nu + 1) for i in range(n2)])
+
+    def vjp(self, x, dphi, y=None):
+        xs = np.asarray(x, dphi.dtype) * dphi.dtype.type(self.input_scale)
+        d = xs.shape[-1]
+        du = _pairs_vjp(np.concatenate([np.maximum(xs, 0), np.maximum(-xs, 0)], -1), dphi, self._family_params(d))
+        return (du[..., :d] * (xs > 0) - du[..., d:] * (xs < 0)) * dphi.dtype.type(self.input_scale)
 
     def _args(self):
         return f"nu={self.nu}"
@@ -367,6 +444,12 @@ class Performer(_Projection):
     def _family_params(self, d):
         return self.weight.ravel()
 
+    def vjp(self, x, dphi, y=None):
+        u, dphi, y = self._prepared(x, dphi, y)
+        t = dphi * y  # phi = exp(omega^T u - |u|^2 / 2) / sqrt(m)
+        du = t @ self.weight.T.astype(u.dtype) - u * t.sum(-1, keepdims=True)
+        return du * u.dtype.type(self.input_scale)
+
 
 class Hedgehog(_Projection):
     """Hedgehog's learned map (Zhang et al. 2024, "The Hedgehog & the Porcupine"), as in
@@ -394,6 +477,13 @@ class Hedgehog(_Projection):
     def _family_params(self, d):
         return np.concatenate([self.weight.ravel(), self.bias])
 
+    def vjp(self, x, dphi, y=None):
+        u, dphi, p = self._prepared(x, dphi, y)
+        g = p * (dphi - (p * dphi).sum(-1, keepdims=True))  # through the softmax over [2z, -2z]
+        m = self.weight.shape[1]
+        dz = 2 * (g[..., :m] - g[..., m:])
+        return (dz @ self.weight.T.astype(u.dtype)) * u.dtype.type(self.input_scale)
+
 
 class T2R(Hedgehog):
     """T2R's learned map (Kasai et al. 2021, "Finetuning Pretrained Transformers into RNNs"):
@@ -410,6 +500,10 @@ class T2R(Hedgehog):
     def out_dim(self, d):
         self._check_d(d)
         return self.weight.shape[1]
+
+    def vjp(self, x, dphi, y=None):
+        u, dphi, y = self._prepared(x, dphi, y)
+        return ((dphi * (y > 0)) @ self.weight.T.astype(u.dtype)) * u.dtype.type(self.input_scale)
 
 
 #: The names ``feature_map=`` accepts.

@@ -38,28 +38,35 @@ from .feature_maps import FeatureMap, as_map
 from .state import State
 
 
-def _times_derivative(name, grad, x, y):
-    """grad * phi'(x) in place (y = phi(x)): elu(x) + 1 has derivative min(y, 1) (y = e^x below 0,
-    x + 1 above), relu 1 above 0, identity 1."""
-    if name == "elu":
-        grad *= np.minimum(y, y.dtype.type(1), out=y)  # (y is not needed after)
-    elif name == "relu":
-        grad *= x > 0
-    return grad
-
-
-#: Feature maps differentiated, and their codes in the backward kernel.
+#: The maps the backward kernel differentiates itself (unscaled), by their codes there.
 _CODES = {"elu": ELU, "relu": RELU, "identity": IDENTITY}
-_DERIVATIVES = tuple(_CODES)
 
 
-def _map_and_derivative(feature_map):
+def _map_and_code(feature_map):
+    """(the map, its code in the backward kernel, or None: then phi is applied before the kernel and
+    the map's ``vjp`` after it). A callable needs a ``vjp(x, dphi)`` of its own."""
     fmap = as_map(feature_map)
-    name = getattr(fmap, "name", None)
-    if not (isinstance(fmap, FeatureMap) and name in _DERIVATIVES and fmap.input_scale == 1.0):
-        raise TypeError(f"feature_map: gradients are computed for {', '.join(map(repr, _DERIVATIVES))} "
-                        f"(unscaled); got {feature_map!r}")
-    return fmap, name
+    if isinstance(fmap, FeatureMap):
+        name = getattr(fmap, "name", None)
+        return fmap, (_CODES[name] if name in _CODES and fmap.input_scale == 1.0 else None)
+    if not callable(getattr(fmap, "vjp", None)):
+        raise TypeError(f"feature_map: a callable is differentiated only with its own derivative, a method or "
+                        f"attribute vjp(x, dphi) returning the gradient of x from that of phi(x); got {feature_map!r}")
+    return fmap, None
+
+
+def _mapped(fmap, x, comp):
+    """phi(x) in the computation's dtype with unit stride along its rows."""
+    return _unit_rows(np.asarray(fmap(x)).astype(comp, copy=False))
+
+
+def _map_vjp(fmap, x, dphi, y):
+    """dx from dphi = the gradient of y = phi(x)."""
+    dx = fmap.vjp(x, dphi, y) if isinstance(fmap, FeatureMap) else fmap.vjp(x, dphi)
+    dx = np.asarray(dx)
+    if dx.shape != x.shape:
+        raise ValueError(f"feature_map: its vjp returned shape {dx.shape}, expected that of x, {x.shape}")
+    return dx
 
 
 def _ones_column(x):
@@ -127,7 +134,11 @@ def causal_linear_attention_vjp(q, k, v, *, feature_map="elu", eps=1e-6, normali
     into pieces is differentiated piece by piece through the state: truncated backpropagation, or
     exactly), then ``dgate`` (the gate's shape) when ``gate`` was given and ``ddecay`` (the decay's
     shape, float64) when ``decay`` was given. Positions at or past ``lengths`` get zero gradients.
-    Feature maps: "elu", "relu", "identity".
+
+    Every feature map of :mod:`linattn.feature_maps` is differentiated: "elu", "relu" and "identity"
+    inside the backward kernel, the others through their ``vjp`` (phi(q), phi(k) are then computed
+    in full, (..., N, D') each); a learned map's weights get no gradient. A callable map needs a
+    ``vjp(x, dphi)`` attribute returning the gradient of x (a TypeError otherwise).
 
     Examples
     --------
@@ -139,8 +150,8 @@ def causal_linear_attention_vjp(q, k, v, *, feature_map="elu", eps=1e-6, normali
     >>> dq.shape, dk.shape, dv.shape
     ((2, 50, 8), (2, 50, 8), (2, 50, 8))
     """
-    fmap, name = _map_and_derivative(feature_map)
-    q, k, v, lead, n, d, dv, comp, out_dt = checks.check_qkv(q, k, v)
+    fmap, code = _map_and_code(feature_map)
+    q, k, v, lead, n, d_in, dv, comp, out_dt = checks.check_qkv(q, k, v)
     eps = checks.check_eps(eps)
     normalize = checks.check_flag(normalize, "normalize")
     return_state = checks.check_flag(return_state, "return_state")
@@ -151,6 +162,9 @@ def causal_linear_attention_vjp(q, k, v, *, feature_map="elu", eps=1e-6, normali
     lens = None if lengths is None else checks.check_lengths(lengths, lead, n).reshape(lead)
     from . import gates as gates_mod
 
+    (out, final), den = causal_with_denominators(
+        q, k, v, fmap, eps, normalize, initial_state, True, lens, decay, gate, s, keep_denominators=True)
+    d = final.Z.shape[-1]  # D', the features' number
     kind, gates, log_decay = gates_mod.prepare(decay, gate, lead, n, d, comp)
     if kind == gates_mod.VECTOR:
         raise TypeError("gate: gradients with a gate per key dimension are not available yet (a gate per "
@@ -162,9 +176,6 @@ def causal_linear_attention_vjp(q, k, v, *, feature_map="elu", eps=1e-6, normali
     if has_state:
         S0, Z0 = checks.check_state(initial_state, "initial_state", lead, d, dv, comp)
         S0, Z0 = np.asarray(S0), np.asarray(Z0)
-    (out, final), den = causal_with_denominators(
-        q, k, v, fmap, eps, normalize, State(S0, Z0) if has_state else None, True, lens, decay, gate, s,
-        keep_denominators=True)
     if den is None:  # (not read without normalisation)
         den = np.zeros(lead + (n,), comp)
     valid = None if lens is None else (np.arange(n) < lens[..., None])[..., None]
@@ -181,7 +192,6 @@ def causal_linear_attention_vjp(q, k, v, *, feature_map="elu", eps=1e-6, normali
         lam_rev = np.concatenate([np.zeros_like(lam[..., :1, :]), lam[..., ::-1, :][..., :-1, :]], -2)
         lam, lam_rev = (x[..., 0].astype(comp) for x in (lam, lam_rev))
 
-    code = _CODES[name]
     bh = math.prod(lead)
     lens_all = np.full(bh, n, np.int64) if lens is None else np.ascontiguousarray(lens.reshape(bh), np.int64)
     gated = kind != gates_mod.NONE
@@ -203,9 +213,13 @@ def causal_linear_attention_vjp(q, k, v, *, feature_map="elu", eps=1e-6, normali
             dZ = _check_grad(dZ, "dstate.Z", lead + (d,), comp)
             H0 = np.ascontiguousarray(np.swapaxes(np.concatenate([dS, dZ[..., None]], -1), -1, -2)).reshape(
                 bh, dv + 1, d)
-        (q4, k4, v4, g4, o4), _, _ = _seq4(tuple(_unit_rows(x) for x in (q, k, v, g, out)), lead)
+        qf = kf = None
+        if code is None:  # phi applied here, its vjp after the kernel
+            qf, kf = _mapped(fmap, q, comp), _mapped(fmap, k, comp)
+        arrays = (q, k) if code is not None else (qf, kf)
+        (q4, k4, v4, g4, o4), _, _ = _seq4(tuple(_unit_rows(x) for x in arrays + (v, g, out)), lead)
         g12 = q4.shape[:2]
-        dq, dk, dvv = np.empty(lead + (n, d), comp), np.empty(lead + (n, d), comp), np.empty(lead + (n, dv), comp)
+        dq, dk, dvv = (np.empty(lead + (n, x), comp) for x in (d, d, dv))
         rows = bh if has_state else 0
         H_out = np.empty((rows, dv + 1, d), comp)
         Z0 = np.zeros((bh if (has_state or dS is not None) else 0, dv + 1), comp)
@@ -218,7 +232,7 @@ def causal_linear_attention_vjp(q, k, v, *, feature_map="elu", eps=1e-6, normali
             kernel = backward.causal_backward.get(comp, int(gated))
             no_gates = np.empty(0, comp)
             with kernel_section(nthreads):
-                kernel(q4, k4, v4, g4, o4, den.reshape(g12 + (n,)), code, normalize, comp.type(s), lens_all, chunk,
+                kernel(q4, k4, v4, g4, o4, den.reshape(g12 + (n,)), IDENTITY if code is None else code, normalize, comp.type(s), lens_all, chunk,
                        nthreads, S0t, H0, Z0, lam.reshape(g12 + (n,)) if gated else no_gates,
                        lam_rev.reshape(g12 + (n,)) if gated else no_gates, np.zeros(bh),
                        dq.reshape(g12 + (n, d)), dk.reshape(g12 + (n, d)), dvv.reshape(g12 + (n, dv)), H_out, Z_out,
@@ -231,6 +245,10 @@ def causal_linear_attention_vjp(q, k, v, *, feature_map="elu", eps=1e-6, normali
         if gated:
             extra = _gate_gradients((rq - rk).reshape(lead + (n,)), dS, dZ, final, valid, gate, decay_arr, log_decay,
                                     lead, comp)
+        if code is None:
+            dq, dk = _map_vjp(fmap, q, dq, qf), _map_vjp(fmap, k, dk, kf)
+            if valid is not None:  # (padding past a length may hold NaN, which a map's vjp would spread)
+                dq, dk = np.where(valid, dq, 0), np.where(valid, dk, 0)
         grads = [x.astype(out_dt, copy=False) for x in (dq, dk, dvv)]
         if has_state:
             G0 = np.swapaxes(H_out.reshape(lead + (dv + 1, d)), -1, -2)  # the adjoint before position 0's factor
@@ -247,7 +265,7 @@ def causal_linear_attention_vjp(q, k, v, *, feature_map="elu", eps=1e-6, normali
 
 def linear_attention_vjp(q, k, v, *, feature_map="elu", eps=1e-6, normalize=True, scale=None):
     """:func:`linattn.linear_attention` and its vector-Jacobian product: ``(out, vjp)``, ``vjp(dout)``
-    returns ``(dq, dk, dv)``. Feature maps: "elu", "relu", "identity".
+    returns ``(dq, dk, dv)``. Feature maps as for :func:`causal_linear_attention_vjp`.
 
     Examples
     --------
@@ -258,7 +276,7 @@ def linear_attention_vjp(q, k, v, *, feature_map="elu", eps=1e-6, normalize=True
     >>> [x.shape for x in vjp(np.ones_like(out))]
     [(30, 4), (30, 4), (30, 4)]
     """
-    fmap, name = _map_and_derivative(feature_map)
+    fmap, _ = _map_and_code(feature_map)
     q, k, v, lead, n, d, dv, comp, out_dt = checks.check_qkv(q, k, v)
     eps = checks.check_eps(eps)
     normalize = checks.check_flag(normalize, "normalize")
@@ -275,12 +293,11 @@ def linear_attention_vjp(q, k, v, *, feature_map="elu", eps=1e-6, normalize=True
         g = _check_grad(dout, "dout", lead + (n, dv), comp)
         ab = _output_adjoints(g, out, den, normalize)
         a = ab[..., :dv]
-        qf, kf = fmap(q), fmap(k)
+        qf, kf = _mapped(fmap, q, comp), _mapped(fmap, k, comp)
         sq = qf * comp.type(s) if s != 1.0 else qf
         dqf = linear_attention(ab, v1, kf, feature_map="identity", normalize=False, scale=s)
         dkf = linear_attention(v1, ab, sq, feature_map="identity", normalize=False)
         dvv = linear_attention(kf, sq, a, feature_map="identity", normalize=False)
-        return (_times_derivative(name, dqf, q, qf).astype(out_dt, copy=False),
-                _times_derivative(name, dkf, k, kf).astype(out_dt, copy=False), dvv.astype(out_dt, copy=False))
+        return tuple(x.astype(out_dt, copy=False) for x in (_map_vjp(fmap, q, dqf, qf), _map_vjp(fmap, k, dkf, kf), dvv))
 
     return out.astype(out_dt, copy=False), vjp
