@@ -3,6 +3,8 @@ and against PyTorch autograd through a plain PyTorch implementation of the same 
 import numpy as np
 import pytest
 
+from linattn.feature_maps import DPFP, Taylor
+
 torch = pytest.importorskip("torch")
 import linattn.torch as lt  # noqa: E402
 
@@ -44,6 +46,15 @@ def test_gradcheck(feature_map):
     assert torch.autograd.gradcheck(f, (q, k, v, S0, Z0))
     assert torch.autograd.gradcheck(lambda q, k, v: lt.linear_attention(q, k, v, feature_map=feature_map,
                                                                         normalize=normalize), (q, k, v))
+
+
+@pytest.mark.parametrize("feature_map", ["softplus", Taylor(), DPFP(2)])
+def test_gradcheck_other_maps(feature_map):
+    """Maps the backward kernel does not differentiate itself (their vjp), causal and not."""
+    q, k, v = _inputs()
+    assert torch.autograd.gradcheck(lambda q, k, v: lt.causal_linear_attention(q, k, v, feature_map=feature_map),
+                                    (q, k, v))
+    assert torch.autograd.gradcheck(lambda q, k, v: lt.linear_attention(q, k, v, feature_map=feature_map), (q, k, v))
 
 
 def test_gradcheck_with_gate_and_decay():

@@ -138,6 +138,7 @@ def _scan(q, k, v, g, out, den, fm, normalize, s, one, start, chunk, S0, Z0, h, 
     """One scan over positions [start, N) of one head's (N, X) views (reversed views when
     ``backwards``): forward, dq from the state S0[h]; backwards, dk and dv from the adjoint S0[h]
     (= dS_end^T), its final value to H_out[h] when it has rows."""
+    noinline()  # called for both directions: one compiled copy
     n, e, d = q.shape[0], KT.shape[0], SV.shape[1]
     dvdim = e - 1
     decayed = gates.ndim > 1
