@@ -220,7 +220,8 @@ KERNEL_CASES = {  # (lead, n, d, dv, options): multi-chunk sizes through the bac
     "N1": ((2,), 1, 3, 2, {}),
     "lengths, state": ((3,), 530, 4, 6, dict(lengths=np.array([530, 97, 0]), initial_state="S")),
     "gates, resets, decay": ((2,), 700, 3, 5, dict(gate="G", decay=np.array([0.97, 0.999]), initial_state="S")),
-    "gate, lengths": ((2,), 200, 6, 2, dict(gate="G", lengths=np.array([33, 200]), feature_map="identity", normalize=False)),
+    "gate, lengths": ((2,), 200, 6, 2, dict(gate="G", lengths=np.array([33, 200]), feature_map="identity",
+                                            normalize=False)),
 }
 
 
@@ -304,7 +305,8 @@ def _maps(rng, d):
     return ([fm.Elementwise(name) for name in fm.NAMES] + [fm.Elementwise("elu").scaled(0.5),
             fm.Elementwise("gelu").scaled(0.7), fm.Taylor(), fm.Taylor().scaled(d ** -0.25),
             fm.ReBased(rng.random(d) + 0.5, rng.standard_normal(d)), fm.DPFP(2),
-            fm.Performer.random(d, 7, seed=1).scaled(0.6), fm.Hedgehog(rng.standard_normal((d, 4)), rng.standard_normal(4)),
+            fm.Performer.random(d, 7, seed=1).scaled(0.6),
+            fm.Hedgehog(rng.standard_normal((d, 4)), rng.standard_normal(4)),
             fm.T2R(rng.standard_normal((d, 6)), rng.standard_normal(6))])
 
 
@@ -357,3 +359,24 @@ def test_every_map_through_attention(rng, causal):
             delta = rng.standard_normal(args[name].shape)
             want = _directional(loss, args[name], delta, 1e-6)
             assert abs((grad * delta).sum() - want) <= 1e-6 * (np.abs(grad * delta).sum() + 1e-6), (fmap, name)
+
+
+@pytest.mark.parametrize("frac", [[0, 0.3, 0.7, 1.0], [0, 0, 1.0], [0, 1.0, 1.0], [0, 0.5, 0.5, 0.9, 1.0]])
+def test_segments_of_a_head(rng, monkeypatch, frac):
+    """Each scan cut into segments (as when heads are fewer than threads), empty segments included:
+    the gradients of one unsegmented pass, with lengths, gates, a state and its gradient."""
+    lead, n, d, dv = (3,), 900, 4, 3
+    q, k, v, state = _inputs(rng, lead, n, d, dv)
+    kw = dict(lengths=np.array([900, 417, 0]), gate=-rng.random(lead + (n,)) * 0.05, initial_state=state)
+    W, WS, WZ = rng.standard_normal(lead + (n, dv)), rng.standard_normal(state.S.shape), rng.standard_normal(state.Z.shape)
+
+    def grads():
+        _, _, vjp = linattn.causal_linear_attention_vjp(q, k, v, return_state=True, **kw)
+        return vjp(W, linattn.State(WS, WZ))
+
+    whole = grads()
+    real_plan = linattn.gradients.plan
+    monkeypatch.setattr(linattn.gradients, "plan", lambda *a, **kw: (real_plan(*a, **kw)[0], np.array(frac, float), 2))
+    for got, want in zip(grads(), whole):
+        got, want = (x.S if isinstance(x, linattn.State) else x for x in (got, want))
+        assert_close(got, want, np.float64)

@@ -227,13 +227,14 @@ def causal_linear_attention_vjp(q, k, v, *, feature_map="elu", eps=1e-6, normali
         rq, rk = (np.empty((bh, n)) if gated else np.empty((1, 0)) for _ in range(2))
         status = np.zeros(3, np.int64)
         if bh and n:
-            chunk, _, nthreads = plan(bh, n, d, dv, causal=True)
-            nthreads = min(nthreads, 2 * bh)
+            chunk, frac, nthreads = plan(bh, n, d, dv, causal=True)  # (the forward's segments suit both scans)
+            nthreads = min(nthreads, 2 * bh * (len(frac) - 1))
             kernel = backward.causal_backward.get(comp, int(gated))
             no_gates = np.empty(0, comp)
             with kernel_section(nthreads):
-                kernel(q4, k4, v4, g4, o4, den.reshape(g12 + (n,)), IDENTITY if code is None else code, normalize, comp.type(s), lens_all, chunk,
-                       nthreads, S0t, H0, Z0, lam.reshape(g12 + (n,)) if gated else no_gates,
+                kernel(q4, k4, v4, g4, o4, den.reshape(g12 + (n,)), IDENTITY if code is None else code, normalize,
+                       comp.type(s), lens_all, chunk, frac, nthreads, S0t, H0, Z0,
+                       lam.reshape(g12 + (n,)) if gated else no_gates,
                        lam_rev.reshape(g12 + (n,)) if gated else no_gates, np.zeros(bh),
                        dq.reshape(g12 + (n, d)), dk.reshape(g12 + (n, d)), dvv.reshape(g12 + (n, dv)), H_out, Z_out,
                        rq, rk, status)
@@ -298,6 +299,7 @@ def linear_attention_vjp(q, k, v, *, feature_map="elu", eps=1e-6, normalize=True
         dqf = linear_attention(ab, v1, kf, feature_map="identity", normalize=False, scale=s)
         dkf = linear_attention(v1, ab, sq, feature_map="identity", normalize=False)
         dvv = linear_attention(kf, sq, a, feature_map="identity", normalize=False)
-        return tuple(x.astype(out_dt, copy=False) for x in (_map_vjp(fmap, q, dqf, qf), _map_vjp(fmap, k, dkf, kf), dvv))
+        grads = (_map_vjp(fmap, q, dqf, qf), _map_vjp(fmap, k, dkf, kf), dvv)
+        return tuple(x.astype(out_dt, copy=False) for x in grads)
 
     return out.astype(out_dt, copy=False), vjp

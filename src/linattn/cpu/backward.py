@@ -1,6 +1,8 @@
 """The backward pass of causal linear attention: dq, dk, dv (and the initial state's gradient, and the
 per-position terms of a gate's gradient) in two chunkwise scans per head, one forward and one
-backward in time, run as two work items.
+backward in time, run as separate work items; when heads are few, each scan is cut into segments
+as the forward kernel's are (a segment first sums the state entering it: the state updates alone
+of the chunks before it).
 
 Per head, with the state augmented by Z as one more value column (S, Dv + 1 columns; v1 = [v, 1]),
 the forward's denominators ``den`` and outputs ``out``, and the output gradient g: ab_t = [a_t, b_t]
@@ -25,7 +27,7 @@ import numpy as np
 from numba import prange, types
 
 from .._jit import Kernel, array, njit
-from .chunked import FOLD_EVERY, _current, _fold, _init_state, _state_buffers, _write_state
+from .chunked import FOLD_EVERY, _current, _fold, _init_state, _segment, _state_buffers, _write_state
 from .elementwise import ELU, RELU, load_rows
 from .gating import (chunk_gates, gate_buffers, gate_key_columns, gate_pending, gate_queries, gate_scores,
                      gate_state_factors)
@@ -133,11 +135,13 @@ def _chunk_update(gates, KT, SV, x, c, G, Rg, F, P, Pz, lam, has_p):
 
 
 @njit(helper=True)
-def _scan(q, k, v, g, out, den, fm, normalize, s, one, start, chunk, S0, Z0, h, gates, ld, status, backwards, dq, dk,
-          dv, H_out, Z_out, r, has_r, QA, SV, KT, KF, R, QA2, SV2, KT2, sums, G, Rg, F, X):
-    """One scan over positions [start, N) of one head's (N, X) views (reversed views when
-    ``backwards``): forward, dq from the state S0[h]; backwards, dk and dv from the adjoint S0[h]
-    (= dS_end^T), its final value to H_out[h] when it has rows."""
+def _scan(q, k, v, g, out, den, fm, normalize, s, one, start, chunk, c0, c1, last, S0, Z0, h, gates, ld, status,
+          backwards, dq, dk, dv, H_out, Z_out, r, has_r, QA, SV, KT, KF, R, QA2, SV2, KT2, sums, G, Rg, F, X):
+    """Chunks [c0, c1) of one scan over positions [start, N) of one head's (N, X) views (reversed views
+    when ``backwards``), the state before chunk c0 summed first (its update alone for the chunks
+    before: the forward kernel's segment prefix): forward, dq from the state S0[h]; backwards, dk and
+    dv from the adjoint S0[h] (= dS_end^T). The ``last`` segment zeroes the rows before ``start``
+    (backwards: past the length) and writes the final adjoint to H_out[h] when it has rows."""
     noinline()  # called for both directions: one compiled copy
     n, e, d = q.shape[0], KT.shape[0], SV.shape[1]
     dvdim = e - 1
@@ -148,50 +152,54 @@ def _scan(q, k, v, g, out, den, fm, normalize, s, one, start, chunk, S0, Z0, h, 
     has_p = False
     gate_state_factors(gates, lam, fb)
     _current(B, Bz, P, Pz, SV, Z, has_acc, has_p, fb, decayed)
-    ci = 0
-    for i0 in range(start, n, chunk):
+    for ci in range(c1):
+        i0 = start + ci * chunk
         c = min(chunk, n - i0)
+        own = ci >= c0
         chunk_gates(gates, h, ld, i0, c, G, Rg, F, status)
         if not backwards:  # X = ab, Y = v1, W = phi(k); out: dq
-            _load_adjoints(g, out, den, i0, c, normalize, QA)
             transpose_rows(v[i0:], KT, sums, c)
             for t in range(c):
                 KT[dvdim, t] = 1
             load_rows(k, i0, c, fm, SV[e:])
-            _chunk_output(gates, QA, KT, SV, e, c, G, Rg, F, X, has_acc or has_p, R[:c])
-            load_rows(q, i0, c, fm, KF)
-            _times_derivative(R, KF, c, fm, s, one, dq, i0, r, has_r)
+            if own:
+                _load_adjoints(g, out, den, i0, c, normalize, QA)
+                _chunk_output(gates, QA, KT, SV, e, c, G, Rg, F, X, has_acc or has_p, R[:c])
+                load_rows(q, i0, c, fm, KF)
+                _times_derivative(R, KF, c, fm, s, one, dq, i0, r, has_r)
         else:  # X = v1, Y = ab, W = qs; out: dk; then X = phi(k), Y = qs, W = a, state H[:, :Dv]; out: dv
-            _load_values(v, i0, c, QA)
             _load_adjoints(g, out, den, i0, c, normalize, SV2[d:])  # [a, b] rows: a is dv's W
             transpose_rows(SV2[d:], KT, sums, c)
             load_rows(q, i0, c, fm, SV[e:])
             _scale_rows(SV[e:], c, s)
-            transpose_rows(SV[e:], KT2, sums, c)
-            load_rows(k, i0, c, fm, QA2)
-            transpose_rows(SV, SV2, sums, dvdim)  # H[:, :Dv] from H^T
-            _chunk_output(gates, QA, KT, SV, e, c, G, Rg, F, X, has_acc or has_p, R[:c])
-            _times_derivative(R, QA2, c, fm, one, one, dk, i0, r, has_r)
-            _chunk_output(gates, QA2, KT2, SV2, d, c, G, Rg, F, X, has_acc or has_p, dv[i0:i0 + c])
+            if own:
+                _load_values(v, i0, c, QA)
+                transpose_rows(SV[e:], KT2, sums, c)
+                load_rows(k, i0, c, fm, QA2)
+                transpose_rows(SV, SV2, sums, dvdim)  # H[:, :Dv] from H^T
+                _chunk_output(gates, QA, KT, SV, e, c, G, Rg, F, X, has_acc or has_p, R[:c])
+                _times_derivative(R, QA2, c, fm, one, one, dk, i0, r, has_r)
+                _chunk_output(gates, QA2, KT2, SV2, d, c, G, Rg, F, X, has_acc or has_p, dv[i0:i0 + c])
         _chunk_update(gates, KT, SV, e, c, G, Rg, F, P, Pz, lam, has_p)
         has_p = True
-        ci += 1
-        if ci % FOLD_EVERY == 0:
+        if (ci + 1) % FOLD_EVERY == 0:
             _fold(acc, accz, B, Bz, P, Pz, has_acc, lam, decayed)
             has_acc, has_p = True, False
         gate_state_factors(gates, lam, fb)
         _current(B, Bz, P, Pz, SV, Z, has_acc, has_p, fb, decayed)
-    if backwards:
+    if last and backwards:
         _zero_rows(dk, 0, start)
         _zero_rows(dv, 0, start)
         if H_out.shape[0] > 0:
             _write_state(acc, accz, P, Pz, h, H_out, Z_out, has_acc, has_p, lam, decayed)
+    elif last:
+        _zero_rows(dq, n, dq.shape[0])
 
 
 @njit(helper=True)
-def _worker(q, k, v, g, out, den, fm, normalize, s, lengths, chunk, S0, H0, Z0, gates, gates_rev, ld, dq, dk, dv,
-            H_out, Z_out, rq, rk, status, counter):
-    """One thread's share of _causal_backward: items (head, direction) taken from ``counter``."""
+def _worker(q, k, v, g, out, den, fm, normalize, s, lengths, chunk, frac, S0, H0, Z0, gates, gates_rev, ld, dq, dk,
+            dv, H_out, Z_out, rq, rk, status, counter):
+    """One thread's share of _causal_backward: items (head, segment, direction) taken from ``counter``."""
     noinline()
     g2, n, d = q.shape[1], q.shape[2], q.shape[3]
     e, dt = v.shape[3] + 1, dq.dtype
@@ -207,28 +215,32 @@ def _worker(q, k, v, g, out, den, fm, normalize, s, lengths, chunk, S0, H0, Z0, 
     KT2 = np.empty((d, chunk), dt)
     sums = np.zeros(max(d, e), dt)
     G, Rg, F, X = gate_buffers(gates, chunk, dt)
-    items = 2 * q.shape[0] * g2
+    nseg = frac.shape[0] - 1
+    items = 2 * q.shape[0] * g2 * nseg
     item = take(counter)
     while item < items:
-        h, backwards = item // 2, item % 2 == 0  # the longer backward scans first
-        h1, h2, length = h // g2, h % g2, lengths[h]
+        backwards = item % 2 == 0  # the longer backward scans first
+        length = lengths[item // (2 * nseg)]
+        h, sg, c0, c1 = _segment(item // 2, nseg, frac, (length + chunk - 1) // chunk)
+        h1, h2 = h // g2, h % g2
         r = (rk if backwards else rq)[h if has_r else 0]
-        if backwards:
-            _scan(q[h1, h2][::-1], k[h1, h2][::-1], v[h1, h2][::-1], g[h1, h2][::-1], out[h1, h2][::-1],
-                  den[h1, h2][::-1], fm, normalize, s, one, n - length, chunk, H0, Z0, h, gates_rev, ld, status, True,
-                  dq[h1, h2], dk[h1, h2][::-1], dv[h1, h2][::-1], H_out, Z_out, r[::-1], has_r, QA, SV, KT, KF, R,
-                  QA2, SV2, KT2, sums, G, Rg, F, X)
-        else:
-            _scan(q[h1, h2][:length], k[h1, h2][:length], v[h1, h2][:length], g[h1, h2][:length],
-                  out[h1, h2][:length], den[h1, h2][:length], fm, normalize, s, one, 0, chunk, S0, Z0, h, gates, ld,
-                  status, False, dq[h1, h2], dk[h1, h2], dv[h1, h2], H_out, Z_out, r, has_r, QA, SV, KT, KF,
-                  R, QA2, SV2, KT2, sums, G, Rg, F, X)
-            _zero_rows(dq[h1, h2], length, n)
+        last = sg == nseg - 1
+        if c0 < c1 or last:
+            if backwards:
+                _scan(q[h1, h2][::-1], k[h1, h2][::-1], v[h1, h2][::-1], g[h1, h2][::-1], out[h1, h2][::-1],
+                      den[h1, h2][::-1], fm, normalize, s, one, n - length, chunk, c0, c1, last, H0, Z0, h, gates_rev,
+                      ld, status, True, dq[h1, h2], dk[h1, h2][::-1], dv[h1, h2][::-1], H_out, Z_out, r[::-1], has_r,
+                      QA, SV, KT, KF, R, QA2, SV2, KT2, sums, G, Rg, F, X)
+            else:
+                _scan(q[h1, h2][:length], k[h1, h2][:length], v[h1, h2][:length], g[h1, h2][:length],
+                      out[h1, h2][:length], den[h1, h2][:length], fm, normalize, s, one, 0, chunk, c0, c1, last, S0,
+                      Z0, h, gates, ld, status, False, dq[h1, h2], dk[h1, h2], dv[h1, h2], H_out, Z_out, r, has_r,
+                      QA, SV, KT, KF, R, QA2, SV2, KT2, sums, G, Rg, F, X)
         item = take(counter)
 
 
-def _causal_backward(q, k, v, g, out, den, fm, normalize, s, lengths, chunk, nthreads, S0, H0, Z0, gates, gates_rev,
-                     ld, dq, dk, dv, H_out, Z_out, rq, rk, status):
+def _causal_backward(q, k, v, g, out, den, fm, normalize, s, lengths, chunk, frac, nthreads, S0, H0, Z0, gates,
+                     gates_rev, ld, dq, dk, dv, H_out, Z_out, rq, rk, status):
     """Gradients of causal linear attention for every head (see the module docstring).
 
     q, k: (G1, G2, N, D); v, g, out: (G1, G2, N, Dv); den: (G1, G2, N), the forward's denominators;
@@ -245,19 +257,20 @@ def _causal_backward(q, k, v, g, out, den, fm, normalize, s, lengths, chunk, nth
     counter = np.empty(1, np.int64)
     counter[0] = 0
     if nthreads <= 1:
-        _worker(q, k, v, g, out, den, fm, normalize, s, lengths, chunk, S0, H0, Z0, gates, gates_rev, ld, dq, dk, dv,
-                H_out, Z_out, rq, rk, status, counter)
+        _worker(q, k, v, g, out, den, fm, normalize, s, lengths, chunk, frac, S0, H0, Z0, gates, gates_rev, ld, dq, dk,
+                dv, H_out, Z_out, rq, rk, status, counter)
     else:
         for _ in prange(nthreads):
-            _worker(q, k, v, g, out, den, fm, normalize, s, lengths, chunk, S0, H0, Z0, gates, gates_rev, ld, dq, dk,
-                    dv, H_out, Z_out, rq, rk, status, counter)
+            _worker(q, k, v, g, out, den, fm, normalize, s, lengths, chunk, frac, S0, H0, Z0, gates, gates_rev, ld, dq,
+                    dk, dv, H_out, Z_out, rq, rk, status, counter)
 
 
 def _signature(dt, kind):
     seq, i64, f64 = array(dt, 4, "A", readonly=True), types.int64, types.float64
     gate_t = array(dt, 3, "A", readonly=True) if kind else array(dt, 1, readonly=True)
     return types.void(seq, seq, seq, seq, seq, array(dt, 3, "A", readonly=True), i64, types.boolean, dt,
-                      array(i64, 1, readonly=True), i64, i64, array(dt, 3, readonly=True), array(dt, 3, readonly=True),
+                      array(i64, 1, readonly=True), i64, array(f64, 1, readonly=True), i64, array(dt, 3, readonly=True),
+                      array(dt, 3, readonly=True),
                       array(dt, 2, readonly=True), gate_t, gate_t, array(f64, 1, readonly=True),
                       array(dt, 4, "A"), array(dt, 4, "A"), array(dt, 4, "A"), array(dt, 3), array(dt, 2),
                       array(f64, 2, "A"), array(f64, 2, "A"), array(i64, 1))
