@@ -27,7 +27,7 @@ import numpy as np
 from numba import prange, types
 
 from .._jit import Kernel, array, njit
-from .chunked import FOLD_EVERY, _current, _fold, _init_state, _segment, _state_buffers, _write_state
+from .chunked import _current, _init_state, _segment, _state_buffers, _write_state, pending_added
 from .elementwise import ELU, RELU, load_rows
 from .gating import (chunk_gates, gate_buffers, gate_key_columns, gate_pending, gate_queries, gate_scores,
                      gate_state_factors)
@@ -181,10 +181,7 @@ def _scan(q, k, v, g, out, den, fm, normalize, s, one, start, chunk, c0, c1, las
                 _times_derivative(R, QA2, c, fm, one, one, dk, i0, r, has_r)
                 _chunk_output(gates, QA2, KT2, SV2, d, c, G, Rg, F, X, has_acc or has_p, dv[i0:i0 + c])
         _chunk_update(gates, KT, SV, e, c, G, Rg, F, P, Pz, lam, has_p)
-        has_p = True
-        if (ci + 1) % FOLD_EVERY == 0:
-            _fold(acc, accz, B, Bz, P, Pz, has_acc, lam, decayed)
-            has_acc, has_p = True, False
+        has_acc, has_p = pending_added(ci, acc, accz, B, Bz, P, Pz, has_acc, lam, decayed)
         gate_state_factors(gates, lam, fb)
         _current(B, Bz, P, Pz, SV, Z, has_acc, has_p, fb, decayed)
     if last and backwards:

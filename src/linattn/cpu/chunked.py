@@ -137,6 +137,16 @@ def _fold(acc, accz, B, Bz, P, Pz, has_acc, lam, decayed):
 
 
 @njit(helper=True)
+def pending_added(ci, acc, accz, B, Bz, P, Pz, has_acc, lam, decayed):
+    """After chunk ci's terms went into the pending sums P: fold them into the float64 accumulators
+    every FOLD_EVERY chunks. Returns the new flags (has_acc, has_p)."""
+    if (ci + 1) % FOLD_EVERY == 0:
+        _fold(acc, accz, B, Bz, P, Pz, has_acc, lam, decayed)
+        return True, False
+    return has_acc, True
+
+
+@njit(helper=True)
 def _current(B, Bz, P, Pz, S, Z, has_acc, has_p, fb, decayed):
     """S[:D] = B + P and Z = Bz + Pz (B and P taken as zero where the flags say they hold nothing;
     with gates, B's and Bz's rows times their factors fb since the last fold): the state the next
@@ -229,10 +239,7 @@ def _causal_segment(q, k, v, out, mp, eps, normalize, scale, length, chunk, c0, 
         chunk_gates(gates, h, ld, i0, c, G, R, F, status)
         beta = gate_pending(gates, P, Pz, lam, c, G, R, F, has_p)
         _add_prefix(k, v, i0, c, mp, Kf, SV, P, Pz, beta if has_p else 0, gates, F)
-        has_p = True
-        if (ci + 1) % FOLD_EVERY == 0:
-            _fold(acc, accz, B, Bz, P, Pz, has_acc, lam, decayed)
-            has_acc, has_p = True, False
+        has_acc, has_p = pending_added(ci, acc, accz, B, Bz, P, Pz, has_acc, lam, decayed)
     gate_state_factors(gates, lam, fb)
     _current(B, Bz, P, Pz, SV, Z, has_acc, has_p, fb, decayed)
     # rows far apart (head views of a fused projection) are fetched a chunk ahead: 0.93x the time
@@ -265,9 +272,7 @@ def _causal_segment(q, k, v, out, mp, eps, normalize, scale, length, chunk, c0, 
         small_gemm(KT[:, :c], SV[d_:d_ + c], P, beta if has_p else 0, -1, -1)  # pending state update
         has_p = True
         if ci < c1 - 1:
-            if (ci + 1) % FOLD_EVERY == 0:
-                _fold(acc, accz, B, Bz, P, Pz, has_acc, lam, decayed)
-                has_acc, has_p = True, False
+            has_acc, has_p = pending_added(ci, acc, accz, B, Bz, P, Pz, has_acc, lam, decayed)
             gate_state_factors(gates, lam, fb)
             _current(B, Bz, P, Pz, SV, Z, has_acc, has_p, fb, decayed)
     if last:
