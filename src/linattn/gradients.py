@@ -151,7 +151,7 @@ def causal_linear_attention_vjp(q, k, v, *, feature_map="elu", eps=1e-6, normali
     ((2, 50, 8), (2, 50, 8), (2, 50, 8))
     """
     fmap, code = _map_and_code(feature_map)
-    q, k, v, lead, n, d_in, dv, comp, out_dt = checks.check_qkv(q, k, v)
+    q, k, v, lead, n, _, dv, comp, out_dt = checks.check_qkv(q, k, v)
     eps = checks.check_eps(eps)
     normalize = checks.check_flag(normalize, "normalize")
     return_state = checks.check_flag(return_state, "return_state")
@@ -179,18 +179,17 @@ def causal_linear_attention_vjp(q, k, v, *, feature_map="elu", eps=1e-6, normali
     if den is None:  # (not read without normalisation)
         den = np.zeros(lead + (n,), comp)
     valid = None if lens is None else (np.arange(n) < lens[..., None])[..., None]
-    # the log factor of every position, (..., N, D') or (..., N, 1), decay folded in, 0 past a length; and
-    # the same backwards in time, shifted by one (the state after position t decays by position t+1's)
+    # the log factor of every position (..., N), decay folded in, 0 past a length; and the same backwards in
+    # time, shifted by one (the state after position t decays by position t+1's)
     lam = lam_rev = None
     if kind != gates_mod.NONE:
-        lam = np.zeros(lead + (n, 1)) if gate is None else (
-            gates.astype(np.float64) if kind == gates_mod.VECTOR else gates.astype(np.float64)[..., None])
+        lam = np.zeros(lead + (n,)) if gate is None else gates.astype(np.float64)
         if log_decay is not None:
-            lam = lam + log_decay.reshape(lead + (1, 1))
+            lam = lam + log_decay.reshape(lead + (1,))
         if valid is not None:
-            lam = np.where(valid, lam, 0.0)
-        lam_rev = np.concatenate([np.zeros_like(lam[..., :1, :]), lam[..., ::-1, :][..., :-1, :]], -2)
-        lam, lam_rev = (x[..., 0].astype(comp) for x in (lam, lam_rev))
+            lam = np.where(valid[..., 0], lam, 0.0)
+        lam_rev = np.concatenate([np.zeros_like(lam[..., :1]), lam[..., ::-1][..., :-1]], -1)
+        lam, lam_rev = (x.astype(comp) for x in (lam, lam_rev))
 
     bh = math.prod(lead)
     lens_all = np.full(bh, n, np.int64) if lens is None else np.ascontiguousarray(lens.reshape(bh), np.int64)
@@ -222,7 +221,7 @@ def causal_linear_attention_vjp(q, k, v, *, feature_map="elu", eps=1e-6, normali
         dq, dk, dvv = (np.empty(lead + (n, x), comp) for x in (d, d, dv))
         rows = bh if has_state else 0
         H_out = np.empty((rows, dv + 1, d), comp)
-        Z0 = np.zeros((bh if (has_state or dS is not None) else 0, dv + 1), comp)
+        Zs = np.zeros((bh if (has_state or dS is not None) else 0, dv + 1), comp)  # (the kernel's unused Z)
         Z_out = np.empty((rows, dv + 1), comp)
         rq, rk = (np.empty((bh, n)) if gated else np.empty((1, 0)) for _ in range(2))
         status = np.zeros(3, np.int64)
@@ -233,7 +232,7 @@ def causal_linear_attention_vjp(q, k, v, *, feature_map="elu", eps=1e-6, normali
             no_gates = np.empty(0, comp)
             with kernel_section(nthreads):
                 kernel(q4, k4, v4, g4, o4, den.reshape(g12 + (n,)), IDENTITY if code is None else code, normalize,
-                       comp.type(s), lens_all, chunk, frac, nthreads, S0t, H0, Z0,
+                       comp.type(s), lens_all, chunk, frac, nthreads, S0t, H0, Zs,
                        lam.reshape(g12 + (n,)) if gated else no_gates,
                        lam_rev.reshape(g12 + (n,)) if gated else no_gates, np.zeros(bh),
                        dq.reshape(g12 + (n, d)), dk.reshape(g12 + (n, d)), dvv.reshape(g12 + (n, dv)), H_out, Z_out,
