@@ -3,7 +3,7 @@ import numpy as np
 import pytest
 from numba import njit
 
-from linattn.cpu.elementwise import elu1
+from linattn.cpu.elementwise import ELU, IDENTITY, RELU, elu1, load_rows
 
 
 @njit
@@ -24,3 +24,24 @@ def test_elu1_over_the_whole_range(dtype, tol, low):
     _apply(special, got)
     assert np.isnan(got[0]) and got[1] == np.inf and got[3] == 1 and got[4] == 1 and got[5] == dtype(1e30) + 1
     assert 0 <= got[2] < np.finfo(dtype).tiny * 2 and 0 <= got[6] < np.finfo(dtype).tiny * 2
+
+
+@njit
+def _load(src, i0, c, fm, dst):
+    load_rows(src, i0, c, fm, dst)
+
+
+@pytest.mark.parametrize("d", [1, 5, 16, 63, 64, 100])
+@pytest.mark.parametrize("view", ["rows", "reversed", "strided"])
+def test_load_rows_every_layout(rng, d, view):
+    """load_rows maps a block of rows into a wider buffer: short rows as one flat run (rows forward or
+    backward in memory), long or strided ones row by row; the same values either way, the buffer's
+    other columns untouched."""
+    base = rng.standard_normal((40, 2 * d)).astype(np.float32)
+    src = {"rows": base[:, :d].copy(), "reversed": base[::-1, :d].copy()[::-1], "strided": base[:, ::2]}[view]
+    for fm, ref in ((ELU, np.where(src > 0, src + 1, np.exp(np.minimum(src, 0)))), (RELU, np.maximum(src, 0)),
+                    (IDENTITY, src)):
+        dst = np.full((7, d + 3), -5.0, np.float32)
+        _load(src, 11, 7, fm, dst)
+        np.testing.assert_allclose(dst[:, :d], ref[11:18], rtol=3e-7, atol=0)
+        assert np.all(dst[:, d:] == -5.0)

@@ -8,10 +8,13 @@ from numba.extending import overload
 
 from .._jit import FASTMATH, njit
 from .vector import wide_vectors
-from .views import as_contiguous
+from .views import as_contiguous, flat_rows
 
 #: Codes of the feature maps the kernels apply themselves (callables are applied before, as IDENTITY).
 IDENTITY, ELU, RELU = 0, 1, 2
+
+#: Rows shorter than this are mapped a block at a time (load_rows).
+FLAT_BELOW = 64
 
 
 def elu1(x):
@@ -153,7 +156,18 @@ def load_rows(src, i0, c, fm, dst):
     (as_contiguous), so strided views of rows vectorise too.
     """
     wide_vectors()
-    if src.strides[1] == src.itemsize:
+    d, size = src.shape[1], src.itemsize
+    if fm != IDENTITY and d < FLAT_BELOW and src.strides[1] == size and abs(src.strides[0]) == d * size and c > 1:
+        # short rows: the vectorised loop over one row would leave them all to its scalar remainder,
+        # so the block is mapped as one flat run (rows forward or backward in memory), then copied
+        up = src.strides[0] > 0
+        flat = np.empty(c * d, dst.dtype)
+        map_flat(flat_rows(src, i0 if up else i0 + c - 1, c), fm, flat)
+        for t in range(c):
+            row, off = dst[t], (t if up else c - 1 - t) * d
+            for a in range(d):
+                row[a] = flat[off + a]
+    elif src.strides[1] == size:
         for t in range(c):
             map_row(as_contiguous(src[i0 + t]), fm, dst[t])
     else:

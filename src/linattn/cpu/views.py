@@ -1,5 +1,5 @@
 """How the kernels read strided inputs: ``as_contiguous`` (a 1-D view with unit stride, typed as such
-so that loops over it vectorise), ``head_row``/``head_matrix`` (the row or matrix of one head of an
+so that loops over it vectorise), ``flat_rows`` (adjacent rows as one such view), ``head_row``/``head_matrix`` (the row or matrix of one head of an
 array with any number of leading dims, by its flat index) and ``prefetch_rows`` (the next rows into
 the cache ahead of use).
 
@@ -27,6 +27,29 @@ def as_contiguous(typingctx, x):
 
     def codegen(context, builder, sig, args):
         return impl_ret_borrowed(context, builder, sig.return_type, args[0])
+
+    return sig, codegen
+
+
+@intrinsic
+def flat_rows(typingctx, x, i0, c):
+    """Rows [i0, i0 + c) of the 2-D array x as one 1-D C-contiguous view of c * x.shape[1] elements
+    starting at row i0; the rows must be adjacent in memory, each right after the previous one
+    (strides (D * itemsize, itemsize); unchecked). Only callable from Numba code."""
+    if not (isinstance(x, types.Array) and x.ndim == 2):
+        return None
+    ret = types.Array(x.dtype, 1, "C", readonly=not x.mutable)
+    sig = ret(x, types.intp, types.intp)
+
+    def codegen(context, builder, sig, args):
+        arr = context.make_array(sig.args[0])(context, builder, args[0])
+        out = context.make_array(sig.return_type)(context, builder)
+        base = builder.bitcast(arr.data, ir.IntType(8).as_pointer())
+        start = builder.gep(base, [builder.mul(args[1], builder.extract_value(arr.strides, 0))])
+        size = builder.mul(args[2], builder.extract_value(arr.shape, 1))
+        context.populate_array(out, data=builder.bitcast(start, arr.data.type), shape=[size],
+                               strides=[arr.itemsize], itemsize=arr.itemsize, meminfo=arr.meminfo, parent=arr.parent)
+        return impl_ret_borrowed(context, builder, sig.return_type, out._getvalue())
 
     return sig, codegen
 
