@@ -380,3 +380,31 @@ def test_segments_of_a_head(rng, monkeypatch, frac):
     for got, want in zip(grads(), whole):
         got, want = (x.S if isinstance(x, linattn.State) else x for x in (got, want))
         assert_close(got, want, np.float64)
+
+
+def test_empty_and_float16(rng):
+    """No positions, no heads, every length 0: gradients of the right shapes (zeros; the state's
+    gradient passes through); float16 inputs give float16 gradients equal to float32's, rounded."""
+    S0 = linattn.State(rng.random((2, 3, 2)), rng.random((2, 3)))
+    dS = linattn.State(rng.standard_normal((2, 3, 2)), rng.standard_normal((2, 3)))
+    for shape, kw in (((2, 0, 3), {}), ((2, 5, 3), dict(lengths=np.array([0, 0]))),
+                      ((2, 0, 3), dict(gate=np.zeros((2, 0))))):
+        q, k = rng.standard_normal(shape), rng.standard_normal(shape)
+        v = rng.standard_normal(shape[:-1] + (2,))
+        out, st, vjp = linattn.causal_linear_attention_vjp(q, k, v, initial_state=S0, return_state=True, **kw)
+        dq, dk, dv, dS0, *rest = vjp(np.ones_like(out), dS)
+        assert dq.shape == q.shape and dv.shape == v.shape and not dq.any() and not dk.any() and not dv.any()
+        np.testing.assert_array_equal(dS0.S, dS.S)
+        np.testing.assert_array_equal(dS0.Z, dS.Z)
+    q = rng.standard_normal((0, 5, 3))
+    _, vjp = linattn.causal_linear_attention_vjp(q, q, q)
+    assert [g.shape for g in vjp(np.zeros((0, 5, 3)))] == [(0, 5, 3)] * 3
+    q, k, v = (rng.standard_normal((2, 40, 4)).astype(np.float16) for _ in range(3))
+    W = rng.standard_normal((2, 40, 4))
+    for make in (linattn.causal_linear_attention_vjp, linattn.linear_attention_vjp):
+        out16, vjp16 = make(q, k, v)
+        out32, vjp32 = make(*(x.astype(np.float32) for x in (q, k, v)))
+        assert out16.dtype == np.float16
+        for g16, g32 in zip(vjp16(W.astype(np.float16)), vjp32(W.astype(np.float16).astype(np.float32))):
+            assert g16.dtype == np.float16
+            np.testing.assert_array_equal(g16, g32.astype(np.float16))

@@ -215,9 +215,6 @@ def causal_linear_attention_vjp(q, k, v, *, feature_map="elu", eps=1e-6, normali
         qf = kf = None
         if code is None:  # phi applied here, its vjp after the kernel
             qf, kf = _mapped(fmap, q, comp), _mapped(fmap, k, comp)
-        arrays = (q, k) if code is not None else (qf, kf)
-        (q4, k4, v4, g4, o4), _, _ = _seq4(tuple(_unit_rows(x) for x in arrays + (v, g, out)), lead)
-        g12 = q4.shape[:2]
         dq, dk, dvv = (np.empty(lead + (n, x), comp) for x in (d, d, dv))
         rows = bh if has_state else 0
         H_out = np.empty((rows, dv + 1, d), comp)
@@ -226,6 +223,9 @@ def causal_linear_attention_vjp(q, k, v, *, feature_map="elu", eps=1e-6, normali
         rq, rk = (np.empty((bh, n)) if gated else np.empty((1, 0)) for _ in range(2))
         status = np.zeros(3, np.int64)
         if bh and n:
+            arrays = (q, k) if code is not None else (qf, kf)
+            (q4, k4, v4, g4, o4), _, _ = _seq4(tuple(_unit_rows(x) for x in arrays + (v, g, out)), lead)
+            g12 = q4.shape[:2]
             chunk, frac, nthreads = plan(bh, n, d, dv, causal=True)  # (the forward's segments suit both scans)
             nthreads = min(nthreads, 2 * bh * (len(frac) - 1))
             kernel = backward.causal_backward.get(comp, int(gated))
@@ -257,10 +257,10 @@ def causal_linear_attention_vjp(q, k, v, *, feature_map="elu", eps=1e-6, normali
             grads.append(State(G0[..., :dv].astype(comp), G0[..., dv].astype(comp)))
         return tuple(grads + extra)
 
-    out = out.astype(out_dt, copy=False)
+    result = out.astype(out_dt, copy=False)  # (vjp reads ``out`` itself, in the computation's dtype)
     if return_state:
-        return out, final, vjp
-    return out, vjp
+        return result, final, vjp
+    return result, vjp
 
 
 def linear_attention_vjp(q, k, v, *, feature_map="elu", eps=1e-6, normalize=True, scale=None):
