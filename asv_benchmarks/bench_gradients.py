@@ -10,24 +10,15 @@ from .common import SMOKE, inputs
 CHUNK = 64
 
 
-def torch_chunked_forward_backward(q, k, v, dout, eps=1e-6):
-    """The chunkwise form in PyTorch (as peers.torch_chunked), then autograd's backward."""
+def torch_chunked_forward_backward(q, k, v, dout):
+    """The chunkwise form in PyTorch (linattn.benchmarks' twin of peers.torch_chunked), then autograd's
+    backward."""
     import torch
 
+    from linattn.benchmarks.torch_transformer import chunked_linear_attention
+
     tq, tk, tv = (torch.from_numpy(x).requires_grad_() for x in (q, k, v))
-    *lead, n, d = tq.shape
-    dv = tv.shape[-1]
-    nc = n // CHUNK
-    qf = (torch.nn.functional.elu(tq) + 1).reshape(*lead, nc, CHUNK, d)
-    kf = (torch.nn.functional.elu(tk) + 1).reshape(*lead, nc, CHUNK, d)
-    vc = tv.reshape(*lead, nc, CHUNK, dv)
-    va = torch.cat([vc, torch.ones(vc.shape[:-1] + (1,), dtype=vc.dtype)], -1)
-    kv = kf.transpose(-1, -2) @ va
-    s = torch.cumsum(kv, dim=-3) - kv
-    mask = torch.tril(torch.ones(CHUNK, CHUNK, dtype=tq.dtype))
-    o = ((qf @ kf.transpose(-1, -2)) * mask) @ va + qf @ s
-    out = (o[..., :dv] / (o[..., dv:] + eps)).reshape(*lead, n, dv)
-    out.backward(torch.from_numpy(dout))
+    chunked_linear_attention(tq, tk, tv, chunk=CHUNK)[0].backward(torch.from_numpy(dout))
     return tq.grad, tk.grad, tv.grad
 
 

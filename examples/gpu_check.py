@@ -21,23 +21,11 @@ CASES = [(1, 2, 24, 4)] if TINY else [(1, 8, 2048, 64), (4, 8, 1024, 64), (2, 4,
 STEP_BATCHES = [1] if TINY else [1, 32]
 
 
-def torch_chunked(q, k, v, eps=1e-6, C=64):
+def torch_chunked(q, k, v):
     """The chunkwise form in PyTorch (as fla's reference chunk code), on q's device."""
-    import torch
-    *lead, n, d = q.shape
-    pad = -n % C
-    if pad:
-        q, k, v = (torch.nn.functional.pad(x, (0, 0, 0, pad)) for x in (q, k, v))
-    nc = (n + pad) // C
-    qf = (torch.nn.functional.elu(q) + 1).reshape(*lead, nc, C, d)
-    kf = (torch.nn.functional.elu(k) + 1).reshape(*lead, nc, C, d)
-    vc = v.reshape(*lead, nc, C, v.shape[-1])
-    va = torch.cat([vc, torch.ones(vc.shape[:-1] + (1,), dtype=vc.dtype, device=vc.device)], -1)
-    kv = kf.transpose(-1, -2) @ va
-    s = torch.cumsum(kv, dim=-3) - kv
-    a = (qf @ kf.transpose(-1, -2)) * torch.tril(torch.ones(C, C, dtype=q.dtype, device=q.device))
-    o = a @ va + qf @ s
-    return (o[..., :-1] / (o[..., -1:] + eps)).reshape(*lead, n + pad, -1)[..., :n, :]
+    from linattn.benchmarks.torch_transformer import chunked_linear_attention
+
+    return chunked_linear_attention(q, k, v)[0]
 
 
 def timed(fn, sync, repeat=5):

@@ -14,28 +14,15 @@ import numpy as np
 import torch
 
 import linattn.torch as lt
+from linattn.benchmarks.torch_transformer import chunked_linear_attention
 
 TEXT = ("the quick brown fox jumps over the lazy dog while seven wizards quietly hex a jovial sphinx "
         "of black quartz and judge my vow ") * 40
 
 
-def torch_chunked(q, k, v, eps=1e-6, chunk=32):
+def torch_chunked(q, k, v):
     """Causal linear attention (elu + 1) in PyTorch's chunkwise form, differentiable by autograd."""
-    *lead, n, d = q.shape
-    pad = -n % chunk
-    if pad:
-        q, k, v = (torch.nn.functional.pad(x, (0, 0, 0, pad)) for x in (q, k, v))
-    nc = (n + pad) // chunk
-    qf = (torch.nn.functional.elu(q) + 1).reshape(*lead, nc, chunk, d)
-    kf = (torch.nn.functional.elu(k) + 1).reshape(*lead, nc, chunk, d)  # (padding: after every real position)
-    vc = v.reshape(*lead, nc, chunk, v.shape[-1])
-    va = torch.cat([vc, torch.ones(vc.shape[:-1] + (1,), dtype=vc.dtype)], -1)
-    kv = kf.transpose(-1, -2) @ va
-    s = torch.cumsum(kv, dim=-3) - kv
-    mask = torch.tril(torch.ones(chunk, chunk, dtype=q.dtype))
-    o = ((qf @ kf.transpose(-1, -2)) * mask) @ va + qf @ s
-    out = o[..., :-1] / (o[..., -1:] + eps)
-    return out.reshape(*lead, n + pad, -1)[..., :n, :]
+    return chunked_linear_attention(q, k, v, chunk=32)[0]
 
 
 class Model(torch.nn.Module):

@@ -17,18 +17,22 @@ def _phi(x):
     return F.elu(x) + 1
 
 
-def chunked_linear_attention(q, k, v):
-    """Causal linear attention (elu+1, normalised) of (B, H, N, D) tensors; returns (out, (S, Z))."""
-    b, h, n, d = q.shape
-    c = CHUNK if n % CHUNK == 0 else n
-    qf, kf = _phi(q).reshape(b, h, n // c, c, d), _phi(k).reshape(b, h, n // c, c, d)
-    vc = v.reshape(b, h, n // c, c, v.shape[-1])
-    va = torch.cat([vc, torch.ones(vc.shape[:-1] + (1,), dtype=v.dtype)], -1)  # Z as an extra column
+def chunked_linear_attention(q, k, v, chunk=CHUNK, eps=EPS):
+    """Causal linear attention (elu+1, normalised) of (..., N, D) tensors on their device, differentiable by
+    autograd; returns (out, (S, Z)). N need not be a multiple of ``chunk``: the features are padded with
+    zeros, which add nothing to the state."""
+    *lead, n, d = q.shape
+    pad = -n % chunk
+    qf, kf, vp = (F.pad(x, (0, 0, 0, pad)) if pad else x for x in (_phi(q), _phi(k), v))
+    nc = (n + pad) // chunk
+    qf, kf = qf.reshape(*lead, nc, chunk, d), kf.reshape(*lead, nc, chunk, d)
+    vc = vp.reshape(*lead, nc, chunk, v.shape[-1])
+    va = torch.cat([vc, torch.ones(vc.shape[:-1] + (1,), dtype=v.dtype, device=v.device)], -1)  # Z as a column
     kv = kf.transpose(-1, -2) @ va
     s = torch.cumsum(kv, dim=-3) - kv
-    a = (qf @ kf.transpose(-1, -2)) * torch.tril(torch.ones(c, c, dtype=q.dtype))
+    a = (qf @ kf.transpose(-1, -2)) * torch.tril(torch.ones(chunk, chunk, dtype=q.dtype, device=q.device))
     o = a @ va + qf @ s
-    out = (o[..., :-1] / (o[..., -1:] + EPS)).reshape(b, h, n, v.shape[-1])
+    out = (o[..., :-1] / (o[..., -1:] + eps)).reshape(*lead, n + pad, v.shape[-1])[..., :n, :]
     total = kv.sum(-3)
     return out, (total[..., :-1].contiguous(), total[..., -1].contiguous())
 
