@@ -329,6 +329,20 @@ def test_feature_map_vjps(rng):
         assert got32.dtype == np.float32 and rel_err(got32, got) < 1e-5, fmap
 
 
+def test_feature_map_vjp_bad_input(rng):
+    fm = linattn.feature_maps
+    x = rng.standard_normal((4, 3))
+    with pytest.raises(ValueError, match=r"dphi: expected shape \(4, 10\) \(that of phi\(x\)\), got \(4, 3\)"):
+        fm.Taylor().vjp(x, np.ones((4, 3)))
+    with pytest.raises(ValueError, match=r"x: expected an array \(..., D\) with D >= 1"):
+        fm.Elementwise("gelu").vjp(np.float64(1.0), np.ones(1))
+    with pytest.raises(TypeError, match="dphi: expected real numbers, got dtype complex128"):
+        fm.Elementwise("elu").vjp(x, np.ones((4, 3), complex))
+    with pytest.raises(ValueError, match="feature_map: Performer has a weight of shape"):
+        fm.Performer.random(5, 4, seed=0).vjp(x, np.ones((4, 4)))
+    assert fm.Elementwise("relu").vjp(x, np.ones((4, 3), np.int64)).dtype == np.float64
+
+
 @pytest.mark.parametrize("causal", [True, False])
 def test_every_map_through_attention(rng, causal):
     """Gradients with each feature map (the elementwise ones by their vjp when scaled, the others

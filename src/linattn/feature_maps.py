@@ -176,11 +176,24 @@ class FeatureMap:
         no gradient here."""
         raise NotImplementedError
 
-    def _prepared(self, x, dphi, y):
-        """(u = scale x, dphi, y = phi(x)) in dphi's dtype."""
-        dt = dphi.dtype
-        u = np.asarray(x, dt) * dt.type(self.input_scale)
-        return u, dphi, (self(x).astype(dt, copy=False) if y is None else y)
+    def _prepared(self, x, dphi, y=None, need_y=True):
+        """(u = scale x, dphi, y = phi(x)), checked, in dphi's float dtype (float64 for integers); y
+        computed when needed and not given."""
+        x, dphi = np.asarray(x), np.asarray(dphi)
+        for name, arr in (("x", x), ("dphi", dphi)):
+            if arr.dtype.kind not in "fiub":
+                raise TypeError(f"{name}: expected real numbers, got dtype {arr.dtype}")
+        if x.ndim < 1 or x.shape[-1] < 1:
+            raise ValueError(f"x: expected an array (..., D) with D >= 1, got shape {x.shape}")
+        want = x.shape[:-1] + (self.out_dim(x.shape[-1]),)
+        if dphi.shape != want:
+            raise ValueError(f"dphi: expected shape {want} (that of phi(x)), got {dphi.shape}")
+        dt = dphi.dtype if dphi.dtype.kind == "f" else np.dtype(np.float64)
+        dphi = dphi.astype(dt, copy=False)
+        u = x.astype(dt, copy=False) * dt.type(self.input_scale)
+        if need_y and y is None:
+            y = self(x).astype(dt, copy=False)
+        return u, dphi, y
 
     def _args(self):
         return ""
@@ -225,7 +238,7 @@ class Elementwise(FeatureMap):
         return d
 
     def vjp(self, x, dphi, y=None):
-        u, dphi, y = self._prepared(x, dphi, y if self.name not in ("relu", "identity", "squared_relu") else 0)
+        u, dphi, y = self._prepared(x, dphi, y, need_y=self.name in ("elu", "gelu", "sigmoid", "softplus"))
         one = u.dtype.type(1)
         name = self.name
         if name == "elu":
@@ -281,7 +294,7 @@ class Taylor(FeatureMap):
         return 1 + d + d * (d + 1) // 2
 
     def vjp(self, x, dphi, y=None):
-        u = np.asarray(x, dphi.dtype) * dphi.dtype.type(self.input_scale)
+        u, dphi, _ = self._prepared(x, dphi, need_y=False)
         u1 = np.concatenate([u, np.ones(u.shape[:-1] + (1,), u.dtype)], -1)
         du = _pairs_vjp(u1, dphi, self._family_params(u.shape[-1]))
         return du[..., :-1] * u.dtype.type(self.input_scale)
@@ -323,10 +336,8 @@ class ReBased(FeatureMap):
         return np.concatenate([[self.eps], self.gamma, self.beta, _pair_table(_upper_pairs(d, 1.0, math.sqrt(2)))])
 
     def vjp(self, x, dphi, y=None):
-        dt = dphi.dtype
-        xs = np.asarray(x, dt) * dt.type(self.input_scale)
-        d = xs.shape[-1]
-        self.out_dim(d)
+        xs, dphi, _ = self._prepared(x, dphi, need_y=False)
+        dt, d = dphi.dtype, xs.shape[-1]
         centred = xs - xs.mean(-1, keepdims=True)
         r = 1 / np.sqrt((centred * centred).mean(-1, keepdims=True) + dt.type(self.eps))
         n = centred * r
@@ -374,7 +385,7 @@ class DPFP(FeatureMap):
         return _pair_table([(i, (i - nu) % n2, 1.0) for nu in range(1, self.nu + 1) for i in range(n2)])
 
     def vjp(self, x, dphi, y=None):
-        xs = np.asarray(x, dphi.dtype) * dphi.dtype.type(self.input_scale)
+        xs, dphi, _ = self._prepared(x, dphi, need_y=False)
         d = xs.shape[-1]
         du = _pairs_vjp(np.concatenate([np.maximum(xs, 0), np.maximum(-xs, 0)], -1), dphi, self._family_params(d))
         return (du[..., :d] * (xs > 0) - du[..., d:] * (xs < 0)) * dphi.dtype.type(self.input_scale)
