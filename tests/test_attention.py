@@ -194,8 +194,8 @@ def test_segments(rng, frac):
     no_gates = (np.zeros(0, np.float32), np.zeros(0), np.zeros(3, np.int64))
     no_map = (np.zeros(0, np.float32), 0)  # elu+1 inline: no parameters, no map_rows
     den = np.full((1, 3, n), np.nan, np.float32)  # the denominators kept for the backward pass
-    chunked.causal_forward.get(np.float32, ("C", 0))(q[None], k[None], v[None], 1, *no_map, np.float32(1e-6), True,
-                                                      np.float32(1), lengths, chunk_size(n), frac, 2, S0, Z0, out[None],
+    chunked.causal_forward.get(np.float32, ("C", 0))(2, q[None], k[None], v[None], 1, *no_map, np.float32(1e-6), True,
+                                                      np.float32(1), lengths, chunk_size(n), frac, S0, Z0, out[None],
                                                       S, Z, *no_gates, den)
     for h, L in enumerate(lengths):
         ref, (S_ref, Z_ref) = reference.loop(q[h, :L], k[h, :L], v[h, :L], initial_state=(S0[h], Z0[h]),
@@ -208,8 +208,8 @@ def test_segments(rng, frac):
         assert_close(S[h], S_ref, np.float32)
         assert_close(Z[h], Z_ref, np.float32)
     out2 = np.full((3, n, dv), np.nan, np.float32)
-    chunked.noncausal_forward.get(np.float32, "C")(q[None], k[None], v[None], 1, *no_map, np.float32(1e-6), True,
-                                                    np.float32(1), chunk_size(n), frac, 2, out2[None])
+    chunked.noncausal_forward.get(np.float32, "C")(2, q[None], k[None], v[None], 1, *no_map, np.float32(1e-6), True,
+                                                    np.float32(1), chunk_size(n), frac, out2[None])
     assert_close(out2, reference.masked(q, k, v, causal=False), np.float32)
 
 

@@ -91,9 +91,9 @@ def test_any_number_of_threads_takes_all_items(rng, nthreads):
     none = np.zeros((0, d, dv), np.float32), np.zeros((0, d), np.float32)
     no_gates = (np.zeros(0, np.float32), np.zeros(0), np.zeros(3, np.int64))
     no_map = (np.zeros(0, np.float32), 0)  # elu+1 inline: no parameters, no map_rows
-    chunked.causal_forward.get(np.float32, ("C", 0))(q, k, v, 1, *no_map, np.float32(1e-6), True, np.float32(1), lengths,
-                                                      chunk_size(n), frac, nthreads, *none, out, S, Z, *no_gates,
-                                                      np.zeros((1, 1, 0), np.float32))
+    chunked.causal_forward.get(np.float32, ("C", 0))(nthreads, q, k, v, 1, *no_map, np.float32(1e-6), True,
+                                                      np.float32(1), lengths, chunk_size(n), frac, *none, out, S, Z,
+                                                      *no_gates, np.zeros((1, 1, 0), np.float32))
     for h, L in enumerate(lengths):
         i, j = divmod(h, 3)
         ref, (S_ref, Z_ref) = reference.loop(q[i, j, :L], k[i, j, :L], v[i, j, :L], return_state=True)
@@ -102,8 +102,8 @@ def test_any_number_of_threads_takes_all_items(rng, nthreads):
         assert_close(S[h], S_ref, np.float32)
         assert_close(Z[h], Z_ref, np.float32)
     out2 = np.full((2, 3, n, dv), np.nan, np.float32)
-    chunked.noncausal_forward.get(np.float32, "C")(q, k, v, 1, *no_map, np.float32(1e-6), True, np.float32(1),
-                                                    chunk_size(n), frac, nthreads, out2)
+    chunked.noncausal_forward.get(np.float32, "C")(nthreads, q, k, v, 1, *no_map, np.float32(1e-6), True,
+                                                    np.float32(1), chunk_size(n), frac, out2)
     assert_close(out2, reference.masked(q, k, v, causal=False), np.float32)
 
 

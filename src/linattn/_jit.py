@@ -76,6 +76,15 @@ def _run_before_kernels():
         _before_done = True
 
 
+def renamed(py_func, parallel):
+    """``py_func`` under a name of its own that carries a hash of linattn's sources (see Kernel)."""
+    name = f"{py_func.__name__}{'' if parallel else '_serial'}_{SOURCE_STAMP}"
+    named = pytypes.FunctionType(py_func.__code__, py_func.__globals__, name, py_func.__defaults__,
+                                 py_func.__closure__)
+    named.__qualname__ = py_func.__qualname__[:-len(py_func.__name__)] + name
+    return named
+
+
 class Kernel:
     """A Python kernel function compiled on first use for one explicit signature per
     (dtype, variant). ``signature(numba_dtype, variant)`` builds the signature; for the sequence
@@ -90,12 +99,7 @@ class Kernel:
         # the parallel binary) and not the helpers in other modules it compiles in (an edited helper
         # would go unnoticed). So each kernel is cached under a name of its own that carries a hash
         # of linattn's sources.
-        name = f"{py_func.__name__}{'' if parallel else '_serial'}_{SOURCE_STAMP}"
-        qualname = py_func.__qualname__[:-len(py_func.__name__)] + name
-        py_func = pytypes.FunctionType(py_func.__code__, py_func.__globals__, name, py_func.__defaults__,
-                                       py_func.__closure__)
-        py_func.__qualname__ = qualname
-        self.py_func = py_func
+        self.py_func = renamed(py_func, parallel)
         self._signature = signature
         self._parallel = parallel
         self._prepare = prepare
@@ -121,8 +125,11 @@ class Kernel:
                     from .cpu.runtime import start_threads
 
                     start_threads()  # before compiling or loading, which would launch the pool itself
-                sig = self._signature(numba.from_dtype(key[0]), variant)
-                fn = njit(parallel=self._parallel, signature=sig)(self.py_func)
+                fn = self._build(self._signature(numba.from_dtype(key[0]), variant))
                 self._compiled[key] = fn
                 self._compiled[dtype, variant] = fn
         return fn
+
+    def _build(self, sig):
+        """The compiled kernel for the signature ``sig``."""
+        return njit(parallel=self._parallel, signature=sig)(self.py_func)

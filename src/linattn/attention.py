@@ -73,12 +73,12 @@ def _fast(causal, q, k, v, feature_map, eps, normalize):
         kernel = chunked.causal_forward.get(dt, ("C", 0))
         status = np.zeros(3, np.int64)
         with kernel_section(nthreads):
-            kernel(q4, k4, v4, code, _NO_GATES[dt], 0, dt.type(eps), normalize, dt.type(1.0), _full_lengths(bh, n),
-                   chunk, frac, nthreads, S0, Z0, o4, S, Z, _NO_GATES[dt], _ZERO_DECAY, status, _NO_DEN[dt])
+            kernel(nthreads, q4, k4, v4, code, _NO_GATES[dt], 0, dt.type(eps), normalize, dt.type(1.0),
+                   _full_lengths(bh, n), chunk, frac, S0, Z0, o4, S, Z, _NO_GATES[dt], _ZERO_DECAY, status, _NO_DEN[dt])
     else:
         kernel = chunked.noncausal_forward.get(dt, "C")
         with kernel_section(nthreads):
-            kernel(q4, k4, v4, code, _NO_GATES[dt], 0, dt.type(eps), normalize, dt.type(1.0), chunk, frac, nthreads,
+            kernel(nthreads, q4, k4, v4, code, _NO_GATES[dt], 0, dt.type(eps), normalize, dt.type(1.0), chunk, frac,
                    o4)
     return out
 
@@ -349,8 +349,8 @@ def causal_with_denominators(q, k, v, feature_map="elu", eps=1e-6, normalize=Tru
             if den is not None:
                 den4 = den.reshape(q4.shape[:3])
             with kernel_section(nthreads):
-                kernel(q4, k4, v4, *code, comp.type(eps), normalize, comp.type(scale), lens, chunk, frac, nthreads, S0,
-                       Z0, o4, S, Z, g4, ld, status, _NO_DEN[comp] if den is None else den4)
+                kernel(nthreads, q4, k4, v4, *code, comp.type(eps), normalize, comp.type(scale), lens, chunk, frac,
+                       S0, Z0, o4, S, Z, g4, ld, status, _NO_DEN[comp] if den is None else den4)
             gates_mod.raise_bad_gate(status, lead)
             if copied[3]:  # res allowed no 4-D view with the inputs' split
                 res[...] = o4.reshape(res.shape)
@@ -417,7 +417,7 @@ def linear_attention(q, k, v, *, feature_map="elu", eps=1e-6, normalize=True, sc
             (q4, k4, v4, o4), layout, copied = _seq4((q, k, v, res), lead)
             kernel = chunked.noncausal_forward.get(comp, layout)
             with kernel_section(nthreads):
-                kernel(q4, k4, v4, *code, comp.type(eps), normalize, comp.type(scale), chunk, frac, nthreads, o4)
+                kernel(nthreads, q4, k4, v4, *code, comp.type(eps), normalize, comp.type(scale), chunk, frac, o4)
             if copied[3]:
                 res[...] = o4.reshape(res.shape)
     return _deliver(res, out, out_dt, where)

@@ -43,7 +43,7 @@ def info():
         layer = numba.threading_layer()
     except ValueError:
         layer = "none yet"
-    disp = chunked.causal_forward.get(np.float32, ("C", 0))
+    disp = chunked.causal_forward.get(np.float32, ("C", 0)).worker
     cache = getattr(getattr(disp, "_cache", None), "cache_path", None)
     facts = _versions()
     facts.update({

@@ -231,8 +231,8 @@ def causal_linear_attention_vjp(q, k, v, *, feature_map="elu", eps=1e-6, normali
             kernel = backward.causal_backward.get(comp, int(gated))
             no_gates = np.empty(0, comp)
             with kernel_section(nthreads):
-                kernel(q4, k4, v4, g4, o4, den.reshape(g12 + (n,)), IDENTITY if code is None else code, normalize,
-                       comp.type(s), lens_all, chunk, frac, nthreads, S0t, H0, Zs,
+                kernel(nthreads, q4, k4, v4, g4, o4, den.reshape(g12 + (n,)), IDENTITY if code is None else code,
+                       normalize, comp.type(s), lens_all, chunk, frac, S0t, H0, Zs,
                        lam.reshape(g12 + (n,)) if gated else no_gates,
                        lam_rev.reshape(g12 + (n,)) if gated else no_gates, np.zeros(bh),
                        dq.reshape(g12 + (n, d)), dk.reshape(g12 + (n, d)), dvv.reshape(g12 + (n, dv)), H_out, Z_out,

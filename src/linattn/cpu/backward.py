@@ -24,15 +24,16 @@ Dv) + D * Dv) per item. With gates, rq_t = qs_t . dqs_t and rk_t = phi(k_t) . dk
 are written for the gates' gradient (its running sums are the caller's).
 """
 import numpy as np
-from numba import prange, types
+from numba import types
 
-from .._jit import Kernel, array, njit
+from .._jit import array, njit
 from .chunked import _current, _init_state, _segment, _state_buffers, _write_state, pending_added
 from .elementwise import ELU, RELU, load_rows
 from .gating import (chunk_gates, gate_buffers, gate_key_columns, gate_pending, gate_queries, gate_scores,
                      gate_state_factors)
 from .schedule import take
 from .smallgemm import noinline, small_gemm
+from .threaded import ThreadedKernel
 from .vector import transpose_rows
 from .views import as_contiguous
 
@@ -193,11 +194,22 @@ def _scan(q, k, v, g, out, den, fm, normalize, s, one, start, chunk, c0, c1, las
         _zero_rows(dq, n, dq.shape[0])
 
 
-@njit(helper=True)
-def _worker(q, k, v, g, out, den, fm, normalize, s, lengths, chunk, frac, S0, H0, Z0, gates, gates_rev, ld, dq, dk,
-            dv, H_out, Z_out, rq, rk, status, counter):
-    """One thread's share of _causal_backward: items (head, segment, direction) taken from ``counter``."""
-    noinline()
+def _causal_backward(q, k, v, g, out, den, fm, normalize, s, lengths, chunk, frac, S0, H0, Z0, gates, gates_rev, ld,
+                     dq, dk, dv, H_out, Z_out, rq, rk, status, counter):
+    """Gradients of causal linear attention for every head (see the module docstring).
+
+    q, k: (G1, G2, N, D); v, g, out: (G1, G2, N, Dv); den: (G1, G2, N), the forward's denominators;
+    all with unit stride along their last axis. ``fm``: cpu/elementwise.py's map code; ``s``: the
+    scale of phi(q). S0: the initial state transposed, [S_0 | Z_0]^T (heads, Dv + 1, D), H0: the
+    final state's gradient the same way, or arrays with no rows for zeros; Z0: zeros (heads, Dv + 1)
+    (the Z of cpu/chunked.py's state helpers, unused here). ``gates``: the log factor of each position
+    (G1, G2, N), zero past its head's length, or an empty 1-D array; ``gates_rev``: the same reversed
+    in time and shifted by one position (position N - 1 - t holds the factor of t + 1, position 0
+    zero); ld: zeros per head. Out: dq, dk, dv (zero past ``lengths``), H_out (heads, Dv + 1, D): the
+    adjoint of the state before position 0's factor (unless it has no rows), rq, rk (heads, N) in
+    float64 with gates (else (1, 0)); Z_out: scratch (heads, Dv + 1) where H_out has rows. Run by
+    threaded.ThreadedKernel: each thread takes items (head, segment, direction) from ``counter``.
+    """
     g2, n, d = q.shape[1], q.shape[2], q.shape[3]
     e, dt = v.shape[3] + 1, dq.dtype
     has_r = rq.shape[1] > 0
@@ -236,37 +248,11 @@ def _worker(q, k, v, g, out, den, fm, normalize, s, lengths, chunk, frac, S0, H0
         item = take(counter)
 
 
-def _causal_backward(q, k, v, g, out, den, fm, normalize, s, lengths, chunk, frac, nthreads, S0, H0, Z0, gates,
-                     gates_rev, ld, dq, dk, dv, H_out, Z_out, rq, rk, status):
-    """Gradients of causal linear attention for every head (see the module docstring).
-
-    q, k: (G1, G2, N, D); v, g, out: (G1, G2, N, Dv); den: (G1, G2, N), the forward's denominators;
-    all with unit stride along their last axis. ``fm``: cpu/elementwise.py's map code; ``s``: the
-    scale of phi(q). S0: the initial state transposed, [S_0 | Z_0]^T (heads, Dv + 1, D), H0: the
-    final state's gradient the same way, or arrays with no rows for zeros; Z0: zeros (heads, Dv + 1)
-    (the Z of cpu/chunked.py's state helpers, unused here). ``gates``: the log factor of each position
-    (G1, G2, N), zero past its head's length, or an empty 1-D array; ``gates_rev``: the same reversed
-    in time and shifted by one position (position N - 1 - t holds the factor of t + 1, position 0
-    zero); ld: zeros per head. Out: dq, dk, dv (zero past ``lengths``), H_out (heads, Dv + 1, D): the
-    adjoint of the state before position 0's factor (unless it has no rows), rq, rk (heads, N) in
-    float64 with gates (else (1, 0)); Z_out: scratch (heads, Dv + 1) where H_out has rows.
-    """
-    counter = np.empty(1, np.int64)
-    counter[0] = 0
-    if nthreads <= 1:
-        _worker(q, k, v, g, out, den, fm, normalize, s, lengths, chunk, frac, S0, H0, Z0, gates, gates_rev, ld, dq, dk,
-                dv, H_out, Z_out, rq, rk, status, counter)
-    else:
-        for _ in prange(nthreads):
-            _worker(q, k, v, g, out, den, fm, normalize, s, lengths, chunk, frac, S0, H0, Z0, gates, gates_rev, ld, dq,
-                    dk, dv, H_out, Z_out, rq, rk, status, counter)
-
-
 def _signature(dt, kind):
     seq, i64, f64 = array(dt, 4, "A", readonly=True), types.int64, types.float64
     gate_t = array(dt, 3, "A", readonly=True) if kind else array(dt, 1, readonly=True)
     return types.void(seq, seq, seq, seq, seq, array(dt, 3, "A", readonly=True), i64, types.boolean, dt,
-                      array(i64, 1, readonly=True), i64, array(f64, 1, readonly=True), i64, array(dt, 3, readonly=True),
+                      array(i64, 1, readonly=True), i64, array(f64, 1, readonly=True), array(dt, 3, readonly=True),
                       array(dt, 3, readonly=True),
                       array(dt, 2, readonly=True), gate_t, gate_t, array(f64, 1, readonly=True),
                       array(dt, 4, "A"), array(dt, 4, "A"), array(dt, 4, "A"), array(dt, 3), array(dt, 2),
@@ -274,4 +260,4 @@ def _signature(dt, kind):
 
 
 #: kind: 0 without gates, 1 with a log factor per position (decay and gates folded into it)
-causal_backward = Kernel(_causal_backward, _signature)
+causal_backward = ThreadedKernel(_causal_backward, _signature)

@@ -20,16 +20,17 @@ A segment's item first sums phi(K)^T V over the chunks before its segment (the "
 that every item does the same work. Extra memory is O(chunk * (D + Dv) + D * Dv) per item.
 """
 import numpy as np
-from numba import prange, types
+from numba import types
 
-from .._jit import Kernel, array, njit
+from .._jit import array, njit
 from . import gating
 from .elementwise import exp_le0
 from .gating import (chunk_gates, gate_buffers, gate_key_columns, gate_key_rows, gate_pending, gate_queries,
                      gate_scores, gate_state_factors, like)
 from .mapfns import load_features, map_state, mapped_dim
 from .schedule import take
-from .smallgemm import noinline, small_gemm, small_gemm_tn
+from .smallgemm import small_gemm, small_gemm_tn
+from .threaded import ThreadedKernel
 from .views import as_contiguous, prefetch_rows
 from .vector import transpose_rows
 
@@ -219,126 +220,101 @@ def _scale_rows(out, i0, c, scale):
             row[e] *= scale
 
 
-@njit(helper=True)
-def _causal_segment(q, k, v, out, mp, eps, normalize, scale, length, chunk, c0, c1, last, S0, Z0, h, S_out, Z_out,
-                    gates, ld, status, den, QA, SV, Kf, KT, G, R, F, X, sums):
-    """Outputs of chunks [c0, c1) of one head (q, k, v, out: (N, X) views), from the state before
-    chunk c0 (recomputed from the head's start); the last segment also zeroes the padding past
-    ``length`` and writes the final state to S_out[h], Z_out[h] (when they have rows). With gates
-    (cpu/gating.py), every chunk's decay factors come from its log gates first. ``mp``: the feature
-    map (mapfns.map_state); D' (Kf's columns) may differ from D (q's)."""
-    d_, dv = Kf.shape[1], v.shape[1]
-    decayed = gates.ndim > 1
-    P, B, acc, Pz, Bz, Z, accz, lam = _state_buffers(d_, dv, out.dtype)
-    fb = np.empty(d_ if decayed else 0, out.dtype)  # B's factors (gate_state_factors)
-    has_acc = _init_state(S0, Z0, h, acc, accz, B, Bz)
-    has_p = False
-    for ci in range(c0):  # the state at the start of this segment
-        i0 = ci * chunk
-        c = min(chunk, length - i0)
-        chunk_gates(gates, h, ld, i0, c, G, R, F, status)
-        beta = gate_pending(gates, P, Pz, lam, c, G, R, F, has_p)
-        _add_prefix(k, v, i0, c, mp, Kf, SV, P, Pz, beta if has_p else 0, gates, F)
-        has_acc, has_p = pending_added(ci, acc, accz, B, Bz, P, Pz, has_acc, lam, decayed)
-    gate_state_factors(gates, lam, fb)
-    _current(B, Bz, P, Pz, SV, Z, has_acc, has_p, fb, decayed)
-    # rows far apart (head views of a fused projection) are fetched a chunk ahead: 0.93x the time
-    # in a model; adjacent rows gain nothing (the hardware prefetches them)
-    spread = q.strides[0] != q.shape[1] * q.itemsize or v.strides[0] != dv * v.itemsize
-    for ci in range(c0, c1):
-        i0 = ci * chunk
-        c = min(chunk, length - i0)
-        if spread and ci + 1 < c1:
-            cn = min(chunk, length - i0 - chunk)
-            prefetch_rows(q, i0 + chunk, cn)
-            prefetch_rows(k, i0 + chunk, cn)
-            prefetch_rows(v, i0 + chunk, cn)
-        chunk_gates(gates, h, ld, i0, c, G, R, F, status)
-        load_features(q, i0, c, mp, QA)
-        _load_kt(k, i0, c, mp, Kf, KT, sums if decayed else Pz)  # gated keys add their sums later
-        _copy_rows(v, i0, c, SV, d_)
-        gate_scores(gates, QA, KT, Kf, d_, c, G, R, F, X)  # A, lower triangle, decayed
-        gate_queries(gates, QA, d_, c, F)
-        if has_acc or has_p:  # [phi(Q) | A] @ [S ; V], each row tile up to its last nonzero score
-            small_gemm(QA[:c, :d_ + c], SV[:d_ + c], out[i0:i0 + c], False, d_, -1)
-        else:  # a zero state: the chunk's own part only
-            small_gemm(QA[:c, d_:d_ + c], SV[d_:d_ + c], out[i0:i0 + c], False, 0, -1)
-        if normalize:
-            _normalize_rows(out, i0, c, QA, Z, d_, True, eps, scale, den)
-        elif scale != 1:
-            _scale_rows(out, i0, c, scale)
-        beta = gate_pending(gates, P, Pz, lam, c, G, R, F, has_p)
-        gate_key_columns(gates, KT, Kf, c, F, Pz)
-        small_gemm(KT[:, :c], SV[d_:d_ + c], P, beta if has_p else 0, -1, -1)  # pending state update
-        has_p = True
-        if ci < c1 - 1:
-            has_acc, has_p = pending_added(ci, acc, accz, B, Bz, P, Pz, has_acc, lam, decayed)
-            gate_state_factors(gates, lam, fb)
-            _current(B, Bz, P, Pz, SV, Z, has_acc, has_p, fb, decayed)
-    if last:
-        for i in range(length, out.shape[0]):
-            for e in range(dv):
-                out[i, e] = 0
-        if S_out.shape[0] > 0:
-            _write_state(acc, accz, P, Pz, h, S_out, Z_out, has_acc, has_p, lam, decayed)
-
-
-@njit(helper=True)
-def _causal_worker(q, k, v, fm, fp, fa, eps, normalize, scale, lengths, chunk, frac, S0, Z0, out, S_out, Z_out,
-                   gates, ld, status, den, counter):
-    """One thread's share of _causal_forward: work items taken from ``counter`` until none are left."""
-    noinline()  # called from two places (serial and parallel): one compiled copy
-    g2, n, d_ = q.shape[1], q.shape[2], mapped_dim(fm, fp, q.shape[3])
-    dv, dt = v.shape[3], out.dtype
-    mp = map_state(fm, fp, fa, q.shape[3], d_, dt)
-    nseg = frac.shape[0] - 1
-    items = q.shape[0] * g2 * nseg
-    QA = np.empty((chunk, d_ + chunk), dt)  # [phi(Q) | A]
-    SV = np.empty((d_ + chunk, dv), dt)  # [S ; V]
-    Kf = np.empty((chunk, d_), dt)
-    KT = np.empty((d_, chunk), dt)
-    sums = np.empty(d_, dt)
-    G, R, F, X = gate_buffers(gates, chunk, dt)
-    item = take(counter)
-    while item < items:
-        length = lengths[item // nseg]
-        h, s, c0, c1 = _segment(item, nseg, frac, (length + chunk - 1) // chunk)
-        last = s == nseg - 1
-        if c0 < c1 or (last and (S_out.shape[0] > 0 or length < n)):
-            h1, h2 = h // g2, h % g2
-            keep = den[h1, h2] if den.shape[2] > 0 else den[0, 0]
-            _causal_segment(q[h1, h2], k[h1, h2], v[h1, h2], out[h1, h2], mp, eps, normalize, scale, length, chunk,
-                            c0, c1, last, S0, Z0, h, S_out, Z_out, gates, ld, status, keep, QA, SV, Kf, KT, G, R, F,
-                            X, sums)
-        item = take(counter)
-
-
-def _causal_forward(q, k, v, fm, fp, fa, eps, normalize, scale, lengths, chunk, frac, nthreads, S0, Z0, out, S_out,
-                    Z_out, gates, ld, status, den):
+def _causal_forward(q, k, v, fm, fp, fa, eps, normalize, scale, lengths, chunk, frac, S0, Z0, out, S_out, Z_out,
+                    gates, ld, status, den, counter):
     """Causal linear attention of every head; head h stops at lengths[h] (later outputs are 0).
 
     q, k: (G1, G2, N, D); v, out: (G1, G2, N, Dv), any strides with unit stride along the last
     axis of ``out``; S0, Z0: initial state (G1*G2, D, Dv), (G1*G2, D), or arrays with no rows for a
     zero state; the final state goes to S_out, Z_out (unless they have no rows). ``frac`` (nseg + 1
     increasing fractions from 0 to 1) splits each head's chunks into segments, one work item each.
-    ``nthreads`` threads take the items (the caller sets Numba's number of threads to it: one
-    prange iteration per thread); with one, the calling thread runs them and wakes no other.
+    Run by threaded.ThreadedKernel: each thread takes work items from ``counter`` until none are left.
     ``gates`` (see cpu/gating.py: empty, (G1, G2, N) or (G1, G2, N, D) log gates) and ``ld`` (a log
     decay per head, float64) decay the state; a bad gate value is reported in ``status``.
     ``scale`` multiplies phi(q). The feature map: code ``fm``, parameters ``fp`` and the address of
     cpu/mapfns.py's map_rows ``fa`` (0 when fm is computed inline); S0, S_out and the gates have D'
     columns where the map changes the dimension. With normalisation, ``den`` (G1, G2, N) receives the
     denominators scale phi(q_i).Z_i + eps (the backward pass needs them) unless its last dim is 0.
+
+    A segment's code is written here, not in a function of its own: Numba would compile such a
+    function on its own and then again inside this one (+1.7 s at the first call, measured).
     """
-    counter = np.empty(1, np.int64)  # np.zeros would become a parallel loop (a parfor) of its own
-    counter[0] = 0
-    if nthreads <= 1:
-        _causal_worker(q, k, v, fm, fp, fa, eps, normalize, scale, lengths, chunk, frac, S0, Z0, out, S_out, Z_out,
-                       gates, ld, status, den, counter)
-    else:
-        for _ in prange(nthreads):
-            _causal_worker(q, k, v, fm, fp, fa, eps, normalize, scale, lengths, chunk, frac, S0, Z0, out, S_out,
-                           Z_out, gates, ld, status, den, counter)
+    g2, n, d_ = q.shape[1], q.shape[2], mapped_dim(fm, fp, q.shape[3])
+    dv, dt = v.shape[3], out.dtype
+    mp = map_state(fm, fp, fa, q.shape[3], d_, dt)
+    nseg = frac.shape[0] - 1
+    items = q.shape[0] * g2 * nseg
+    decayed = gates.ndim > 1
+    QA = np.empty((chunk, d_ + chunk), dt)  # [phi(Q) | A]
+    SV = np.empty((d_ + chunk, dv), dt)  # [S ; V]
+    Kf = np.empty((chunk, d_), dt)
+    KT = np.empty((d_, chunk), dt)
+    sums = np.empty(d_, dt)
+    G, R, F, X = gate_buffers(gates, chunk, dt)
+    # rows far apart (head views of a fused projection) are fetched a chunk ahead: 0.93x the time
+    # in a model; adjacent rows gain nothing (the hardware prefetches them)
+    spread = q.strides[2] != q.shape[3] * q.itemsize or v.strides[2] != dv * v.itemsize
+    item = take(counter)
+    while item < items:
+        length = lengths[item // nseg]
+        h, s, c0, c1 = _segment(item, nseg, frac, (length + chunk - 1) // chunk)
+        last = s == nseg - 1
+        if not (c0 < c1 or (last and (S_out.shape[0] > 0 or length < n))):
+            item = take(counter)
+            continue
+        # the segment: outputs of chunks [c0, c1) of head h from the state before chunk c0
+        # (recomputed from the head's start); the last segment also zeroes the padding past its
+        # length and writes the final state. With gates, a chunk's factors come from its log gates.
+        qh, kh, vh, oh = q[h // g2, h % g2], k[h // g2, h % g2], v[h // g2, h % g2], out[h // g2, h % g2]
+        keep = den[h // g2, h % g2] if den.shape[2] > 0 else den[0, 0]
+        P, B, acc, Pz, Bz, Z, accz, lam = _state_buffers(d_, dv, dt)  # (zeros where they must start so)
+        fb = np.empty(d_ if decayed else 0, dt)  # B's factors (gate_state_factors)
+        has_acc = _init_state(S0, Z0, h, acc, accz, B, Bz)
+        has_p = False
+        for ci in range(c0):  # the state at the start of this segment
+            i0 = ci * chunk
+            c = min(chunk, length - i0)
+            chunk_gates(gates, h, ld, i0, c, G, R, F, status)
+            beta = gate_pending(gates, P, Pz, lam, c, G, R, F, has_p)
+            _add_prefix(kh, vh, i0, c, mp, Kf, SV, P, Pz, beta if has_p else 0, gates, F)
+            has_acc, has_p = pending_added(ci, acc, accz, B, Bz, P, Pz, has_acc, lam, decayed)
+        gate_state_factors(gates, lam, fb)
+        _current(B, Bz, P, Pz, SV, Z, has_acc, has_p, fb, decayed)
+        for ci in range(c0, c1):
+            i0 = ci * chunk
+            c = min(chunk, length - i0)
+            if spread and ci + 1 < c1:
+                cn = min(chunk, length - i0 - chunk)
+                prefetch_rows(qh, i0 + chunk, cn)
+                prefetch_rows(kh, i0 + chunk, cn)
+                prefetch_rows(vh, i0 + chunk, cn)
+            chunk_gates(gates, h, ld, i0, c, G, R, F, status)
+            load_features(qh, i0, c, mp, QA)
+            _load_kt(kh, i0, c, mp, Kf, KT, sums if decayed else Pz)  # gated keys add their sums later
+            _copy_rows(vh, i0, c, SV, d_)
+            gate_scores(gates, QA, KT, Kf, d_, c, G, R, F, X)  # A, lower triangle, decayed
+            gate_queries(gates, QA, d_, c, F)
+            if has_acc or has_p:  # [phi(Q) | A] @ [S ; V], each row tile up to its last nonzero score
+                small_gemm(QA[:c, :d_ + c], SV[:d_ + c], oh[i0:i0 + c], False, d_, -1)
+            else:  # a zero state: the chunk's own part only
+                small_gemm(QA[:c, d_:d_ + c], SV[d_:d_ + c], oh[i0:i0 + c], False, 0, -1)
+            if normalize:
+                _normalize_rows(oh, i0, c, QA, Z, d_, True, eps, scale, keep)
+            elif scale != 1:
+                _scale_rows(oh, i0, c, scale)
+            beta = gate_pending(gates, P, Pz, lam, c, G, R, F, has_p)
+            gate_key_columns(gates, KT, Kf, c, F, Pz)
+            small_gemm(KT[:, :c], SV[d_:d_ + c], P, beta if has_p else 0, -1, -1)  # pending state update
+            has_p = True
+            if ci < c1 - 1:
+                has_acc, has_p = pending_added(ci, acc, accz, B, Bz, P, Pz, has_acc, lam, decayed)
+                gate_state_factors(gates, lam, fb)
+                _current(B, Bz, P, Pz, SV, Z, has_acc, has_p, fb, decayed)
+        if last:
+            oh[length:] = 0
+            if S_out.shape[0] > 0:
+                _write_state(acc, accz, P, Pz, h, S_out, Z_out, has_acc, has_p, lam, decayed)
+        item = take(counter)
 
 
 @njit(helper=True)
@@ -370,10 +346,12 @@ def _noncausal_segment(q, k, v, out, mp, eps, normalize, scale, chunk, c0, c1, Q
             _scale_rows(out, i0, c, scale)
 
 
-@njit(helper=True)
-def _noncausal_worker(q, k, v, fm, fp, fa, eps, normalize, scale, chunk, frac, out, counter):
-    """One thread's share of _noncausal_forward (see _causal_worker)."""
-    noinline()
+def _noncausal_forward(q, k, v, fm, fp, fa, eps, normalize, scale, chunk, frac, out, counter):
+    """Non-causal linear attention: every position attends to all N positions of its head.
+
+    Arrays and threads as for the causal kernel. Each segment's item sums the whole head's state
+    itself, then writes its segment's outputs.
+    """
     g2, n, d_ = q.shape[1], q.shape[2], mapped_dim(fm, fp, q.shape[3])
     dv, dt = v.shape[3], out.dtype
     mp = map_state(fm, fp, fa, q.shape[3], d_, dt)
@@ -394,21 +372,6 @@ def _noncausal_worker(q, k, v, fm, fp, fa, eps, normalize, scale, chunk, frac, o
         item = take(counter)
 
 
-def _noncausal_forward(q, k, v, fm, fp, fa, eps, normalize, scale, chunk, frac, nthreads, out):
-    """Non-causal linear attention: every position attends to all N positions of its head.
-
-    Arrays and threads as for the causal kernel. Each segment's item sums the whole head's state
-    itself, then writes its segment's outputs.
-    """
-    counter = np.empty(1, np.int64)  # np.zeros would become a parallel loop (a parfor) of its own
-    counter[0] = 0
-    if nthreads <= 1:
-        _noncausal_worker(q, k, v, fm, fp, fa, eps, normalize, scale, chunk, frac, out, counter)
-    else:
-        for _ in prange(nthreads):
-            _noncausal_worker(q, k, v, fm, fp, fa, eps, normalize, scale, chunk, frac, out, counter)
-
-
 def _gates_type(dt, kind):
     """The gate array's type by kind (cpu/gating.py): empty, per position, per key dimension, empty 2-D
     (a constant decay alone)."""
@@ -420,7 +383,7 @@ def _causal_signature(dt, variant):
     seq, i64, f64 = array(dt, 4, layout, readonly=True), types.int64, types.float64
     return types.void(seq, seq, seq, i64, array(dt, 1, readonly=True), i64, dt, types.boolean, dt,
                       array(i64, 1, readonly=True), i64,
-                      array(f64, 1, readonly=True), i64, array(dt, 3, readonly=True),
+                      array(f64, 1, readonly=True), array(dt, 3, readonly=True),
                       array(dt, 2, readonly=True), array(dt, 4, layout), array(dt, 3), array(dt, 2),
                       _gates_type(dt, kind), array(f64, 1, readonly=True), array(i64, 1), array(dt, 3))
 
@@ -428,9 +391,9 @@ def _causal_signature(dt, variant):
 def _noncausal_signature(dt, layout):
     seq, i64 = array(dt, 4, layout, readonly=True), types.int64
     return types.void(seq, seq, seq, i64, array(dt, 1, readonly=True), i64, dt, types.boolean, dt, i64,
-                      array(types.float64, 1, readonly=True), i64, array(dt, 4, layout))
+                      array(types.float64, 1, readonly=True), array(dt, 4, layout))
 
 
-causal_forward = Kernel(_causal_forward, _causal_signature,
-                        prepare=lambda dtype, variant: gating.prepare_kernel(dtype, variant[1]))
-noncausal_forward = Kernel(_noncausal_forward, _noncausal_signature)
+causal_forward = ThreadedKernel(_causal_forward, _causal_signature,
+                                prepare=lambda dtype, variant: gating.prepare_kernel(dtype, variant[1]))
+noncausal_forward = ThreadedKernel(_noncausal_forward, _noncausal_signature)
