@@ -57,9 +57,11 @@ def test_gradcheck_other_maps(feature_map):
     assert torch.autograd.gradcheck(lambda q, k, v: lt.linear_attention(q, k, v, feature_map=feature_map), (q, k, v))
 
 
-def test_gradcheck_with_gate_and_decay():
+@pytest.mark.parametrize("per_dimension", [False, True])
+def test_gradcheck_with_gate_and_decay(per_dimension):
     q, k, v = _inputs()
-    gate = (-torch.rand(2, 9, dtype=torch.float64) - 0.01).requires_grad_()
+    shape = q.shape if per_dimension else q.shape[:-1]  # a gate per key dimension (GLA) or per position
+    gate = (-torch.rand(*shape, dtype=torch.float64) - 0.01).requires_grad_()
 
     def f(q, k, v, gate):
         return lt.causal_linear_attention(q, k, v, gate=gate, decay=0.9)

@@ -23,7 +23,8 @@ log factors, the backwards one shifted by a position (the adjoint after t decays
 factor), and d lam_t = sum_{i >= t} (Q_f,i . dQ_f,i - K_f,i . dK_f,i) + <dS, S_final> + <dZ, Z_final>
 (the identity flash-linear-attention's gated kernels use; Z counts as one more value column). A gate
 per key dimension would need the decay along the values' dimension in the first two, which the
-kernels do not have: not differentiated yet.
+kernels do not have; it is differentiated as D' problems of one feature each with a gate per position
+(_vector_gate_vjp): exact, but O(D') times the work.
 """
 import math
 
@@ -87,8 +88,9 @@ def _output_adjoints(g, out, den, normalize):
     ab = np.empty(g.shape[:-1] + (dv + 1,), g.dtype)
     if normalize:
         np.divide(g, den[..., None], out=ab[..., :dv])
-        np.divide(np.einsum("...i,...i->...", g, out), den, out=ab[..., dv])
-        np.negative(ab[..., dv], out=ab[..., dv])
+        # (negated before it is written: NumPy 2.4's in-place np.negative on a float32 view with a stride of
+        # 4 elements, ab[..., dv] at Dv = 3, writes wrong values)
+        np.divide(np.negative(np.einsum("...i,...i->...", g, out)), den, out=ab[..., dv])
     else:
         ab[..., :dv] = g
         ab[..., dv] = 0
@@ -111,17 +113,109 @@ def _gate_gradients(terms, dS, dZ, final, valid, gate, decay, log_decay, lead, c
     if gate is not None:
         out.append(dlam.astype(comp))
     if decay is not None:
-        per_seq = dlam.sum(-1) / np.exp(log_decay.reshape(lead))  # d decay = d log decay / decay
-        extra = per_seq.ndim - decay.ndim
-        per_seq = per_seq.sum(tuple(range(extra))) if extra > 0 else per_seq
-        axes = tuple(i for i, s in enumerate(decay.shape) if s == 1 and per_seq.shape[i] != 1)
-        out.append(per_seq.sum(axes, keepdims=True).reshape(decay.shape))
+        out.append(_decay_gradient(dlam.sum(-1) / np.exp(log_decay.reshape(lead)), decay))  # d log decay / decay
     return out
+
+
+def _decay_gradient(per_seq, decay):
+    """The gradient of a decay of decay's shape, broadcast to the leading dims, from the gradient of
+    each sequence's decay (``per_seq``, the leading dims' shape)."""
+    extra = per_seq.ndim - decay.ndim
+    per_seq = per_seq.sum(tuple(range(extra))) if extra > 0 else per_seq
+    axes = tuple(i for i, s in enumerate(decay.shape) if s == 1 and per_seq.shape[i] != 1)
+    return per_seq.sum(axes, keepdims=True).reshape(decay.shape)
 
 
 def _unit_rows(x):
     """x with unit stride along its last axis (the backward kernel reads rows as vectors)."""
     return x if x.strides[-1] == x.itemsize or x.shape[-1] <= 1 else np.ascontiguousarray(x)
+
+
+#: Bytes of the per-dimension problems' value gradients held at once (a gate per key dimension).
+_VECTOR_BLOCK_BYTES = 64 << 20
+
+
+def _vector_gate_vjp(q, k, v, fmap, out, den, normalize, s, initial_state, return_state, lens, decay, gates, lead, d,
+                     out_dt):
+    """The vjp of causal attention with a gate per key dimension (GLA), as D' problems of one feature.
+
+    With the factors of key dimension j, out_t's numerator and denominator are sums over j of
+    s phi(q_t)[j] sum_{s<=t} (the factors of j over (s, t]) phi(k_s)[j] [v_s, 1]: per j, causal
+    attention with a gate per position, one-dimensional queries s phi(q)[:, j] and keys phi(k)[:, j],
+    values [v, 1], no normalisation, the initial state [S_0[j], Z_0[j]]. The gradients of all of them
+    for the adjoints [a, b] of the numerators and denominators are the per-position-gate backward
+    (the kernel of causal_linear_attention_vjp), called with the D' problems as one more leading dim
+    (values and adjoints broadcast to it, not copied); dq, dk, the gates' and the states' gradients
+    are theirs, dv the sum of theirs. Exact, and O(D') times the work of a gate per position (the
+    scores [a, b].[v, 1] are shared by the D' problems but computed by each).
+    """
+    n, dv = v.shape[-2], v.shape[-1]
+    comp = q.dtype
+    bh = math.prod(lead)
+    qf, kf = _mapped(fmap, q, comp), _mapped(fmap, k, comp)
+    qs = qf * comp.type(s) if s != 1.0 else qf
+    flat = [x.reshape((bh,) + x.shape[len(lead):]) for x in (qs, kf, np.asarray(gates))]
+    vext = _ones_column(v).reshape(bh, n, dv + 1)
+    lens_f = np.full(bh, n, np.int64) if lens is None else lens.reshape(bh)
+    dec_f = None if decay is None else np.broadcast_to(np.asarray(decay, np.float64), lead).reshape(bh)
+    has_state = initial_state is not None
+    if has_state:
+        S0, Z0 = checks.check_state(initial_state, "initial_state", lead, d, dv, comp)
+        state0 = np.concatenate([np.asarray(S0), np.asarray(Z0)[..., None]], -1).reshape(bh, d, 1, dv + 1)
+    valid = None if lens is None else (np.arange(n) < lens[..., None])[..., None]
+
+    def vjp(dout, dstate=None):
+        g = _check_grad(dout, "dout", lead + (n, dv), comp)
+        with np.errstate(divide="ignore", invalid="ignore"):  # (den is 0 past a length)
+            ab = _output_adjoints(g, out, den, normalize)
+        ab = (ab if valid is None else np.where(valid, ab, 0)).reshape(bh, n, dv + 1)
+        dstate1 = None
+        if dstate is not None:
+            if not return_state:
+                raise TypeError("dstate: the forward returned no state (return_state=False)")
+            dS, dZ = checks.state_parts(dstate)
+            dS = _check_grad(dS, "dstate.S", lead + (d, dv), comp)
+            dZ = _check_grad(dZ, "dstate.Z", lead + (d,), comp)
+            dstate1 = np.concatenate([dS, dZ[..., None]], -1).reshape(bh, d, 1, dv + 1)
+        dqs, dkf = np.zeros((bh, n, d), comp), np.zeros((bh, n, d), comp)
+        dvv, dgate = np.zeros((bh, n, dv), comp), np.zeros((bh, n, d), comp)
+        dstate0, ddecay = np.zeros((bh, d, dv + 1), comp), np.zeros(bh)
+        step = max(1, _VECTOR_BLOCK_BYTES // max(1, d * n * (dv + 1) * comp.itemsize))
+        for h0 in range(0, bh, step):
+            sl = slice(h0, min(h0 + step, bh))
+            m = sl.stop - sl.start
+            q1, k1 = (np.swapaxes(x[sl], 1, 2)[..., None] for x in flat[:2])  # (m, D', N, 1)
+            v1 = np.broadcast_to(vext[sl][:, None], (m, d, n, dv + 1))
+            kw = dict(feature_map="identity", normalize=False, lengths=np.broadcast_to(lens_f[sl][:, None], (m, d)),
+                      gate=np.swapaxes(flat[2][sl], 1, 2), decay=None if dec_f is None else dec_f[sl][:, None],
+                      return_state=dstate1 is not None,
+                      initial_state=State(state0[sl], np.zeros((m, d, 1), comp)) if has_state else None)
+            res = causal_linear_attention_vjp(q1, k1, v1, **kw)
+            g1 = np.broadcast_to(ab[sl][:, None], (m, d, n, dv + 1))
+            grads = list(res[-1](g1) if dstate1 is None else res[-1](g1, (dstate1[sl], np.zeros((m, d, 1), comp))))
+            dq1, dk1, dv1 = grads[:3]
+            dqs[sl], dkf[sl] = np.swapaxes(dq1[..., 0], 1, 2), np.swapaxes(dk1[..., 0], 1, 2)
+            dvv[sl] = dv1[..., :dv].sum(1)
+            rest = grads[3:]
+            if has_state:
+                dstate0[sl] = rest.pop(0).S[:, :, 0]
+            dgate[sl] = np.swapaxes(rest.pop(0), 1, 2)
+            if dec_f is not None:
+                ddecay[sl] = rest.pop(0)[:, 0]
+        dq = _map_vjp(fmap, q, (dqs * comp.type(s) if s != 1.0 else dqs).reshape(lead + (n, d)), qf)
+        dk = _map_vjp(fmap, k, dkf.reshape(lead + (n, d)), kf)
+        if valid is not None:  # (padding past a length may hold NaN, which a map's vjp would spread)
+            dq, dk = np.where(valid, dq, 0), np.where(valid, dk, 0)
+        result = [x.astype(out_dt, copy=False) for x in (dq, dk, dvv.reshape(lead + (n, dv)))]
+        if has_state:
+            dstate0 = dstate0.reshape(lead + (d, dv + 1))
+            result.append(State(dstate0[..., :dv], dstate0[..., dv]))
+        result.append(dgate.reshape(lead + (n, d)))
+        if decay is not None:
+            result.append(_decay_gradient(ddecay.reshape(lead), np.asarray(decay)))
+        return tuple(result)
+
+    return vjp
 
 
 def causal_linear_attention_vjp(q, k, v, *, feature_map="elu", eps=1e-6, normalize=True, initial_state=None,
@@ -134,6 +228,8 @@ def causal_linear_attention_vjp(q, k, v, *, feature_map="elu", eps=1e-6, normali
     into pieces is differentiated piece by piece through the state: truncated backpropagation, or
     exactly), then ``dgate`` (the gate's shape) when ``gate`` was given and ``ddecay`` (the decay's
     shape, float64) when ``decay`` was given. Positions at or past ``lengths`` get zero gradients.
+    A gate per key dimension is differentiated exactly but slowly: its backward takes about 100x its
+    forward (a gate per position: about 3x), see the module docstring.
 
     Every feature map of :mod:`linattn.feature_maps` is differentiated: "elu", "relu" and "identity"
     inside the backward kernel, the others through their ``vjp`` (phi(q), phi(k) are then computed
@@ -167,8 +263,10 @@ def causal_linear_attention_vjp(q, k, v, *, feature_map="elu", eps=1e-6, normali
     d = final.Z.shape[-1]  # D', the features' number
     kind, gates, log_decay = gates_mod.prepare(decay, gate, lead, n, d, comp)
     if kind == gates_mod.VECTOR:
-        raise TypeError("gate: gradients with a gate per key dimension are not available yet (a gate per "
-                        "position and decay are)")
+        vjp = _vector_gate_vjp(q, k, v, fmap, out, den, normalize, s, initial_state, return_state, lens, decay, gates,
+                               lead, d, out_dt)
+        result = out.astype(out_dt, copy=False)
+        return (result, final, vjp) if return_state else (result, vjp)
     if gates is not None:
         gates_mod.check_gate_values(gates)  # (the kernels would find them too, later)
     decay_arr = None if decay is None else np.asarray(decay, np.float64)

@@ -65,7 +65,7 @@ class _NonCausal(torch.autograd.Function):
 def causal_linear_attention(q, k, v, *, feature_map="elu", eps=1e-6, normalize=True, initial_state=None,
                             return_state=False, lengths=None, decay=None, gate=None, scale=None):
     """:func:`linattn.causal_linear_attention` on CPU tensors, differentiable (q, k, v, the initial
-    state and ``gate``: a tensor of log gates, one per position). ``initial_state``: a pair of tensors
+    state and ``gate``: a tensor of log gates, per position or per key dimension). ``initial_state``: a pair of tensors
     (S, Z); ``return_state=True`` returns ``(out, (S, Z))``, differentiable too. ``decay``: constants
     (not differentiated here). Feature maps: any of :mod:`linattn.feature_maps` (a learned map's
     weights are constants here).
