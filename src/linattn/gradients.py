@@ -135,8 +135,8 @@ def _unit_rows(x):
 _VECTOR_BLOCK_BYTES = 64 << 20
 
 
-def _vector_gate_vjp(q, k, v, fmap, out, den, normalize, s, initial_state, return_state, lens, decay, gates, lead, d,
-                     out_dt):
+def _vector_gate_vjp(q, k, v, fmap, out, den, final, normalize, s, initial_state, return_state, lens, decay, gates,
+                     lead, d, out_dt):
     """The vjp of causal attention with a gate per key dimension (GLA), as D' problems of one feature.
 
     With the factors of key dimension j, out_t's numerator and denominator are sums over j of
@@ -144,9 +144,10 @@ def _vector_gate_vjp(q, k, v, fmap, out, den, normalize, s, initial_state, retur
     attention with a gate per position, one-dimensional queries s phi(q)[:, j] and keys phi(k)[:, j],
     values [v, 1], no normalisation, the initial state [S_0[j], Z_0[j]]. The gradients of all of them
     for the adjoints [a, b] of the numerators and denominators are the per-position-gate backward
-    (the kernel of causal_linear_attention_vjp), called with the D' problems as one more leading dim
-    (values and adjoints broadcast to it, not copied); dq, dk, the gates' and the states' gradients
-    are theirs, dv the sum of theirs. Exact, and O(D') times the work of a gate per position (the
+    (_backward: the backward kernel), called with the D' problems as one more leading dim (values
+    and adjoints broadcast to it, not copied) and without a forward of their own (unnormalised, its
+    kernel reads no outputs; their final states are rows of the forward's [S | Z]); dq, dk, the
+    gates' and the states' gradients are theirs, dv the sum of theirs. Exact, and O(D') times the work of a gate per position (the
     scores [a, b].[v, 1] are shared by the D' problems but computed by each).
     """
     n, dv = v.shape[-2], v.shape[-1]
@@ -163,6 +164,9 @@ def _vector_gate_vjp(q, k, v, fmap, out, den, normalize, s, initial_state, retur
         S0, Z0 = checks.check_state(initial_state, "initial_state", lead, d, dv, comp)
         state0 = np.concatenate([np.asarray(S0), np.asarray(Z0)[..., None]], -1).reshape(bh, d, 1, dv + 1)
     valid = None if lens is None else (np.arange(n) < lens[..., None])[..., None]
+    final1 = np.concatenate([final.S, final.Z[..., None]], -1).reshape(bh, d, 1, dv + 1)
+    identity, identity_code = _map_and_code("identity")
+    from . import gates as gates_mod
 
     def vjp(dout, dstate=None):
         g = _check_grad(dout, "dout", lead + (n, dv), comp)
@@ -186,13 +190,15 @@ def _vector_gate_vjp(q, k, v, fmap, out, den, normalize, s, initial_state, retur
             m = sl.stop - sl.start
             q1, k1 = (np.swapaxes(x[sl], 1, 2)[..., None] for x in flat[:2])  # (m, D', N, 1)
             v1 = np.broadcast_to(vext[sl][:, None], (m, d, n, dv + 1))
-            kw = dict(feature_map="identity", normalize=False, lengths=np.broadcast_to(lens_f[sl][:, None], (m, d)),
-                      gate=np.swapaxes(flat[2][sl], 1, 2), decay=None if dec_f is None else dec_f[sl][:, None],
-                      return_state=dstate1 is not None,
-                      initial_state=State(state0[sl], np.zeros((m, d, 1), comp)) if has_state else None)
-            res = causal_linear_attention_vjp(q1, k1, v1, **kw)
+            gate1, decay1 = np.swapaxes(flat[2][sl], 1, 2), None if dec_f is None else dec_f[sl][:, None]
+            kind1, gates1, log_decay1 = gates_mod.prepare(decay1, gate1, (m, d), n, 1, comp)
+            zeros = np.zeros((m, d, 1), comp)
+            inner = _backward(q1, k1, v1, identity, identity_code, (m, d), 1, comp, False, 1.0,
+                              State(state0[sl], zeros) if has_state else None, dstate1 is not None,
+                              None if lens is None else np.broadcast_to(lens_f[sl][:, None], (m, d)), decay1, gate1,
+                              kind1, gates1, log_decay1, v1, State(final1[sl], zeros), None)
             g1 = np.broadcast_to(ab[sl][:, None], (m, d, n, dv + 1))
-            grads = list(res[-1](g1) if dstate1 is None else res[-1](g1, (dstate1[sl], np.zeros((m, d, 1), comp))))
+            grads = list(inner(g1) if dstate1 is None else inner(g1, (dstate1[sl], zeros)))
             dq1, dk1, dv1 = grads[:3]
             dqs[sl], dkf[sl] = np.swapaxes(dq1[..., 0], 1, 2), np.swapaxes(dk1[..., 0], 1, 2)
             dvv[sl] = dv1[..., :dv].sum(1)
@@ -228,7 +234,7 @@ def causal_linear_attention_vjp(q, k, v, *, feature_map="elu", eps=1e-6, normali
     into pieces is differentiated piece by piece through the state: truncated backpropagation, or
     exactly), then ``dgate`` (the gate's shape) when ``gate`` was given and ``ddecay`` (the decay's
     shape, float64) when ``decay`` was given. Positions at or past ``lengths`` get zero gradients.
-    A gate per key dimension is differentiated exactly but slowly: its backward takes about 100x its
+    A gate per key dimension is differentiated exactly but slowly: its backward takes about 90x its
     forward (a gate per position: about 3x), see the module docstring.
 
     Every feature map of :mod:`linattn.feature_maps` is differentiated: "elu", "relu" and "identity"
@@ -263,10 +269,23 @@ def causal_linear_attention_vjp(q, k, v, *, feature_map="elu", eps=1e-6, normali
     d = final.Z.shape[-1]  # D', the features' number
     kind, gates, log_decay = gates_mod.prepare(decay, gate, lead, n, d, comp)
     if kind == gates_mod.VECTOR:
-        vjp = _vector_gate_vjp(q, k, v, fmap, out, den, normalize, s, initial_state, return_state, lens, decay, gates,
-                               lead, d, out_dt)
-        result = out.astype(out_dt, copy=False)
-        return (result, final, vjp) if return_state else (result, vjp)
+        vjp = _vector_gate_vjp(q, k, v, fmap, out, den, final, normalize, s, initial_state, return_state, lens, decay,
+                               gates, lead, d, out_dt)
+    else:
+        vjp = _backward(q, k, v, fmap, code, lead, d, out_dt, normalize, s, initial_state, return_state, lens, decay,
+                        gate, kind, gates, log_decay, out, final, den)
+    result = out.astype(out_dt, copy=False)  # (vjp reads ``out`` itself, in the computation's dtype)
+    return (result, final, vjp) if return_state else (result, vjp)
+
+
+def _backward(q, k, v, fmap, code, lead, d, out_dt, normalize, s, initial_state, return_state, lens, decay, gate, kind,
+              gates, log_decay, out, final, den):
+    """The vjp closure of causal attention from its forward (out, final state, denominators; ``out``
+    and ``den`` are not read without normalisation) through the backward kernel: decay and a gate
+    per position (``kind``, ``gates``, ``log_decay``: gates.prepare's)."""
+    from . import gates as gates_mod
+
+    n, dv, comp = v.shape[-2], v.shape[-1], q.dtype
     if gates is not None:
         gates_mod.check_gate_values(gates)  # (the kernels would find them too, later)
     decay_arr = None if decay is None else np.asarray(decay, np.float64)
@@ -355,10 +374,7 @@ def causal_linear_attention_vjp(q, k, v, *, feature_map="elu", eps=1e-6, normali
             grads.append(State(G0[..., :dv].astype(comp), G0[..., dv].astype(comp)))
         return tuple(grads + extra)
 
-    result = out.astype(out_dt, copy=False)  # (vjp reads ``out`` itself, in the computation's dtype)
-    if return_state:
-        return result, final, vjp
-    return result, vjp
+    return vjp
 
 
 def linear_attention_vjp(q, k, v, *, feature_map="elu", eps=1e-6, normalize=True, scale=None):
