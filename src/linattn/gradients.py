@@ -147,8 +147,9 @@ def _vector_gate_vjp(q, k, v, fmap, out, den, final, normalize, s, initial_state
     (_backward: the backward kernel), called with the D' problems as one more leading dim (values
     and adjoints broadcast to it, not copied) and without a forward of their own (unnormalised, its
     kernel reads no outputs; their final states are rows of the forward's [S | Z]); dq, dk, the
-    gates' and the states' gradients are theirs, dv the sum of theirs. Exact, and O(D') times the work of a gate per position (the
-    scores [a, b].[v, 1] are shared by the D' problems but computed by each).
+    gates' and the states' gradients are theirs, dv the sum of theirs. Exact, and O(D') times the
+    work of a gate per position (the scores [a, b].[v, 1] are shared by the D' problems but computed
+    by each).
     """
     n, dv = v.shape[-2], v.shape[-1]
     comp = q.dtype
