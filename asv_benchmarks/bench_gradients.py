@@ -49,6 +49,31 @@ class Backward:
     track_backward_over_forward.unit = "x forward"
 
 
+class GatedBackward:
+    """The backward pass with a gate over the forward with the same gate, B1 H8 N2048 (a gate per key
+    dimension is differentiated as D' one-feature problems: about 90x)."""
+    params = ["per position", "per key dimension"]
+    param_names = ["gate"]
+    timeout = 600
+
+    def setup(self, gate):
+        shape = _shape("B1 H8 N2048")
+        self.q, self.k, self.v = inputs(shape)
+        self.dout = inputs(shape, seed=1)[2]
+        self.gate = -0.1 * inputs(shape if gate == "per key dimension" else shape[:3], seed=2)[0] ** 2
+
+    def track_backward_over_forward(self, gate):
+        q, k, v, g = self.q, self.k, self.v, self.gate
+
+        def forward_backward():
+            return linattn.causal_linear_attention_vjp(q, k, v, gate=g)[1](self.dout)
+
+        return _interleaved_ratio(forward_backward, lambda: linattn.causal_linear_attention(q, k, v, gate=g),
+                                  3 if SMOKE else 5) - 1
+
+    track_backward_over_forward.unit = "x forward"
+
+
 
 class TorchAutograd:
     """Forward + backward: PyTorch autograd through the chunked form over linattn (skipped without torch)."""
