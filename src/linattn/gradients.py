@@ -117,6 +117,16 @@ def _gate_gradients(terms, dS, dZ, final, valid, gate, decay, log_decay, lead, c
     return out
 
 
+def _final_state_gradient(dstate, return_state, lead, d, dv, comp):
+    """(dS, dZ) checked, from a vjp's ``dstate`` argument; (None, None) for none."""
+    if dstate is None:
+        return None, None
+    if not return_state:
+        raise TypeError("dstate: the forward returned no state (return_state=False)")
+    dS, dZ = checks.state_parts(dstate)
+    return _check_grad(dS, "dstate.S", lead + (d, dv), comp), _check_grad(dZ, "dstate.Z", lead + (d,), comp)
+
+
 def _decay_gradient(per_seq, decay):
     """The gradient of a decay of decay's shape, broadcast to the leading dims, from the gradient of
     each sequence's decay (``per_seq``, the leading dims' shape)."""
@@ -174,14 +184,8 @@ def _vector_gate_vjp(q, k, v, fmap, out, den, final, normalize, s, initial_state
         with np.errstate(divide="ignore", invalid="ignore"):  # (den is 0 past a length)
             ab = _output_adjoints(g, out, den, normalize)
         ab = (ab if valid is None else np.where(valid, ab, 0)).reshape(bh, n, dv + 1)
-        dstate1 = None
-        if dstate is not None:
-            if not return_state:
-                raise TypeError("dstate: the forward returned no state (return_state=False)")
-            dS, dZ = checks.state_parts(dstate)
-            dS = _check_grad(dS, "dstate.S", lead + (d, dv), comp)
-            dZ = _check_grad(dZ, "dstate.Z", lead + (d,), comp)
-            dstate1 = np.concatenate([dS, dZ[..., None]], -1).reshape(bh, d, 1, dv + 1)
+        dS, dZ = _final_state_gradient(dstate, return_state, lead, d, dv, comp)
+        dstate1 = None if dS is None else np.concatenate([dS, dZ[..., None]], -1).reshape(bh, d, 1, dv + 1)
         dqs, dkf = np.zeros((bh, n, d), comp), np.zeros((bh, n, d), comp)
         dvv, dgate = np.zeros((bh, n, dv), comp), np.zeros((bh, n, d), comp)
         dstate0, ddecay = np.zeros((bh, d, dv + 1), comp), np.zeros(bh)
@@ -319,15 +323,10 @@ def _backward(q, k, v, fmap, code, lead, d, out_dt, normalize, s, initial_state,
 
     def vjp(dout, dstate=None):
         g = _unit_rows(_check_grad(dout, "dout", lead + (n, dv), comp))
-        if dstate is None:
+        dS, dZ = _final_state_gradient(dstate, return_state, lead, d, dv, comp)
+        if dS is None:
             H0 = np.empty((0, dv + 1, d), comp)
-            dS = dZ = None
         else:
-            if not return_state:
-                raise TypeError("dstate: the forward returned no state (return_state=False)")
-            dS, dZ = checks.state_parts(dstate)
-            dS = _check_grad(dS, "dstate.S", lead + (d, dv), comp)
-            dZ = _check_grad(dZ, "dstate.Z", lead + (d,), comp)
             H0 = np.ascontiguousarray(np.swapaxes(np.concatenate([dS, dZ[..., None]], -1), -1, -2)).reshape(
                 bh, dv + 1, d)
         qf = kf = None
