@@ -411,7 +411,8 @@ def test_segments_of_a_head(rng, monkeypatch, frac):
     lead, n, d, dv = (3,), 900, 4, 3
     q, k, v, state = _inputs(rng, lead, n, d, dv)
     kw = dict(lengths=np.array([900, 417, 0]), gate=-rng.random(lead + (n,)) * 0.05, initial_state=state)
-    W, WS, WZ = rng.standard_normal(lead + (n, dv)), rng.standard_normal(state.S.shape), rng.standard_normal(state.Z.shape)
+    W = rng.standard_normal(lead + (n, dv))
+    WS, WZ = rng.standard_normal(state.S.shape), rng.standard_normal(state.Z.shape)
 
     def grads():
         _, _, vjp = linattn.causal_linear_attention_vjp(q, k, v, return_state=True, **kw)

@@ -31,6 +31,7 @@ import math
 import numpy as np
 
 from . import checks
+from . import gates as gates_mod
 from .attention import _seq4, causal_with_denominators, linear_attention
 from .cpu import backward
 from .cpu.elementwise import ELU, IDENTITY, RELU
@@ -168,7 +169,7 @@ def _vector_gate_vjp(q, k, v, fmap, out, den, final, normalize, s, initial_state
     qs = qf * comp.type(s) if s != 1.0 else qf
     flat = [x.reshape((bh,) + x.shape[len(lead):]) for x in (qs, kf, np.asarray(gates))]
     vext = _ones_column(v).reshape(bh, n, dv + 1)
-    lens_f = np.full(bh, n, np.int64) if lens is None else lens.reshape(bh)
+    lens_f = None if lens is None else lens.reshape(bh)
     dec_f = None if decay is None else np.broadcast_to(np.asarray(decay, np.float64), lead).reshape(bh)
     has_state = initial_state is not None
     if has_state:
@@ -177,7 +178,6 @@ def _vector_gate_vjp(q, k, v, fmap, out, den, final, normalize, s, initial_state
     valid = None if lens is None else (np.arange(n) < lens[..., None])[..., None]
     final1 = np.concatenate([final.S, final.Z[..., None]], -1).reshape(bh, d, 1, dv + 1)
     identity, identity_code = _map_and_code("identity")
-    from . import gates as gates_mod
 
     def vjp(dout, dstate=None):
         g = _check_grad(dout, "dout", lead + (n, dv), comp)
@@ -200,7 +200,7 @@ def _vector_gate_vjp(q, k, v, fmap, out, den, final, normalize, s, initial_state
             zeros = np.zeros((m, d, 1), comp)
             inner = _backward(q1, k1, v1, identity, identity_code, (m, d), 1, comp, False, 1.0,
                               State(state0[sl], zeros) if has_state else None, dstate1 is not None,
-                              None if lens is None else np.broadcast_to(lens_f[sl][:, None], (m, d)), decay1, gate1,
+                              None if lens_f is None else np.broadcast_to(lens_f[sl][:, None], (m, d)), decay1, gate1,
                               kind1, gates1, log_decay1, v1, State(final1[sl], zeros), None)
             g1 = np.broadcast_to(ab[sl][:, None], (m, d, n, dv + 1))
             grads = list(inner(g1) if dstate1 is None else inner(g1, (dstate1[sl], zeros)))
@@ -262,13 +262,9 @@ def causal_linear_attention_vjp(q, k, v, *, feature_map="elu", eps=1e-6, normali
     eps = checks.check_eps(eps)
     normalize = checks.check_flag(normalize, "normalize")
     return_state = checks.check_flag(return_state, "return_state")
-    from .gates import check_scale
-
-    s = check_scale(scale)
+    s = gates_mod.check_scale(scale)
     q, k, v = (x.astype(comp, copy=False) for x in (q, k, v))
     lens = None if lengths is None else checks.check_lengths(lengths, lead, n).reshape(lead)
-    from . import gates as gates_mod
-
     (out, final), den = causal_with_denominators(
         q, k, v, fmap, eps, normalize, initial_state, True, lens, decay, gate, s, keep_denominators=True)
     d = final.Z.shape[-1]  # D', the features' number
@@ -288,8 +284,6 @@ def _backward(q, k, v, fmap, code, lead, d, out_dt, normalize, s, initial_state,
     """The vjp closure of causal attention from its forward (out, final state, denominators; ``out``
     and ``den`` are not read without normalisation) through the backward kernel: decay and a gate
     per position (``kind``, ``gates``, ``log_decay``: gates.prepare's)."""
-    from . import gates as gates_mod
-
     n, dv, comp = v.shape[-2], v.shape[-1], q.dtype
     if gates is not None:
         gates_mod.check_gate_values(gates)  # (the kernels would find them too, later)
@@ -394,9 +388,7 @@ def linear_attention_vjp(q, k, v, *, feature_map="elu", eps=1e-6, normalize=True
     q, k, v, lead, n, d, dv, comp, out_dt = checks.check_qkv(q, k, v)
     eps = checks.check_eps(eps)
     normalize = checks.check_flag(normalize, "normalize")
-    from .gates import check_scale
-
-    s = check_scale(scale)
+    s = gates_mod.check_scale(scale)
     q, k, v = (x.astype(comp, copy=False) for x in (q, k, v))
     v1 = _ones_column(v)
     aug = linear_attention(q, k, v1, feature_map=fmap, normalize=False, scale=s)

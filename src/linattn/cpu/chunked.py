@@ -4,8 +4,8 @@ The inputs' leading dims are merged into two (G1, G2) so that strided views such
 fused QKV projection, (B, H) with the heads D apart, reach the kernels without a copy; head h is
 [h // G2, h % G2]. A work item owns one head, or one segment of a head's sequence when there are
 fewer heads than threads, and walks it in chunks of ``chunk`` positions. Threads take items one at
-a time from a shared counter (schedule.take), so a thread that is slowed down does fewer of them. Per chunk, with phi(Q), phi(K) (c x D) and
-V (c x Dv):
+a time from a shared counter (schedule.take), so a thread that is slowed down does fewer of them.
+Per chunk, with phi(Q), phi(K) (c x D) and V (c x Dv):
 
     A   = tril(phi(Q) phi(K)^T)              scores inside the chunk (one GEMM)
     out = [phi(Q) | A] @ [S ; V]             state before the chunk + the chunk itself (one GEMM)

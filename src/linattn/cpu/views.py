@@ -1,7 +1,7 @@
 """How the kernels read strided inputs: ``as_contiguous`` (a 1-D view with unit stride, typed as such
-so that loops over it vectorise), ``flat_rows`` (adjacent rows as one such view), ``head_row``/``head_matrix`` (the row or matrix of one head of an
-array with any number of leading dims, by its flat index) and ``prefetch_rows`` (the next rows into
-the cache ahead of use).
+so that loops over it vectorise), ``flat_rows`` (adjacent rows as one such view),
+``head_row``/``head_matrix`` (the row or matrix of one head of an array with any number of leading
+dims, by its flat index) and ``prefetch_rows`` (the next rows into the cache ahead of use).
 
 Kernels on strided inputs (the heads of a fused QKV projection) get arrays of Numba's "A" layout,
 whose every stride is known only at run time: LLVM then reads them an element at a time. A row
