@@ -209,6 +209,17 @@ def test_bad_input(rng):
     _, _, vjp_s = linattn.causal_linear_attention_vjp(q, k, v, return_state=True)
     with pytest.raises(ValueError, match=r"dstate.S: expected shape \(2, 3, 2\)"):
         vjp_s(np.zeros_like(out), linattn.State(np.zeros((2, 3, 3)), np.zeros((2, 3))))
+    per_dim = np.full((2, 10, 3), -0.1)  # a gate per key dimension: its vjp checks the same
+    _, vjp_g = linattn.causal_linear_attention_vjp(q, k, v, gate=per_dim)
+    with pytest.raises(ValueError, match=r"dout: expected shape \(2, 10, 2\)"):
+        vjp_g(np.zeros((2, 10, 3)))
+    with pytest.raises(TypeError, match="dstate: the forward returned no state"):
+        vjp_g(np.zeros_like(out), linattn.State(np.zeros((2, 3, 2)), np.zeros((2, 3))))
+    _, _, vjp_gs = linattn.causal_linear_attention_vjp(q, k, v, gate=per_dim, return_state=True)
+    with pytest.raises(ValueError, match=r"dstate.Z: expected shape \(2, 3\)"):
+        vjp_gs(np.zeros_like(out), linattn.State(np.zeros((2, 3, 2)), np.zeros((2, 4))))
+    with pytest.raises(ValueError, match="gate: expected log gates <= 0"):
+        linattn.causal_linear_attention_vjp(q, k, v, gate=np.full((2, 10, 3), 0.1))
     with pytest.raises(TypeError, match="feature_map: a callable is differentiated only with its own derivative"):
         linattn.causal_linear_attention_vjp(q, k, v, feature_map=np.tanh)
     with pytest.raises(TypeError, match="feature_map: a callable is differentiated only"):
