@@ -194,10 +194,17 @@ def test_segments(rng, frac):
     no_gates = (np.zeros(0, np.float32), np.zeros(0), np.zeros(3, np.int64))
     no_map = (np.zeros(0, np.float32), 0)  # elu+1 inline: no parameters, no map_rows
     den = np.full((1, 3, n), np.nan, np.float32)  # the denominators kept for the backward pass
+    chunk = chunk_size(n)
+    states = np.full((1, 3, -(-n // chunk), dv + 1, d), np.nan, np.float32)  # and the states at chunk starts
     chunked.causal_forward.get(np.float32, ("C", 0))(2, q[None], k[None], v[None], 1, *no_map, np.float32(1e-6), True,
-                                                      np.float32(1), lengths, chunk_size(n), frac, S0, Z0, out[None],
-                                                      S, Z, *no_gates, den)
+                                                      np.float32(1), lengths, chunk, frac, S0, Z0, out[None],
+                                                      S, Z, *no_gates, den, states)
     for h, L in enumerate(lengths):
+        for ci in range(-(-L // chunk)):
+            i0 = ci * chunk
+            _, (S_i, Z_i) = reference.loop(q[h, :i0], k[h, :i0], v[h, :i0], initial_state=(S0[h], Z0[h]),
+                                           return_state=True)
+            assert_close(states[0, h, ci], np.concatenate([S_i, Z_i[:, None]], 1).T, np.float32)
         ref, (S_ref, Z_ref) = reference.loop(q[h, :L], k[h, :L], v[h, :L], initial_state=(S0[h], Z0[h]),
                                              return_state=True)
         assert_close(out[h, :L], ref, np.float32)

@@ -463,3 +463,37 @@ def test_empty_and_float16(rng):
         for g16, g32 in zip(vjp16(W.astype(np.float16)), vjp32(W.astype(np.float16).astype(np.float32))):
             assert g16.dtype == np.float16
             np.testing.assert_array_equal(g16, g32.astype(np.float16))
+
+
+@pytest.mark.parametrize("gate_kind", ["none", "per position", "per key dimension"])
+def test_kept_chunk_states(rng, gate_kind):
+    """The vjp's forward keeps [S | Z]^T at the start of every chunk (what the backward kernel's dq
+    reads): the final state of the same call on the positions before the chunk, with lengths, gates,
+    resets and an initial state; float32 as float64 rounded."""
+    from linattn.attention import causal_with_denominators
+
+    lead, n, d, dv = (2,), 150, 3, 2
+    q, k, v, state = _inputs(rng, lead, n, d, dv)
+    lengths = np.array([150, 70])
+    gate = None
+    if gate_kind != "none":
+        gate = -rng.random(lead + (n,) + ((d,) if gate_kind == "per key dimension" else ())) * 0.2
+        gate[:, 40] = -np.inf
+    for dt in (np.float64, np.float32):
+        args = [x.astype(dt) for x in (q, k, v)]
+        st0 = linattn.State(*(x.astype(dt) for x in state))
+        (_, _), (den, states, chunk) = causal_with_denominators(*args, initial_state=st0, return_state=True,
+                                                                lengths=lengths, gate=gate, keep=True)
+        assert states.shape == lead + (-(-n // chunk), dv + 1, d) and states.dtype == dt and den.shape == lead + (n,)
+        for b in range(2):
+            for ci in range(-(-lengths[b] // chunk)):
+                i0 = ci * chunk
+                if i0 == 0:
+                    S, Z = state.S[b], state.Z[b]
+                else:
+                    _, S_Z = linattn.causal_linear_attention(
+                        q[b, :i0], k[b, :i0], v[b, :i0], initial_state=linattn.State(state.S[b], state.Z[b]),
+                        return_state=True, gate=None if gate is None else gate[b, :i0])
+                    S, Z = S_Z
+                assert_close(states[b, ci, :dv].T, S, dt)
+                assert_close(states[b, ci, dv], Z, dt)

@@ -93,7 +93,8 @@ def test_any_number_of_threads_takes_all_items(rng, nthreads):
     no_map = (np.zeros(0, np.float32), 0)  # elu+1 inline: no parameters, no map_rows
     chunked.causal_forward.get(np.float32, ("C", 0))(nthreads, q, k, v, 1, *no_map, np.float32(1e-6), True,
                                                       np.float32(1), lengths, chunk_size(n), frac, *none, out, S, Z,
-                                                      *no_gates, np.zeros((1, 1, 0), np.float32))
+                                                      *no_gates, np.zeros((1, 1, 0), np.float32),
+                                                      np.zeros((1, 1, 0, 1, 1), np.float32))
     for h, L in enumerate(lengths):
         i, j = divmod(h, 3)
         ref, (S_ref, Z_ref) = reference.loop(q[i, j, :L], k[i, j, :L], v[i, j, :L], return_state=True)

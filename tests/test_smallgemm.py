@@ -1,5 +1,5 @@
 """small_gemm(_tn), the chunk's register-tiled matrix products, against NumPy: every tile and panel
-edge, strided rows, accumulation, the causal bands, a transposed A; with 512-bit vectors (AVX-512)
+edge, strided rows, accumulation, the causal bands, a transposed A (and a lower triangular one); with 512-bit vectors (AVX-512)
 and 256-bit (AVX2)."""
 import os
 import subprocess
@@ -8,7 +8,7 @@ import sys
 import numpy as np
 from numba import njit
 
-from linattn.cpu.smallgemm import ROWS, small_gemm, small_gemm_tn
+from linattn.cpu.smallgemm import ROWS, small_gemm, small_gemm_tn, small_gemm_tn_lower
 
 
 @njit
@@ -19,6 +19,11 @@ def _run(a, b, c, accumulate, kband, nband):
 @njit
 def _run_tn(a, b, c, accumulate):
     small_gemm_tn(a, b, c, accumulate)
+
+
+@njit
+def _run_tn_lower(a, b, c, accumulate):
+    small_gemm_tn_lower(a, b, c, accumulate)
 
 
 SHAPES = [(1, 1, 1), (3, 5, 7), (4, 64, 64), (5, 17, 33), (32, 64, 64), (32, 96, 64), (64, 32, 64), (33, 70, 129),
@@ -59,6 +64,18 @@ def check_all(seed=0):
                 _run_tn(at, b, c, accumulate)
                 want = at.T.astype(np.float64) @ b + float(accumulate) * before
                 failures += int(np.abs(c - want).max() > tol * max(1.0, float(np.abs(want).max())) * np.sqrt(k + 1))
+                # a lower triangular (square, k = m rows): the product that skips its zeros; NaN where
+                # a tile of rows of c starting at r0 skips them (a[k, i], k < r0) shows they are never read
+                low = np.tril(rng.standard_normal((m, m + 3))[:, :m]).astype(dtype)
+                i = np.arange(m)
+                r0 = np.where(i < m - m % ROWS, (i // ROWS) * ROWS, i)
+                low_nan = np.where(i[:, None] < r0[None, :], np.nan, low).astype(dtype)
+                b = rng.standard_normal((m, n)).astype(dtype)
+                c = before.copy()
+                _run_tn_lower(low_nan, b, c, accumulate)
+                want = low.T.astype(np.float64) @ b + float(accumulate) * before
+                failures += int(not np.isfinite(c).all())
+                failures += int(np.abs(c - want).max() > tol * max(1.0, float(np.abs(want).max())) * np.sqrt(m + 1))
     return failures
 
 

@@ -6,6 +6,7 @@ import numpy as np
 
 from . import checks
 from . import gates as gates_mod
+from . import workspace
 from .cpu import chunked
 from .cpu.runtime import kernel_section, plan
 from .cpu import mapfns
@@ -20,6 +21,7 @@ _NO_GATES = {dt: np.zeros(0, dt) for dt in _FLOATS}  # the kernels' "no gates" (
 _CONSTANT_ONLY = {dt: np.zeros((0, 0), dt) for dt in _FLOATS}  # their "a constant decay alone"
 _ZERO_DECAY = np.zeros(0)
 _NO_DEN = {dt: np.zeros((1, 1, 0), dt) for dt in _FLOATS}  # the causal kernel keeps no denominators
+_NO_STATES = {dt: np.zeros((1, 1, 0, 1, 1), dt) for dt in _FLOATS}  # ... and no chunk states
 for _x in list(_NO_GATES.values()) + list(_CONSTANT_ONLY.values()) + [_ZERO_DECAY]:
     _x.setflags(write=False)
 _constants = {}  # (bh, n) -> lengths all n; (dtype, D', Dv) -> state arrays with no rows
@@ -74,7 +76,8 @@ def _fast(causal, q, k, v, feature_map, eps, normalize):
         status = np.zeros(3, np.int64)
         with kernel_section(nthreads):
             kernel(nthreads, q4, k4, v4, code, _NO_GATES[dt], 0, dt.type(eps), normalize, dt.type(1.0),
-                   _full_lengths(bh, n), chunk, frac, S0, Z0, o4, S, Z, _NO_GATES[dt], _ZERO_DECAY, status, _NO_DEN[dt])
+                   _full_lengths(bh, n), chunk, frac, S0, Z0, o4, S, Z, _NO_GATES[dt], _ZERO_DECAY, status, _NO_DEN[dt],
+                   _NO_STATES[dt])
     else:
         kernel = chunked.noncausal_forward.get(dt, "C")
         with kernel_section(nthreads):
@@ -291,9 +294,11 @@ def causal_linear_attention(q, k, v, *, feature_map="elu", eps=1e-6, normalize=T
 
 def causal_with_denominators(q, k, v, feature_map="elu", eps=1e-6, normalize=True, initial_state=None,
                              return_state=False, lengths=None, decay=None, gate=None, scale=None, out=None, device=None,
-                             keep_denominators=False):
-    """causal_linear_attention's work for arrays (not Dask's): ``(result, den)``, where ``den`` (..., N), when
-    ``keep_denominators`` on the CPU with normalisation, holds scale phi(q_i).Z_i + eps (else None)."""
+                             keep=False):
+    """causal_linear_attention's work for arrays (not Dask's): ``(result, kept)``; with ``keep`` (on the CPU),
+    ``kept = (den, states, chunk)`` for the backward pass: ``den`` (..., N) the denominators scale phi(q_i).Z_i +
+    eps (None without normalisation) and ``states`` (..., chunks, Dv + 1, D') the state [S | Z]^T at the start
+    of each chunk of ``chunk`` positions; else ``kept`` is None."""
     S_in, Z_in = checks.state_parts(initial_state)
     where = _placement(device, q, k, v, S_in, Z_in, names=("q", "k", "v", "initial_state.S", "initial_state.Z"))
     q, k, v, lead, n, dk, dv, comp, out_dt, eps, normalize, code = _prepare(
@@ -309,7 +314,7 @@ def causal_with_denominators(q, k, v, feature_map="elu", eps=1e-6, normalize=Tru
         initial_state = (as_device(S_in), as_device(Z_in))
     bh = math.prod(lead)
     lens = _full_lengths(bh, n) if lengths is None else checks.check_lengths(lengths, lead, n)
-    den = None
+    kept = den = states = None
     if initial_state is None:  # no rows: the kernels start from zero
         S0, Z0 = _no_state(comp, dk, dv)[:2]
     else:
@@ -332,7 +337,7 @@ def causal_with_denominators(q, k, v, feature_map="elu", eps=1e-6, normalize=Tru
         res = res.reshape(lead + (n, dv))
     else:
         rows = bh if return_state else 0  # no rows: the kernel skips writing the state
-        den = np.zeros(lead + (n,), comp) if keep_denominators and normalize else None
+        den = np.zeros(lead + (n,), comp) if keep and normalize else None
         S, Z = np.empty((rows, dk, dv), comp), np.empty((rows, dk), comp)
         res = _result_array(out, lead, n, dv, comp, (q, k, v))
         if bh and n:
@@ -348,19 +353,24 @@ def causal_with_denominators(q, k, v, feature_map="elu", eps=1e-6, normalize=Tru
             kernel = chunked.causal_forward.get(comp, (layout, kind))
             if den is not None:
                 den4 = den.reshape(q4.shape[:3])
+            if keep:
+                states = workspace.take(lead + (-(-n // chunk), dv + 1, dk), comp)  # (the caller releases it)
             with kernel_section(nthreads):
                 kernel(nthreads, q4, k4, v4, *code, comp.type(eps), normalize, comp.type(scale), lens, chunk, frac,
-                       S0, Z0, o4, S, Z, g4, ld, status, _NO_DEN[comp] if den is None else den4)
+                       S0, Z0, o4, S, Z, g4, ld, status, _NO_DEN[comp] if den is None else den4,
+                       _NO_STATES[comp] if states is None else states.reshape(q4.shape[:2] + states.shape[-3:]))
             gates_mod.raise_bad_gate(status, lead)
             if copied[3]:  # res allowed no 4-D view with the inputs' split
                 res[...] = o4.reshape(res.shape)
         elif return_state:
             S[...] = S0 if len(S0) else 0
             Z[...] = Z0 if len(Z0) else 0
+        if keep:
+            kept = (den, states, chunk if bh and n else 1)
     res = _deliver(res, out, out_dt, where)
     if return_state:
-        return (res, State(S.reshape(lead + (dk, dv)), Z.reshape(lead + (dk,)))), den
-    return res, den
+        return (res, State(S.reshape(lead + (dk, dv)), Z.reshape(lead + (dk,)))), kept
+    return res, kept
 
 
 def linear_attention(q, k, v, *, feature_map="elu", eps=1e-6, normalize=True, scale=None, out=None, device=None,

@@ -32,6 +32,7 @@ import numpy as np
 
 from . import checks
 from . import gates as gates_mod
+from . import workspace
 from .attention import _seq4, causal_with_denominators, linear_attention
 from .cpu import backward
 from .cpu.elementwise import ELU, IDENTITY, RELU
@@ -146,7 +147,7 @@ def _unit_rows(x):
 _VECTOR_BLOCK_BYTES = 64 << 20
 
 
-def _vector_gate_vjp(q, k, v, fmap, out, den, final, normalize, s, initial_state, return_state, lens, decay, gates,
+def _vector_gate_vjp(q, k, v, fmap, out, kept, final, normalize, s, initial_state, return_state, lens, decay, gates,
                      lead, d, out_dt):
     """The vjp of causal attention with a gate per key dimension (GLA), as D' problems of one feature.
 
@@ -157,7 +158,8 @@ def _vector_gate_vjp(q, k, v, fmap, out, den, final, normalize, s, initial_state
     for the adjoints [a, b] of the numerators and denominators are the per-position-gate backward
     (_backward: the backward kernel), called with the D' problems as one more leading dim (values
     and adjoints broadcast to it, not copied) and without a forward of their own (unnormalised, its
-    kernel reads no outputs; their final states are rows of the forward's [S | Z]); dq, dk, the
+    kernel reads no outputs; their final states and those at the chunk boundaries are rows of the
+    forward's [S | Z], with a zero column for their own Z, which an unnormalised pass never reads); dq, dk, the
     gates' and the states' gradients are theirs, dv the sum of theirs. Exact, and O(D') times the
     work of a gate per position (the scores [a, b].[v, 1] are shared by the D' problems but computed
     by each).
@@ -165,6 +167,8 @@ def _vector_gate_vjp(q, k, v, fmap, out, den, final, normalize, s, initial_state
     n, dv = v.shape[-2], v.shape[-1]
     comp = q.dtype
     bh = math.prod(lead)
+    den, states, chunk = kept
+    states = states.reshape((bh,) + states.shape[-3:])  # (bh, chunks, Dv + 1, D')
     qf, kf = _mapped(fmap, q, comp), _mapped(fmap, k, comp)
     qs = qf * comp.type(s) if s != 1.0 else qf
     flat = [x.reshape((bh,) + x.shape[len(lead):]) for x in (qs, kf, np.asarray(gates))]
@@ -198,10 +202,12 @@ def _vector_gate_vjp(q, k, v, fmap, out, den, final, normalize, s, initial_state
             gate1, decay1 = np.swapaxes(flat[2][sl], 1, 2), None if dec_f is None else dec_f[sl][:, None]
             kind1, gates1, log_decay1 = gates_mod.prepare(decay1, gate1, (m, d), n, 1, comp)
             zeros = np.zeros((m, d, 1), comp)
+            states1 = np.zeros((m, d, states.shape[1], dv + 2, 1), comp)  # ([S_j, Z_j] | their unused Z)^T
+            states1[..., :dv + 1, 0] = np.moveaxis(states[sl], 3, 1)
             inner = _backward(q1, k1, v1, identity, identity_code, (m, d), 1, comp, False, 1.0,
                               State(state0[sl], zeros) if has_state else None, dstate1 is not None,
                               None if lens_f is None else np.broadcast_to(lens_f[sl][:, None], (m, d)), decay1, gate1,
-                              kind1, gates1, log_decay1, v1, State(final1[sl], zeros), None)
+                              kind1, gates1, log_decay1, v1, State(final1[sl], zeros), (None, states1, chunk))
             g1 = np.broadcast_to(ab[sl][:, None], (m, d, n, dv + 1))
             grads = list(inner(g1) if dstate1 is None else inner(g1, (dstate1[sl], zeros)))
             dq1, dk1, dv1 = grads[:3]
@@ -265,55 +271,52 @@ def causal_linear_attention_vjp(q, k, v, *, feature_map="elu", eps=1e-6, normali
     s = gates_mod.check_scale(scale)
     q, k, v = (x.astype(comp, copy=False) for x in (q, k, v))
     lens = None if lengths is None else checks.check_lengths(lengths, lead, n).reshape(lead)
-    (out, final), den = causal_with_denominators(
-        q, k, v, fmap, eps, normalize, initial_state, True, lens, decay, gate, s, keep_denominators=True)
+    (out, final), kept = causal_with_denominators(
+        q, k, v, fmap, eps, normalize, initial_state, True, lens, decay, gate, s, keep=True)
     d = final.Z.shape[-1]  # D', the features' number
     kind, gates, log_decay = gates_mod.prepare(decay, gate, lead, n, d, comp)
     if kind == gates_mod.VECTOR:
-        vjp = _vector_gate_vjp(q, k, v, fmap, out, den, final, normalize, s, initial_state, return_state, lens, decay,
+        vjp = _vector_gate_vjp(q, k, v, fmap, out, kept, final, normalize, s, initial_state, return_state, lens, decay,
                                gates, lead, d, out_dt)
     else:
         vjp = _backward(q, k, v, fmap, code, lead, d, out_dt, normalize, s, initial_state, return_state, lens, decay,
-                        gate, kind, gates, log_decay, out, final, den)
+                        gate, kind, gates, log_decay, out, final, kept)
+    if kept[1] is not None:  # the chunk states go back to the pool with the closure
+        workspace.release_with(vjp, kept[1])
     result = out.astype(out_dt, copy=False)  # (vjp reads ``out`` itself, in the computation's dtype)
     return (result, final, vjp) if return_state else (result, vjp)
 
 
 def _backward(q, k, v, fmap, code, lead, d, out_dt, normalize, s, initial_state, return_state, lens, decay, gate, kind,
-              gates, log_decay, out, final, den):
-    """The vjp closure of causal attention from its forward (out, final state, denominators; ``out``
-    and ``den`` are not read without normalisation) through the backward kernel: decay and a gate
-    per position (``kind``, ``gates``, ``log_decay``: gates.prepare's)."""
+              gates, log_decay, out, final, kept):
+    """The vjp closure of causal attention from its forward (out, final state, and ``kept``: the
+    denominators, the states at the chunk boundaries and the chunk size; ``out`` and the denominators
+    are not read without normalisation) through the backward kernel: decay and a gate per position
+    (``kind``, ``gates``, ``log_decay``: gates.prepare's)."""
     n, dv, comp = v.shape[-2], v.shape[-1], q.dtype
+    den, states, chunk = kept
     if gates is not None:
         gates_mod.check_gate_values(gates)  # (the kernels would find them too, later)
     decay_arr = None if decay is None else np.asarray(decay, np.float64)
-    has_state = initial_state is not None
-    if has_state:
-        S0, Z0 = checks.check_state(initial_state, "initial_state", lead, d, dv, comp)
-        S0, Z0 = np.asarray(S0), np.asarray(Z0)
+    has_state = initial_state is not None  # (the forward checked it; it is in states[..., 0, :, :])
     if den is None:  # (not read without normalisation)
         den = np.zeros(lead + (n,), comp)
     valid = None if lens is None else (np.arange(n) < lens[..., None])[..., None]
-    # the log factor of every position (..., N), decay folded in, 0 past a length; and the same backwards in
-    # time, shifted by one (the state after position t decays by position t+1's)
-    lam = lam_rev = None
+    # the log factor of every position (..., N), decay folded in, 0 past a length
+    lam = None
     if kind != gates_mod.NONE:
         lam = np.zeros(lead + (n,)) if gate is None else gates.astype(np.float64)
         if log_decay is not None:
             lam = lam + log_decay.reshape(lead + (1,))
         if valid is not None:
             lam = np.where(valid[..., 0], lam, 0.0)
-        lam_rev = np.concatenate([np.zeros_like(lam[..., :1]), lam[..., ::-1][..., :-1]], -1)
-        lam, lam_rev = (x.astype(comp) for x in (lam, lam_rev))
+        lam = lam.astype(comp)
 
     bh = math.prod(lead)
     lens_all = np.full(bh, n, np.int64) if lens is None else np.ascontiguousarray(lens.reshape(bh), np.int64)
     gated = kind != gates_mod.NONE
     if gated:
-        lam, lam_rev = (x.reshape((1, bh, n)) for x in (lam, lam_rev))
-    S0t = (np.ascontiguousarray(np.swapaxes(np.concatenate([S0, Z0[..., None]], -1), -1, -2)).reshape(bh, dv + 1, d)
-           if has_state else np.empty((0, dv + 1, d), comp))
+        lam = lam.reshape((1, bh, n))
 
     def vjp(dout, dstate=None):
         g = _unit_rows(_check_grad(dout, "dout", lead + (n, dv), comp))
@@ -337,15 +340,13 @@ def _backward(q, k, v, fmap, code, lead, d, out_dt, normalize, s, initial_state,
             arrays = (q, k) if code is not None else (qf, kf)
             (q4, k4, v4, g4, o4), _, _ = _seq4(tuple(_unit_rows(x) for x in arrays + (v, g, out)), lead)
             g12 = q4.shape[:2]
-            chunk, frac, nthreads = plan(bh, n, d, dv, causal=True)  # (the forward's segments suit both scans)
-            nthreads = min(nthreads, 2 * bh * (len(frac) - 1))
+            _, frac, nthreads = plan(bh, n, d, dv, causal=True)  # (the forward's segments, mirrored)
+            nthreads = min(nthreads, bh * (len(frac) - 1))
             kernel = backward.causal_backward.get(comp, int(gated))
-            no_gates = np.empty(0, comp)
             with kernel_section(nthreads):
                 kernel(nthreads, q4, k4, v4, g4, o4, den.reshape(g12 + (n,)), IDENTITY if code is None else code,
-                       normalize, comp.type(s), lens_all, chunk, frac, S0t, H0, Zs,
-                       lam.reshape(g12 + (n,)) if gated else no_gates,
-                       lam_rev.reshape(g12 + (n,)) if gated else no_gates, np.zeros(bh),
+                       normalize, comp.type(s), lens_all, chunk, frac, states.reshape(g12 + states.shape[-3:]),
+                       has_state, H0, Zs, lam.reshape(g12 + (n,)) if gated else np.empty(0, comp), np.zeros(bh),
                        dq.reshape(g12 + (n, d)), dk.reshape(g12 + (n, d)), dvv.reshape(g12 + (n, dv)), H_out, Z_out,
                        rq, rk, status)
         elif has_state:
@@ -362,9 +363,7 @@ def _backward(q, k, v, fmap, code, lead, d, out_dt, normalize, s, initial_state,
                 dq, dk = np.where(valid, dq, 0), np.where(valid, dk, 0)
         grads = [x.astype(out_dt, copy=False) for x in (dq, dk, dvv)]
         if has_state:
-            G0 = np.swapaxes(H_out.reshape(lead + (dv + 1, d)), -1, -2)  # the adjoint before position 0's factor
-            if gated and n:
-                G0 = G0 * np.exp(lam.reshape(lead + (n,))[..., 0])[..., None, None]
+            G0 = np.swapaxes(H_out.reshape(lead + (dv + 1, d)), -1, -2)
             grads.append(State(G0[..., :dv].astype(comp), G0[..., dv].astype(comp)))
         return tuple(grads + extra)
 

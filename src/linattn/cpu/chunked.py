@@ -192,6 +192,16 @@ def _write_state(acc, accz, P, Pz, h, S_out, Z_out, has_acc, has_p, lam, decayed
 
 
 @njit(helper=True)
+def keep_state(S, Z, d_, dst, scratch):
+    """dst (Dv + 1, D') = [S[:D'] | Z]^T: the state a chunk starts from, kept for the backward pass
+    (``scratch``: at least Dv elements)."""
+    dv = S.shape[1]
+    transpose_rows(S, dst, scratch[:dv], d_)
+    for a in range(d_):
+        dst[dv, a] = Z[a]
+
+
+@njit(helper=True)
 def _normalize_rows(out, i0, c, QA, Z, d_, causal, eps, scale, keep):
     """Divide out[i0+t] (one head) by phi(q_t).Z (+ sum_{s<=t} A[t, s] when causal) + eps / scale,
     and multiply it by 1 (phi(q) times ``scale``: scale phi(q).S / (scale phi(q).Z + eps)); the
@@ -221,7 +231,7 @@ def _scale_rows(out, i0, c, scale):
 
 
 def _causal_forward(q, k, v, fm, fp, fa, eps, normalize, scale, lengths, chunk, frac, S0, Z0, out, S_out, Z_out,
-                    gates, ld, status, den, counter):
+                    gates, ld, status, den, states, counter):
     """Causal linear attention of every head; head h stops at lengths[h] (later outputs are 0).
 
     q, k: (G1, G2, N, D); v, out: (G1, G2, N, Dv), any strides with unit stride along the last
@@ -235,6 +245,8 @@ def _causal_forward(q, k, v, fm, fp, fa, eps, normalize, scale, lengths, chunk, 
     cpu/mapfns.py's map_rows ``fa`` (0 when fm is computed inline); S0, S_out and the gates have D'
     columns where the map changes the dimension. With normalisation, ``den`` (G1, G2, N) receives the
     denominators scale phi(q_i).Z_i + eps (the backward pass needs them) unless its last dim is 0.
+    ``states`` (G1, G2, chunks, Dv + 1, D'), unless it has no chunks, receives the state at the start of
+    every chunk as [S | Z]^T (in the compute dtype, before the chunk's gates: the backward's dq reads it).
 
     A segment's code is written here, not in a function of its own: Numba would compile such a
     function on its own and then again inside this one (+1.7 s at the first call, measured).
@@ -249,7 +261,7 @@ def _causal_forward(q, k, v, fm, fp, fa, eps, normalize, scale, lengths, chunk, 
     SV = np.empty((d_ + chunk, dv), dt)  # [S ; V]
     Kf = np.empty((chunk, d_), dt)
     KT = np.empty((d_, chunk), dt)
-    sums = np.empty(d_, dt)
+    sums = np.empty(max(d_, dv), dt)
     G, R, F, X = gate_buffers(gates, chunk, dt)
     # rows far apart (head views of a fused projection) are fetched a chunk ahead: 0.93x the time
     # in a model; adjacent rows gain nothing (the hardware prefetches them)
@@ -267,6 +279,7 @@ def _causal_forward(q, k, v, fm, fp, fa, eps, normalize, scale, lengths, chunk, 
         # length and writes the final state. With gates, a chunk's factors come from its log gates.
         qh, kh, vh, oh = q[h // g2, h % g2], k[h // g2, h % g2], v[h // g2, h % g2], out[h // g2, h % g2]
         keep = den[h // g2, h % g2] if den.shape[2] > 0 else den[0, 0]
+        kept = states[h // g2, h % g2] if states.shape[2] > 0 else states[0, 0]
         P, B, acc, Pz, Bz, Z, accz, lam = _state_buffers(d_, dv, dt)  # (zeros where they must start so)
         fb = np.empty(d_ if decayed else 0, dt)  # B's factors (gate_state_factors)
         has_acc = _init_state(S0, Z0, h, acc, accz, B, Bz)
@@ -288,6 +301,8 @@ def _causal_forward(q, k, v, fm, fp, fa, eps, normalize, scale, lengths, chunk, 
                 prefetch_rows(qh, i0 + chunk, cn)
                 prefetch_rows(kh, i0 + chunk, cn)
                 prefetch_rows(vh, i0 + chunk, cn)
+            if kept.shape[0] > 0:
+                keep_state(SV, Z, d_, kept[ci], sums)
             chunk_gates(gates, h, ld, i0, c, G, R, F, status)
             load_features(qh, i0, c, mp, QA)
             _load_kt(kh, i0, c, mp, Kf, KT, sums if decayed else Pz)  # gated keys add their sums later
@@ -385,7 +400,7 @@ def _causal_signature(dt, variant):
                       array(i64, 1, readonly=True), i64,
                       array(f64, 1, readonly=True), array(dt, 3, readonly=True),
                       array(dt, 2, readonly=True), array(dt, 4, layout), array(dt, 3), array(dt, 2),
-                      _gates_type(dt, kind), array(f64, 1, readonly=True), array(i64, 1), array(dt, 3))
+                      _gates_type(dt, kind), array(f64, 1, readonly=True), array(i64, 1), array(dt, 3), array(dt, 5))
 
 
 def _noncausal_signature(dt, layout):

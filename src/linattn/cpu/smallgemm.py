@@ -83,8 +83,9 @@ def register():
 before_kernels.append(register)
 
 
-def _call(trans_a):
-    """Intrinsic body: unpack the arrays and call the registered product by its symbol."""
+def _call(trans_a, lower=False):
+    """Intrinsic body: unpack the arrays and call the registered product by its symbol (``lower``: a
+    transposed, lower triangular)."""
 
     def codegen(context, builder, sig, args):
         arr_a, arr_b, arr_c = (context.make_array(t)(context, builder, v) for t, v in zip(sig.args[:3], args[:3]))
@@ -96,7 +97,10 @@ def _call(trans_a):
             return builder.sdiv(builder.extract_value(arr.strides, 0), ir.Constant(i64, size))
 
         beta = context.cast(builder, args[3], sig.args[3], dtype)
-        kband, nband = (ir.Constant(i64, -1), ir.Constant(i64, -1)) if trans_a else (args[4], args[5])
+        if trans_a:
+            kband, nband = ir.Constant(i64, 0 if lower else -1), ir.Constant(i64, -1)
+        else:
+            kband, nband = args[4], args[5]
         values = [arr_a.data, builder.extract_value(arr_c.shape, 0),
                   builder.extract_value(arr_a.shape, 0 if trans_a else 1), rstride(arr_a),
                   arr_b.data, rstride(arr_b), arr_c.data, builder.extract_value(arr_c.shape, 1), rstride(arr_c),
@@ -120,14 +124,25 @@ def small_gemm(typingctx, a, b, c, beta, kband, nband):
     return types.void(a, b, c, beta, types.intp, types.intp), _call(False)
 
 
+def _tn(a, b, c, beta, lower):
+    if not _typed(a, b, c) or not isinstance(beta, (types.Boolean, types.Number)):
+        return None
+    register()
+    return types.void(a, b, c, beta), _call(True, lower)
+
+
 @intrinsic
 def small_gemm_tn(typingctx, a, b, c, beta):
     """c[i, j] = sum_k a[k, i] b[k, j] + beta c[i, j]: the product with a transposed (k < rows of a),
     as small_gemm without bands. Only callable from Numba code."""
-    if not _typed(a, b, c) or not isinstance(beta, (types.Boolean, types.Number)):
-        return None
-    register()
-    return types.void(a, b, c, beta), _call(True)
+    return _tn(a, b, c, beta, False)
+
+
+@intrinsic
+def small_gemm_tn_lower(typingctx, a, b, c, beta):
+    """small_gemm_tn for a lower triangular ``a`` (a[k, i] = 0 for k < i, unchecked): each tile of
+    rows of c skips the zero part of its sum. Only callable from Numba code."""
+    return _tn(a, b, c, beta, True)
 
 
 @intrinsic
@@ -181,13 +196,12 @@ def _codegen(trans_a):
             clipped = builder.select(builder.icmp_signed("<", end, limit), end, limit)
             return builder.select(builder.icmp_signed(">=", base, const(0)), clipped, limit)
 
-        def tile(r0, rows, j0, nvec, ty, kend):
-            """c[r0:r0+rows, j0:j0+nvec*width(ty)]: accumulators in registers over k < kend."""
+        def tile(r0, rows, j0, nvec, ty, kstart, kend):
+            """c[r0:r0+rows, j0:j0+nvec*width(ty)]: accumulators in registers over kstart <= k < kend."""
             width = ty.count if isinstance(ty, ir.VectorType) else 1
             accs = [[cgutils.alloca_once_value(builder, ir.Constant(ty, None)) for _ in range(nvec)]
                     for _ in range(rows)]
-            with cgutils.for_range(builder, kend) as loop:
-                kk = loop.index
+            with cgutils.for_range_slice(builder, kstart, kend, const(1)) as (kk, _):
                 bv = [builder.load(ptr(b_data, sb, kk, builder.add(j0, const(j * width)), ty), align=size)
                       for j in range(nvec)]
                 for i in range(rows):
@@ -210,7 +224,11 @@ def _codegen(trans_a):
             step = const(rows)
             end = builder.add(start, builder.mul(builder.sdiv(builder.sub(stop, start), step), step))
             with cgutils.for_range_slice(builder, start, end, step) as (r0, _):
-                kend = band(kdim, kband_v, r0, rows)
+                if trans_a:  # a band: a lower triangular, each tile's inner dimension starts at its first row
+                    kstart = builder.select(builder.icmp_signed(">=", kband_v, const(0)), r0, const(0))
+                    kend = kdim
+                else:
+                    kstart, kend = const(0), band(kdim, kband_v, r0, rows)
                 nend = band(n, nband_v, r0, rows, lanes)  # whole vectors: the caller zeroes the triangle
                 col = const(0)
                 widths = [panel] + ([2] if panel > 2 else []) + [1]
@@ -220,7 +238,7 @@ def _codegen(trans_a):
                     cstep = const(width)
                     cend = builder.add(col, builder.mul(builder.sdiv(builder.sub(nend, col), cstep), cstep))
                     with cgutils.for_range_slice(builder, col, cend, cstep) as (j0, _):
-                        tile(r0, rows, j0, nvec, ty, kend)
+                        tile(r0, rows, j0, nvec, ty, kstart, kend)
                     col = cend
             return end
 
