@@ -415,13 +415,16 @@ def test_every_map_through_attention(rng, causal):
             assert abs((grad * delta).sum() - want) <= 1e-6 * (np.abs(grad * delta).sum() + 1e-6), (fmap, name)
 
 
+@pytest.mark.parametrize("per_dimension", [False, True])
 @pytest.mark.parametrize("frac", [[0, 0.3, 0.7, 1.0], [0, 0, 1.0], [0, 1.0, 1.0], [0, 0.5, 0.5, 0.9, 1.0]])
-def test_segments_of_a_head(rng, monkeypatch, frac):
-    """Each scan cut into segments (as when heads are fewer than threads), empty segments included:
-    the gradients of one unsegmented pass, with lengths, gates, a state and its gradient."""
+def test_segments_of_a_head(rng, monkeypatch, frac, per_dimension):
+    """The scan cut into segments (as when heads are fewer than threads), empty segments included:
+    the gradients of one unsegmented pass, with lengths, gates (per position or per key dimension),
+    a state and its gradient."""
     lead, n, d, dv = (3,), 900, 4, 3
     q, k, v, state = _inputs(rng, lead, n, d, dv)
-    kw = dict(lengths=np.array([900, 417, 0]), gate=-rng.random(lead + (n,)) * 0.05, initial_state=state)
+    gate = -rng.random(lead + (n,) + ((d,) if per_dimension else ())) * 0.05
+    kw = dict(lengths=np.array([900, 417, 0]), gate=gate, initial_state=state)
     W = rng.standard_normal(lead + (n, dv))
     WS, WZ = rng.standard_normal(state.S.shape), rng.standard_normal(state.Z.shape)
 

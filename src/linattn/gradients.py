@@ -12,19 +12,17 @@ s Q_{f,i} a_i^T` and :math:`H_j = dZ + \sum_{i \ge j} s Q_{f,i} b_i` (dS, dZ: th
   s Q_f, from [dS; dZ]^T; its final state is the initial state's gradient;
 - :math:`dv_j = G_j^T K_{f,j}`: backwards, queries K_f, keys s Q_f, values a, from dS;
 
-Causal: the forward (run by the vjp's forward call, which keeps the denominators) and the
-cpu/backward.py kernel, which does the first in one scan forward in time and the other two in one
-scan backwards per head (no O(N^2) and no O(N D' Dv) memory; the states in float64 accumulators),
-applying phi' as it writes: dq = dQ_f phi'(q), dk = dK_f phi'(k). Non-causal: the three are three
-calls of ``linear_attention``.
+Causal: the forward (run by the vjp's forward call, which keeps the denominators and the state at
+the start of every chunk) and the cpu/backward.py kernel, which does all three in one scan per head
+backwards in time, chunk by chunk, from those states (no O(N^2) memory; the adjoint in float64
+accumulators), applying phi' as it writes: dq = dQ_f phi'(q), dk = dK_f phi'(k). Non-causal: the
+three are three calls of ``linear_attention``.
 
-With decay and a gate per position (log factor lam_t of the state before t), both scans take the
-log factors, the backwards one shifted by a position (the adjoint after t decays by t+1's
-factor), and d lam_t = sum_{i >= t} (Q_f,i . dQ_f,i - K_f,i . dK_f,i) + <dS, S_final> + <dZ, Z_final>
-(the identity flash-linear-attention's gated kernels use; Z counts as one more value column). A gate
-per key dimension would need the decay along the values' dimension in the first two, which the
-kernels do not have; it is differentiated as D' problems of one feature each with a gate per position
-(_vector_gate_vjp): exact, but O(D') times the work.
+With decay and gates (log factor lam_t of the state before t, per position or per position and key
+dimension), the kernel decays the adjoint as the forward decays the state, and d lam_t = sum_{i >= t}
+(Q_f,i . dQ_f,i - K_f,i . dK_f,i) + <dS, S_final> + <dZ, Z_final> (the identity flash-linear-attention's
+gated kernels use; Z counts as one more value column), per key dimension the same with the
+elementwise products and row j of the final state.
 """
 import math
 
@@ -99,23 +97,25 @@ def _output_adjoints(g, out, den, normalize):
     return ab
 
 
-def _gate_gradients(terms, dS, dZ, final, valid, gate, decay, log_decay, lead, comp):
-    """[dgate] and/or [ddecay] from the per-position terms qf_t . dqf_t - kf_t . dkf_t (..., N).
+def _gate_gradients(terms, dS, dZ, final, valid, gate, vector, decay, log_decay, lead, comp):
+    """[dgate] and/or [ddecay] from the per-position terms qf_t . dqf_t - kf_t . dkf_t (..., N, 1), or
+    per key dimension qf_t[j] dqf_t[j] - kf_t[j] dkf_t[j] (..., N, D') with a gate per key dimension.
 
-    With lam_t the log factor of position t and R_end = <dS_end, S_end> + <dZ_end, Z_end>,
-    d lam_t = sum_{i >= t} terms_i + R_end (the identity flash-linear-attention uses for its gates'
-    gradients, with Z as one more value column)."""
+    With lam_t the log factor of position t (of dimension j) and R_end = <dS_end, S_end> + <dZ_end,
+    Z_end> (of row j), d lam_t = sum_{i >= t} terms_i + R_end (the identity flash-linear-attention
+    uses for its gates' gradients, with Z as one more value column)."""
     if valid is not None:  # (not written past a length)
-        terms = np.where(valid[..., 0], terms, 0.0)
-    dlam = np.flip(np.cumsum(np.flip(terms, -1), -1), -1)
-    dlam += ((dS.astype(np.float64) * final.S).sum((-1, -2)) + (dZ.astype(np.float64) * final.Z).sum(-1))[..., None]
+        terms = np.where(valid, terms, 0.0)
+    dlam = np.flip(np.cumsum(np.flip(terms, -2), -2), -2)
+    rows = (dS.astype(np.float64) * final.S).sum(-1) + dZ.astype(np.float64) * final.Z  # (..., D')
+    dlam += (rows if vector else rows.sum(-1, keepdims=True))[..., None, :]
     if valid is not None:
-        dlam = np.where(valid[..., 0], dlam, 0.0)
+        dlam = np.where(valid, dlam, 0.0)
     out = []
     if gate is not None:
-        out.append(dlam.astype(comp))
-    if decay is not None:
-        out.append(_decay_gradient(dlam.sum(-1) / np.exp(log_decay.reshape(lead)), decay))  # d log decay / decay
+        out.append((dlam if vector else dlam[..., 0]).astype(comp))
+    if decay is not None:  # d log decay / decay
+        out.append(_decay_gradient(dlam.sum((-1, -2)) / np.exp(log_decay.reshape(lead)), decay))
     return out
 
 
@@ -143,98 +143,6 @@ def _unit_rows(x):
     return x if x.strides[-1] == x.itemsize or x.shape[-1] <= 1 else np.ascontiguousarray(x)
 
 
-#: Bytes of the per-dimension problems' value gradients held at once (a gate per key dimension).
-_VECTOR_BLOCK_BYTES = 64 << 20
-
-
-def _vector_gate_vjp(q, k, v, fmap, out, kept, final, normalize, s, initial_state, return_state, lens, decay, gates,
-                     lead, d, out_dt):
-    """The vjp of causal attention with a gate per key dimension (GLA), as D' problems of one feature.
-
-    With the factors of key dimension j, out_t's numerator and denominator are sums over j of
-    s phi(q_t)[j] sum_{s<=t} (the factors of j over (s, t]) phi(k_s)[j] [v_s, 1]: per j, causal
-    attention with a gate per position, one-dimensional queries s phi(q)[:, j] and keys phi(k)[:, j],
-    values [v, 1], no normalisation, the initial state [S_0[j], Z_0[j]]. The gradients of all of them
-    for the adjoints [a, b] of the numerators and denominators are the per-position-gate backward
-    (_backward: the backward kernel), called with the D' problems as one more leading dim (values
-    and adjoints broadcast to it, not copied) and without a forward of their own (unnormalised, its
-    kernel reads no outputs; their final states and those at the chunk boundaries are rows of the
-    forward's [S | Z], with a zero column for their own Z, which an unnormalised pass never reads); dq, dk, the
-    gates' and the states' gradients are theirs, dv the sum of theirs. Exact, and O(D') times the
-    work of a gate per position (the scores [a, b].[v, 1] are shared by the D' problems but computed
-    by each).
-    """
-    n, dv = v.shape[-2], v.shape[-1]
-    comp = q.dtype
-    bh = math.prod(lead)
-    den, states, chunk = kept
-    states = states.reshape((bh,) + states.shape[-3:])  # (bh, chunks, Dv + 1, D')
-    qf, kf = _mapped(fmap, q, comp), _mapped(fmap, k, comp)
-    qs = qf * comp.type(s) if s != 1.0 else qf
-    flat = [x.reshape((bh,) + x.shape[len(lead):]) for x in (qs, kf, np.asarray(gates))]
-    vext = _ones_column(v).reshape(bh, n, dv + 1)
-    lens_f = None if lens is None else lens.reshape(bh)
-    dec_f = None if decay is None else np.broadcast_to(np.asarray(decay, np.float64), lead).reshape(bh)
-    has_state = initial_state is not None
-    if has_state:
-        S0, Z0 = checks.check_state(initial_state, "initial_state", lead, d, dv, comp)
-        state0 = np.concatenate([np.asarray(S0), np.asarray(Z0)[..., None]], -1).reshape(bh, d, 1, dv + 1)
-    valid = None if lens is None else (np.arange(n) < lens[..., None])[..., None]
-    final1 = np.concatenate([final.S, final.Z[..., None]], -1).reshape(bh, d, 1, dv + 1)
-    identity, identity_code = _map_and_code("identity")
-
-    def vjp(dout, dstate=None):
-        g = _check_grad(dout, "dout", lead + (n, dv), comp)
-        with np.errstate(divide="ignore", invalid="ignore"):  # (den is 0 past a length)
-            ab = _output_adjoints(g, out, den, normalize)
-        ab = (ab if valid is None else np.where(valid, ab, 0)).reshape(bh, n, dv + 1)
-        dS, dZ = _final_state_gradient(dstate, return_state, lead, d, dv, comp)
-        dstate1 = None if dS is None else np.concatenate([dS, dZ[..., None]], -1).reshape(bh, d, 1, dv + 1)
-        dqs, dkf = np.zeros((bh, n, d), comp), np.zeros((bh, n, d), comp)
-        dvv, dgate = np.zeros((bh, n, dv), comp), np.zeros((bh, n, d), comp)
-        dstate0, ddecay = np.zeros((bh, d, dv + 1), comp), np.zeros(bh)
-        step = max(1, _VECTOR_BLOCK_BYTES // max(1, d * n * (dv + 1) * comp.itemsize))
-        for h0 in range(0, bh, step):
-            sl = slice(h0, min(h0 + step, bh))
-            m = sl.stop - sl.start
-            q1, k1 = (np.swapaxes(x[sl], 1, 2)[..., None] for x in flat[:2])  # (m, D', N, 1)
-            v1 = np.broadcast_to(vext[sl][:, None], (m, d, n, dv + 1))
-            gate1, decay1 = np.swapaxes(flat[2][sl], 1, 2), None if dec_f is None else dec_f[sl][:, None]
-            kind1, gates1, log_decay1 = gates_mod.prepare(decay1, gate1, (m, d), n, 1, comp)
-            zeros = np.zeros((m, d, 1), comp)
-            states1 = np.zeros((m, d, states.shape[1], dv + 2, 1), comp)  # ([S_j, Z_j] | their unused Z)^T
-            states1[..., :dv + 1, 0] = np.moveaxis(states[sl], 3, 1)
-            inner = _backward(q1, k1, v1, identity, identity_code, (m, d), 1, comp, False, 1.0,
-                              State(state0[sl], zeros) if has_state else None, dstate1 is not None,
-                              None if lens_f is None else np.broadcast_to(lens_f[sl][:, None], (m, d)), decay1, gate1,
-                              kind1, gates1, log_decay1, v1, State(final1[sl], zeros), (None, states1, chunk))
-            g1 = np.broadcast_to(ab[sl][:, None], (m, d, n, dv + 1))
-            grads = list(inner(g1) if dstate1 is None else inner(g1, (dstate1[sl], zeros)))
-            dq1, dk1, dv1 = grads[:3]
-            dqs[sl], dkf[sl] = np.swapaxes(dq1[..., 0], 1, 2), np.swapaxes(dk1[..., 0], 1, 2)
-            dvv[sl] = dv1[..., :dv].sum(1)
-            rest = grads[3:]
-            if has_state:
-                dstate0[sl] = rest.pop(0).S[:, :, 0]
-            dgate[sl] = np.swapaxes(rest.pop(0), 1, 2)
-            if dec_f is not None:
-                ddecay[sl] = rest.pop(0)[:, 0]
-        dq = _map_vjp(fmap, q, (dqs * comp.type(s) if s != 1.0 else dqs).reshape(lead + (n, d)), qf)
-        dk = _map_vjp(fmap, k, dkf.reshape(lead + (n, d)), kf)
-        if valid is not None:  # (padding past a length may hold NaN, which a map's vjp would spread)
-            dq, dk = np.where(valid, dq, 0), np.where(valid, dk, 0)
-        result = [x.astype(out_dt, copy=False) for x in (dq, dk, dvv.reshape(lead + (n, dv)))]
-        if has_state:
-            dstate0 = dstate0.reshape(lead + (d, dv + 1))
-            result.append(State(dstate0[..., :dv], dstate0[..., dv]))
-        result.append(dgate.reshape(lead + (n, d)))
-        if decay is not None:
-            result.append(_decay_gradient(ddecay.reshape(lead), np.asarray(decay)))
-        return tuple(result)
-
-    return vjp
-
-
 def causal_linear_attention_vjp(q, k, v, *, feature_map="elu", eps=1e-6, normalize=True, initial_state=None,
                                 return_state=False, lengths=None, scale=None, decay=None, gate=None):
     """:func:`linattn.causal_linear_attention` and its vector-Jacobian product.
@@ -245,8 +153,8 @@ def causal_linear_attention_vjp(q, k, v, *, feature_map="elu", eps=1e-6, normali
     into pieces is differentiated piece by piece through the state: truncated backpropagation, or
     exactly), then ``dgate`` (the gate's shape) when ``gate`` was given and ``ddecay`` (the decay's
     shape, float64) when ``decay`` was given. Positions at or past ``lengths`` get zero gradients.
-    A gate per key dimension is differentiated exactly but slowly: its backward takes about 90x its
-    forward (a gate per position: about 3x), see the module docstring.
+    The backward takes about 3x the forward (with a gate per key dimension about 6x), see the
+    README's performance section.
 
     Every feature map of :mod:`linattn.feature_maps` is differentiated: "elu", "relu" and "identity"
     inside the backward kernel, the others through their ``vjp`` (phi(q), phi(k) are then computed
@@ -275,12 +183,8 @@ def causal_linear_attention_vjp(q, k, v, *, feature_map="elu", eps=1e-6, normali
         q, k, v, fmap, eps, normalize, initial_state, True, lens, decay, gate, s, keep=True)
     d = final.Z.shape[-1]  # D', the features' number
     kind, gates, log_decay = gates_mod.prepare(decay, gate, lead, n, d, comp)
-    if kind == gates_mod.VECTOR:
-        vjp = _vector_gate_vjp(q, k, v, fmap, out, kept, final, normalize, s, initial_state, return_state, lens, decay,
-                               gates, lead, d, out_dt)
-    else:
-        vjp = _backward(q, k, v, fmap, code, lead, d, out_dt, normalize, s, initial_state, return_state, lens, decay,
-                        gate, kind, gates, log_decay, out, final, kept)
+    vjp = _backward(q, k, v, fmap, code, lead, d, out_dt, normalize, s, initial_state, return_state, lens, decay,
+                    gate, kind, gates, log_decay, out, final, kept)
     if kept[1] is not None:  # the chunk states go back to the pool with the closure
         workspace.release_with(vjp, kept[1])
     result = out.astype(out_dt, copy=False)  # (vjp reads ``out`` itself, in the computation's dtype)
@@ -291,8 +195,8 @@ def _backward(q, k, v, fmap, code, lead, d, out_dt, normalize, s, initial_state,
               gates, log_decay, out, final, kept):
     """The vjp closure of causal attention from its forward (out, final state, and ``kept``: the
     denominators, the states at the chunk boundaries and the chunk size; ``out`` and the denominators
-    are not read without normalisation) through the backward kernel: decay and a gate per position
-    (``kind``, ``gates``, ``log_decay``: gates.prepare's)."""
+    are not read without normalisation) through the backward kernel: decay and a gate per position or
+    per key dimension (``kind``, ``gates``, ``log_decay``: gates.prepare's)."""
     n, dv, comp = v.shape[-2], v.shape[-1], q.dtype
     den, states, chunk = kept
     if gates is not None:
@@ -302,39 +206,37 @@ def _backward(q, k, v, fmap, code, lead, d, out_dt, normalize, s, initial_state,
     if den is None:  # (not read without normalisation)
         den = np.zeros(lead + (n,), comp)
     valid = None if lens is None else (np.arange(n) < lens[..., None])[..., None]
-    # the log factor of every position (..., N), decay folded in, 0 past a length
+    # the log factor of every position (..., N, 1), or of every position and key dimension (..., N, D'),
+    # decay folded in, 0 past a length
+    vector = kind == gates_mod.VECTOR
+    width = d if vector else 1
     lam = None
     if kind != gates_mod.NONE:
-        lam = np.zeros(lead + (n,)) if gate is None else gates.astype(np.float64)
+        lam = np.zeros(lead + (n, 1)) if gate is None else gates.astype(np.float64).reshape(lead + (n, width))
         if log_decay is not None:
-            lam = lam + log_decay.reshape(lead + (1,))
+            lam = lam + log_decay.reshape(lead + (1, 1))
         if valid is not None:
-            lam = np.where(valid[..., 0], lam, 0.0)
+            lam = np.where(valid, lam, 0.0)
         lam = lam.astype(comp)
 
     bh = math.prod(lead)
     lens_all = np.full(bh, n, np.int64) if lens is None else np.ascontiguousarray(lens.reshape(bh), np.int64)
     gated = kind != gates_mod.NONE
-    if gated:
-        lam = lam.reshape((1, bh, n))
 
     def vjp(dout, dstate=None):
         g = _unit_rows(_check_grad(dout, "dout", lead + (n, dv), comp))
         dS, dZ = _final_state_gradient(dstate, return_state, lead, d, dv, comp)
         if dS is None:
-            H0 = np.empty((0, dv + 1, d), comp)
+            H0, Z0 = np.empty((0, d, dv), comp), np.empty((0, d), comp)
         else:
-            H0 = np.ascontiguousarray(np.swapaxes(np.concatenate([dS, dZ[..., None]], -1), -1, -2)).reshape(
-                bh, dv + 1, d)
+            H0, Z0 = np.ascontiguousarray(dS).reshape(bh, d, dv), np.ascontiguousarray(dZ).reshape(bh, d)
         qf = kf = None
         if code is None:  # phi applied here, its vjp after the kernel
             qf, kf = _mapped(fmap, q, comp), _mapped(fmap, k, comp)
         dq, dk, dvv = (np.empty(lead + (n, x), comp) for x in (d, d, dv))
         rows = bh if has_state else 0
-        H_out = np.empty((rows, dv + 1, d), comp)
-        Zs = np.zeros((bh if (has_state or dS is not None) else 0, dv + 1), comp)  # (the kernel's unused Z)
-        Z_out = np.empty((rows, dv + 1), comp)
-        rq, rk = (np.empty((bh, n)) if gated else np.empty((1, 0)) for _ in range(2))
+        H_out, Z_out = np.empty((rows, d, dv), comp), np.empty((rows, d), comp)
+        rq, rk = (np.empty((bh, n, width)) if gated else np.empty((1, 0, 1)) for _ in range(2))
         status = np.zeros(3, np.int64)
         if bh and n:
             arrays = (q, k) if code is not None else (qf, kf)
@@ -342,29 +244,29 @@ def _backward(q, k, v, fmap, code, lead, d, out_dt, normalize, s, initial_state,
             g12 = q4.shape[:2]
             _, frac, nthreads = plan(bh, n, d, dv, causal=True)  # (the forward's segments, mirrored)
             nthreads = min(nthreads, bh * (len(frac) - 1))
-            kernel = backward.causal_backward.get(comp, int(gated))
+            kernel = backward.causal_backward.get(comp, 2 if vector else int(gated))
+            lam4 = (lam.reshape(g12 + (n,) + ((d,) if vector else ())) if gated else np.empty(0, comp))
             with kernel_section(nthreads):
                 kernel(nthreads, q4, k4, v4, g4, o4, den.reshape(g12 + (n,)), IDENTITY if code is None else code,
                        normalize, comp.type(s), lens_all, chunk, frac, states.reshape(g12 + states.shape[-3:]),
-                       has_state, H0, Zs, lam.reshape(g12 + (n,)) if gated else np.empty(0, comp), np.zeros(bh),
+                       has_state, H0, Z0, lam4, np.zeros(bh),
                        dq.reshape(g12 + (n, d)), dk.reshape(g12 + (n, d)), dvv.reshape(g12 + (n, dv)), H_out, Z_out,
                        rq, rk, status)
         elif has_state:
-            H_out[...] = H0 if len(H0) else 0
+            H_out[...], Z_out[...] = (H0, Z0) if len(H0) else (0, 0)
         if dS is None:
             dS, dZ = np.zeros(lead + (d, dv), comp), np.zeros(lead + (d,), comp)
         extra = []
         if gated:
-            extra = _gate_gradients((rq - rk).reshape(lead + (n,)), dS, dZ, final, valid, gate, decay_arr, log_decay,
-                                    lead, comp)
+            extra = _gate_gradients((rq - rk).reshape(lead + (n, width)), dS, dZ, final, valid, gate, vector,
+                                    decay_arr, log_decay, lead, comp)
         if code is None:
             dq, dk = _map_vjp(fmap, q, dq, qf), _map_vjp(fmap, k, dk, kf)
             if valid is not None:  # (padding past a length may hold NaN, which a map's vjp would spread)
                 dq, dk = np.where(valid, dq, 0), np.where(valid, dk, 0)
         grads = [x.astype(out_dt, copy=False) for x in (dq, dk, dvv)]
         if has_state:
-            G0 = np.swapaxes(H_out.reshape(lead + (dv + 1, d)), -1, -2)
-            grads.append(State(G0[..., :dv].astype(comp), G0[..., dv].astype(comp)))
+            grads.append(State(H_out.reshape(lead + (d, dv)), Z_out.reshape(lead + (d,))))
         return tuple(grads + extra)
 
     return vjp

@@ -1,5 +1,5 @@
 """The backward pass of causal linear attention: dq, dk, dv (and the initial state's gradient, and the
-per-position terms of a gate's gradient) in one chunkwise scan per head, backwards in time, from the
+per-position terms of the gates' gradient) in one chunkwise scan per head, backwards in time, from the
 states at the chunk boundaries that the vjp's forward kept (cpu/chunked.py's ``states``). When heads
 are few the scan is cut into segments as the forward kernel's are (a segment first sums the adjoint
 entering it: the adjoint updates alone of the chunks after it).
@@ -7,22 +7,24 @@ entering it: the adjoint updates alone of the chunks after it).
 Per head, with the state augmented by Z as one more value column ([S | Z], D x e, e = Dv + 1; v1 =
 [v, 1]), the output gradient g, the forward's outputs and denominators: ab_t = [a_t, b_t] = [g_t /
 den_t, -(g_t . out_t) / den_t] (without normalisation [g_t, 0]); qs = scale phi(q), kf = phi(k);
-within a chunk L_t the sum of the log factors from the chunk's start to t, so that (the factors of
-(s, t]) = exp(L_t - L_s), ef_t = exp(L_t) and wf_t = exp(L_end - L_t) (gating.chunk_gates' e and w).
-With C the adjoint of the state entering the chunk from after it (the final state's gradient after
-the last chunk), M = tril(ab v1^T) and A = tril(qs kf^T), both decayed by exp(L_t - L_s):
+F(s, t) the product of the factors of the positions in (s, t] (one per position, or one per position
+and key dimension: then a vector over the key dimensions, and products with it elementwise), ef_t =
+F(chunk start, t) and wf_t = F(t, chunk end) (gating.chunk_gates' e and w). With C the adjoint of
+the state entering the chunk from after it (the final state's gradient after the last chunk), M =
+tril(ab v1^T) and A = the forward's decayed scores tril(qs kf^T):
 
-- dqf = M kf + ef (ab [S | Z]_start^T)   (then dq = scale phi'(q) dqf)
-- dkf = M^T qs + wf (v1 C^T)             (then dk = phi'(k) dkf)
-- dv = A^T a + wf (kf C[:, :Dv])
-- C before the chunk = exp(L_end) C + (ef ab)^T qs: after the first chunk, the initial state's
-  gradient.
+- dqf_t = ef_t (ab_t [S | Z]_start^T) + sum_{s <= t} M[t, s] F(s, t) kf_s   (dq = scale phi'(q) dqf)
+- dkf_s = wf_s (C v1_s) + sum_{t >= s} M[t, s] F(s, t) qs_t                (dk = phi'(k) dkf)
+- dv_s = (wf_s kf_s) C[:, :Dv] + sum_{t >= s} A[t, s] a_t
+- C before the chunk = F(chunk) C + (ef qs)^T ab: after the first chunk, the initial state's gradient.
 
-The scores M serve dq and dk; no forward state is recomputed. C is kept as the forward kernel keeps
-its state (transposed, e x D): pending sums in the compute dtype folded into float64 every
-FOLD_EVERY chunks. Extra memory is O(chunk * (D + Dv + chunk) + D * Dv) per item. With gates (one log
-factor per position: decay and gates folded into it), rq_t = qs_t . dqs_t and rk_t = kf_t . dkf_t
-(before phi') are written for the gates' gradient (its running sums are the caller's).
+With a factor per position the M sums are one product each (M decayed first); per key dimension they
+go through the SUB-position blocks of gating's scores (_vector_intra_queries, _vector_intra_keys).
+The scores M serve dq and dk; no forward state is recomputed. The adjoint is kept as the forward
+kernel keeps its state ([C | Cz], D x Dv and D: pending sums in the compute dtype folded into float64
+every FOLD_EVERY chunks). Extra memory is O(chunk * (D + Dv + chunk) + D * Dv) per item. With gates,
+rq_t = qs_t . dqf_t and rk_t = kf_t . dkf_t (elementwise per key dimension) are written for the gates'
+gradient (its running sums are the caller's).
 """
 import numpy as np
 from numba import types
@@ -30,7 +32,11 @@ from numba import types
 from .._jit import array, njit
 from .chunked import _current, _init_state, _segment, _state_buffers, _write_state, pending_added
 from .elementwise import ELU, RELU, load_rows
-from .gating import chunk_gates, gate_buffers, gate_pending, gate_queries, gate_scores, gate_state_factors
+from numba.extending import overload
+from numba.np.numpy_support import as_dtype
+
+from .gating import (SUB, VECTOR, _OPTS, _kind, _stub, chunk_gates, gate_buffers, gate_key_rows, gate_pending,
+                     gate_queries, gate_scores, gate_state_factors, masked_product, prepare_kernel)
 from .schedule import take
 from .smallgemm import small_gemm, small_gemm_tn, small_gemm_tn_lower
 from .threaded import ThreadedKernel
@@ -74,17 +80,21 @@ def _load_values(v, i0, c, V1):
 @njit(helper=True)
 def _times_derivative(R, Y, c, fm, s, dst, i0, r, has_r):
     """dst[i0 + t] = R[t] times the derivative of s phi at x_t, from Y[t] = s phi(x_t) (s > 0; elu + 1:
-    min(Y, s), the exp below 0 times s; relu: s where Y > 0; identity: s), and r[i0 + t] = Y[t] . R[t]
-    when ``has_r``."""
+    min(Y, s), the exp below 0 times s; relu: s where Y > 0; identity: s), and when ``has_r`` r[i0 + t]
+    = Y[t] . R[t] (r: (N, 1)) or Y[t] * R[t] (r: (N, D), a gate per key dimension)."""
     d = R.shape[1]
     zero = s - s
     for t in range(c):
         rt, yt, row = R[t], Y[t], as_contiguous(dst[i0 + t])
-        if has_r:
+        if has_r and r.shape[1] == 1:
             acc = 0.0
             for a in range(d):
                 acc += np.float64(yt[a]) * np.float64(rt[a])
-            r[i0 + t] = acc
+            r[i0 + t, 0] = acc
+        elif has_r:  # per key dimension
+            rr = r[i0 + t]
+            for a in range(d):
+                rr[a] = np.float64(yt[a]) * np.float64(rt[a])
         if fm == ELU:
             for a in range(d):
                 y = yt[a]
@@ -115,22 +125,133 @@ def _scale_columns(X, c, ncols, s):
                 row[a] *= s
 
 
-@njit(helper=True)
-def _times_factors(X, c, f, decayed):
-    """Row t of X times f[t] (with gates)."""
-    if decayed:
-        for t in range(c):
-            row, ft = X[t], f[t]
-            for a in range(X.shape[1]):
-                row[a] *= ft
+adjoint_scores = _stub("adjoint_scores")
+intra_queries = _stub("intra_queries")
+intra_keys = _stub("intra_keys")
+
+
+@overload(adjoint_scores, jit_options=_OPTS)
+def _adjoint_scores(gates, QA, KT, KF, e, c, G, Rg, F, X):
+    """QA[:c, e:e + c] = M = tril(ab v1^T): decayed by the factors of (s, t] with one per position;
+    per key dimension plain (the factors go with the features: intra_queries, intra_keys)."""
+    if _kind(gates) == VECTOR:
+        return lambda gates, QA, KT, KF, e, c, G, Rg, F, X: masked_product(QA, KT, e, c)
+    return lambda gates, QA, KT, KF, e, c, G, Rg, F, X: gate_scores(gates, QA, KT, KF, e, c, G, Rg, F, X)
+
+
+@overload(intra_queries, jit_options=_OPTS)
+def _intra_queries(gates, M, KF, R, c, G, beta, W):
+    """R[t] = beta R[t] + sum_{s <= t} M[t, s] (the factors of (s, t]) kf_s (M decayed already
+    unless per key dimension). W: scratch (see _vector_intra_queries)."""
+    if _kind(gates) == VECTOR:
+        tiny = as_dtype(R.dtype).type(np.finfo(as_dtype(R.dtype)).tiny)
+
+        def impl(gates, M, KF, R, c, G, beta, W):
+            if not beta:
+                _zero_rows(R, 0, c)
+            _vector_intra_queries(M, KF, G, R, c, W[0], W[1], W[2], tiny)
+        return impl
+    return lambda gates, M, KF, R, c, G, beta, W: small_gemm(M, KF[:c], R[:c], beta, 0, -1)
+
+
+@overload(intra_keys, jit_options=_OPTS)
+def _intra_keys(gates, M, QS, d, R, c, G, beta, W):
+    """R[s] = beta R[s] + sum_{t >= s} M[t, s] (the factors of (s, t]) qs_t (QS[t, :d])."""
+    if _kind(gates) == VECTOR:
+        tiny = as_dtype(R.dtype).type(np.finfo(as_dtype(R.dtype)).tiny)
+
+        def impl(gates, M, QS, d, R, c, G, beta, W):
+            if not beta:
+                _zero_rows(R, 0, c)
+            _vector_intra_keys(M, QS, d, G, R, c, W[0], W[1], W[2], tiny)
+        return impl
+    return lambda gates, M, QS, d, R, c, G, beta, W: small_gemm_tn_lower(M, QS[:c, :d], R[:c], beta)
 
 
 @njit(helper=True)
-def _chunk(q, k, v, g, out, den, fm, normalize, s, one, i0, c, St, has_st, has_c, own, gates, dq, dk, dv, rq, rk,
-           has_r, QA, QA2, KT, KT2, V1, KF, R, CT, C, sums, G, Rg, F, X):
-    """Positions [i0, i0 + c) of one head: dq, dk, dv when ``own`` (the adjoint after the chunk in CT,
-    e x D, when ``has_c``; the state before it in St when ``has_st``). Leaves QA[:c, :e] = ef ab and
-    QA2[:c, :D] = qs for the adjoint's update."""
+def _flushed(fac, a, tiny, zero):
+    """fac *= a, below the smallest normal number 0 (as gating's running products)."""
+    for j in range(fac.shape[0]):
+        x = fac[j] * a[j]
+        fac[j] = x if x >= tiny else zero
+
+
+@njit(helper=True)
+def _vector_intra_queries(M, KF, a, R, c, Ksc, TB, fac, tiny):
+    """R[t] += sum_{s <= t} M[t, s] (prod_{u in (s, t]} a_u) * kf_s, per key dimension: within a block of
+    SUB positions term by term with running products; from earlier blocks through the block's start p
+    (the last position before it): (the factors of (p, t]) * [M[t, :p + 1] @ (kf_s times the factors of
+    (s, p])], one product per block. a: the per-position factors (c, D'); Ksc (c, D'), TB (SUB, D'),
+    fac (D'): scratch. Every factor is a product of factors <= 1."""
+    d = KF.shape[1]
+    one, zero = tiny / tiny, tiny - tiny  # in the compute dtype
+    for i0 in range(0, c, SUB):
+        i1 = min(i0 + SUB, c)
+        for t in range(i0, i1):  # within the block
+            rt = R[t]
+            fac[:] = one
+            for s in range(t, i0 - 1, -1):
+                m, ks = M[t, s], KF[s]
+                for j in range(d):
+                    rt[j] += m * fac[j] * ks[j]
+                _flushed(fac, a[s], tiny, zero)
+        if i0 == 0:
+            continue
+        fac[:] = one
+        for s in range(i0 - 1, -1, -1):  # kf_s times the factors of (s, i0 - 1]
+            ks, ksc = KF[s], Ksc[s]
+            for j in range(d):
+                ksc[j] = ks[j] * fac[j]
+            _flushed(fac, a[s], tiny, zero)
+        small_gemm(M[i0:i1, :i0], Ksc[:i0], TB[:i1 - i0], False, -1, -1)
+        fac[:] = one
+        for t in range(i0, i1):  # times the factors of (i0 - 1, t]
+            _flushed(fac, a[t], tiny, zero)
+            rt, tb = R[t], TB[t - i0]
+            for j in range(d):
+                rt[j] += fac[j] * tb[j]
+
+
+@njit(helper=True)
+def _vector_intra_keys(M, QS, d, a, R, c, Qsc, TB, fac, tiny):
+    """R[s] += sum_{t >= s} M[t, s] (prod_{u in (s, t]} a_u) * qs_t, per key dimension: within a block
+    term by term; from later blocks through the block's end b: (the factors of (s, b]) * [M[b + 1:, s]^T
+    @ (qs_t times the factors of (b, t])], one product per block. Scratch as _vector_intra_queries."""
+    one, zero = tiny / tiny, tiny - tiny  # in the compute dtype
+    for j0 in range(0, c, SUB):
+        j1 = min(j0 + SUB, c)
+        for s in range(j0, j1):  # within the block
+            rs = R[s]
+            fac[:] = one
+            for t in range(s, j1):
+                if t > s:
+                    _flushed(fac, a[t], tiny, zero)
+                m, qt = M[t, s], QS[t]
+                for j in range(d):
+                    rs[j] += m * fac[j] * qt[j]
+        if j1 == c:
+            continue
+        fac[:] = one
+        for t in range(j1, c):  # qs_t times the factors of (j1 - 1, t]
+            _flushed(fac, a[t], tiny, zero)
+            qt, qsc = QS[t], Qsc[t]
+            for j in range(d):
+                qsc[j] = qt[j] * fac[j]
+        small_gemm_tn(M[j1:c, j0:j1], Qsc[j1:c], TB[:j1 - j0], False)
+        fac[:] = one
+        for s in range(j1 - 1, j0 - 1, -1):  # times the factors of (s, j1 - 1]
+            rs, tb = R[s], TB[s - j0]
+            for j in range(d):
+                rs[j] += fac[j] * tb[j]
+            _flushed(fac, a[s], tiny, zero)
+
+
+@njit(helper=True)
+def _chunk(q, k, v, g, out, den, fm, normalize, s, one, i0, c, St, has_st, C, Cz, has_c, own, gates, dq, dk, dv, rq,
+           rk, has_r, QA, QA2, KT, KT2, V1, KF, KW, QE, R, CT, sums, G, Rg, F, X, W):
+    """Positions [i0, i0 + c) of one head: dq, dk, dv when ``own`` (the adjoint after the chunk in C,
+    D x Dv, and Cz, D, when ``has_c``; the state before it in St, e x D, when ``has_st``). Leaves QA[:c, :e] = ab
+    and QE[:c] = ef qs (QA2[:c, :D] = qs without gates: returned) for the adjoint's update."""
     e, d = KT.shape[0], KT2.shape[0]
     dvd, decayed = e - 1, gates.ndim > 1
     _load_adjoints(g, out, den, i0, c, normalize, QA)
@@ -141,43 +262,56 @@ def _chunk(q, k, v, g, out, den, fm, normalize, s, one, i0, c, St, has_st, has_c
         transpose_rows(V1, KT, sums, c)
         load_rows(k, i0, c, fm, KF)
         transpose_rows(KF, KT2, sums, c)
-        gate_scores(gates, QA, KT, KF, e, c, G, Rg, F, X)  # M
+        adjoint_scores(gates, QA, KT, KF, e, c, G, Rg, F, X)  # M
         gate_scores(gates, QA2, KT2, KF, d, c, G, Rg, F, X)  # A
+        M = QA[:c, e:e + c]
         dvc = dv[i0:i0 + c]
-        if has_c:  # dv = wf (kf C[:, :Dv]) + A^T a
-            transpose_rows(CT, C, sums, dvd)
-            small_gemm(KF[:c], C, dvc, False, -1, -1)
-            _times_factors(dvc, c, F[1], decayed)
+        if has_c:  # dv = (wf kf) C[:, :Dv] + A^T a
+            kw = KF
+            if decayed:
+                for t in range(c):
+                    KW[t, :] = KF[t]
+                gate_key_rows(gates, KW, c, F, sums)  # (sums: a sink)
+                kw = KW
+            small_gemm(kw[:c], C, dvc, False, -1, -1)
         small_gemm_tn_lower(QA2[:c, d:d + c], QA[:c, :dvd], dvc, has_c)
-        if has_c:  # dkf = wf (v1 C^T) + M^T qs
+        if has_c:  # dkf = wf (v1 C^T) + M^T qs (decayed)
+            transpose_rows(C, CT, sums, d)  # [C | Cz]^T
+            for a in range(d):
+                CT[dvd, a] = Cz[a]
             small_gemm(V1[:c], CT, R[:c], False, -1, -1)
-            _times_factors(R, c, F[1], decayed)
-        small_gemm_tn_lower(QA[:c, e:e + c], QA2[:c, :d], R[:c], has_c)
+            if decayed:
+                gate_key_rows(gates, R, c, F, sums)
+        intra_keys(gates, M, QA2, d, R, c, G, has_c, W)
         _times_derivative(R, KF, c, fm, one, dk, i0, rk, has_r)
-    gate_queries(gates, QA, e, c, F)  # ab rows times ef
-    if own:  # dqf = ef (ab S^T) + M kf
-        if has_st:
+        if has_st:  # dqf = ef (ab S^T) + M kf (decayed)
             small_gemm(QA[:c, :e], St, R[:c], False, -1, -1)
-        small_gemm(QA[:c, e:e + c], KF[:c], R[:c], has_st, 0, -1)
+            gate_queries(gates, R, d, c, F)
+        intra_queries(gates, M, KF, R, c, G, has_st, W)
         _times_derivative(R, QA2, c, fm, s, dq, i0, rq, has_r)
+    if decayed:
+        for t in range(c):
+            QE[t, :] = QA2[t, :d]
+        gate_queries(gates, QE, d, c, F)
 
 
 @njit(helper=True)
 def _segment_backward(q, k, v, g, out, den, fm, normalize, s, one, length, chunk, c0, c1, nch, last, states, has_s0,
                       H0, Z0, h, gates, ld, status, dq, dk, dv, H_out, Z_out, rq, rk, has_r, QA, QA2, KT, KT2, V1, KF,
-                      R, CT, C, sums, G, Rg, F, X):
+                      KW, QE, R, C, CT, sums, G, Rg, F, X, W):
     """Chunks [c0, c1) of one head (views (N, X)) from the adjoint after them: the update alone of the
-    chunks [c1, nch) first, from H0[h] (the final state's gradient, transposed; none when H0 has no
-    rows). The ``last`` segment (the one with chunk 0) zeroes the rows past ``length`` and writes the
-    adjoint before chunk 0, the initial state's gradient, to H_out[h] when it has rows."""
+    chunks [c1, nch) first, from H0[h], Z0[h] (the final state's gradient; none when H0 has no rows).
+    The adjoint [C | Cz] is kept as the forward keeps its state [S | Z]. The ``last`` segment (the one
+    with chunk 0) zeroes the rows past ``length`` and writes the adjoint before chunk 0, the initial
+    state's gradient, to H_out[h], Z_out[h] when they have rows."""
     e, d = KT.shape[0], KT2.shape[0]
     decayed = gates.ndim > 1
-    P, B, acc, Pz, Bz, Z, accz, lam = _state_buffers(e, d, QA.dtype)
-    fb = np.empty(e if decayed else 0, QA.dtype)
+    P, B, acc, Pz, Bz, Z, accz, lam = _state_buffers(d, e - 1, QA.dtype)  # the adjoint [C | Cz] as a state
+    fb = np.empty(d if decayed else 0, QA.dtype)
     has_acc = _init_state(H0, Z0, h, acc, accz, B, Bz)
     has_p = False
     gate_state_factors(gates, lam, fb)
-    _current(B, Bz, P, Pz, CT, Z, has_acc, has_p, fb, decayed)
+    _current(B, Bz, P, Pz, C, Z, has_acc, has_p, fb, decayed)
     for j in range(nch - c0):
         ci = nch - 1 - j
         i0 = ci * chunk
@@ -186,13 +320,18 @@ def _segment_backward(q, k, v, g, out, den, fm, normalize, s, one, length, chunk
         has_st = ci > 0 or has_s0
         has_c = has_acc or has_p
         own = ci < c1
-        _chunk(q, k, v, g, out, den, fm, normalize, s, one, i0, c, states[ci], has_st, has_c, own, gates, dq, dk, dv,
-               rq, rk, has_r, QA, QA2, KT, KT2, V1, KF, R, CT, C, sums, G, Rg, F, X)
+        _chunk(q, k, v, g, out, den, fm, normalize, s, one, i0, c, states[ci], has_st, C, Z, has_c, own, gates, dq,
+               dk, dv, rq, rk, has_r, QA, QA2, KT, KT2, V1, KF, KW, QE, R, CT, sums, G, Rg, F, X, W)
         beta = gate_pending(gates, P, Pz, lam, c, G, Rg, F, has_p)
-        small_gemm_tn(QA[:c, :e], QA2[:c, :d], P, beta if has_p else 0)  # the adjoint's pending update
+        qe = QE if decayed else QA2  # ef qs in qe[:c, :D]
+        small_gemm_tn(qe[:c, :d], QA[:c, :e - 1], P, beta if has_p else 0)  # the pending update: (ef qs)^T a
+        for t in range(c):  # and (ef qs)^T b
+            bt, qt = QA[t, e - 1], qe[t]  # (whole rows: the loop vectorises)
+            for a in range(d):
+                Pz[a] += qt[a] * bt
         has_acc, has_p = pending_added(j, acc, accz, B, Bz, P, Pz, has_acc, lam, decayed)
         gate_state_factors(gates, lam, fb)
-        _current(B, Bz, P, Pz, CT, Z, has_acc, has_p, fb, decayed)
+        _current(B, Bz, P, Pz, C, Z, has_acc, has_p, fb, decayed)
     if last:
         for x in (dq, dk):
             _zero_rows(x, length, x.shape[0])
@@ -208,14 +347,14 @@ def _causal_backward(q, k, v, g, out, den, fm, normalize, s, lengths, chunk, fra
     q, k: (G1, G2, N, D); v, g, out: (G1, G2, N, Dv); den: (G1, G2, N), the forward's denominators;
     all with unit stride along their last axis. ``fm``: cpu/elementwise.py's map code; ``s``: the
     scale of phi(q). ``states`` (G1, G2, chunks, Dv + 1, D): the forward's state [S | Z]^T at the
-    start of every chunk of ``chunk`` positions (the first one zero unless ``has_s0``). H0: the final
-    state's gradient transposed, [dS | dZ]^T (heads, Dv + 1, D), or an array with no rows for zero;
-    Z0: zeros (heads, Dv + 1) (the Z of cpu/chunked.py's state helpers, unused here). ``gates``: the
-    log factor of each position (G1, G2, N), zero past its head's length, or an empty 1-D array; ld:
-    zeros per head. Out: dq, dk, dv (zero past ``lengths``), H_out (heads, Dv + 1, D): the initial
-    state's gradient transposed (unless it has no rows), rq, rk (heads, N) in float64 with gates
-    (else (1, 0)); Z_out: scratch (heads, Dv + 1) where H_out has rows. Run by
-    threaded.ThreadedKernel: each thread takes items (head, segment) from ``counter``.
+    start of every chunk of ``chunk`` positions (the first one zero unless ``has_s0``). H0, Z0: the
+    final state's gradient dS (heads, D, Dv) and dZ (heads, D), or arrays with no rows for zero.
+    ``gates``: the log factor of each position (G1, G2, N) or of each position and key dimension (G1,
+    G2, N, D), zero past its head's length, or an empty 1-D array; ld: zeros per head. Out: dq, dk, dv
+    (zero past ``lengths``), H_out, Z_out (heads, D, Dv), (heads, D): the initial state's gradient
+    (unless they have no rows), rq, rk (heads, N, 1), or (heads, N, D) per key dimension, in float64
+    with gates (else (1, 0, 1)). Run by threaded.ThreadedKernel: each thread takes items (head,
+    segment) from ``counter``.
     """
     g2, n, d = q.shape[1], q.shape[2], q.shape[3]
     e, dt = v.shape[3] + 1, dq.dtype
@@ -227,11 +366,14 @@ def _causal_backward(q, k, v, g, out, den, fm, normalize, s, lengths, chunk, fra
     KT2 = np.empty((d, chunk), dt)  # kf^T
     V1 = np.empty((chunk, e), dt)
     KF = np.empty((chunk, d), dt)
+    KW = np.empty((chunk, d), dt)  # kf times the factors at the chunk's end
+    QE = np.empty((chunk, d), dt)  # qs times those from its start
     R = np.empty((chunk, d), dt)
-    CT = np.empty((e, d), dt)  # the adjoint, transposed
-    C = np.empty((d, e - 1), dt)  # its value columns
+    C = np.empty((d, e - 1), dt)  # the adjoint's value columns (its Z: the state helpers' Z)
+    CT = np.empty((e, d), dt)  # transposed
     sums = np.zeros(max(d, e), dt)
     G, Rg, F, X = gate_buffers(gates, chunk, dt)
+    W = (np.empty((chunk, d), dt), np.empty((SUB, d), dt), np.empty(d, dt))  # per key dimension: scratch
     nseg = frac.shape[0] - 1
     items = q.shape[0] * g2 * nseg
     item = take(counter)
@@ -245,22 +387,22 @@ def _causal_backward(q, k, v, g, out, den, fm, normalize, s, lengths, chunk, fra
         if f0 < f1 or last:
             _segment_backward(q[h1, h2], k[h1, h2], v[h1, h2], g[h1, h2], out[h1, h2], den[h1, h2], fm, normalize, s,
                               one, length, chunk, nch - f1, nch - f0, nch, last, states[h1, h2], has_s0, H0, Z0, h,
-                              gates, ld, status, dq[h1, h2], dk[h1, h2], dv[h1, h2], H_out, Z_out,
-                              rq[r], rk[r], has_r, QA, QA2, KT, KT2, V1, KF, R,
-                              CT, C, sums, G, Rg, F, X)
+                              gates, ld, status, dq[h1, h2], dk[h1, h2], dv[h1, h2], H_out, Z_out, rq[r], rk[r], has_r,
+                              QA, QA2, KT, KT2, V1, KF, KW, QE, R, C, CT, sums, G, Rg, F, X, W)
         item = take(counter)
 
 
 def _signature(dt, kind):
     seq, i64, f64 = array(dt, 4, "A", readonly=True), types.int64, types.float64
-    gate_t = array(dt, 3, "A", readonly=True) if kind else array(dt, 1, readonly=True)
+    gate_t = array(dt, {0: 1, 1: 3, 2: 4}[kind], "A" if kind else "C", readonly=True)
     return types.void(seq, seq, seq, seq, seq, array(dt, 3, "A", readonly=True), i64, types.boolean, dt,
                       array(i64, 1, readonly=True), i64, array(f64, 1, readonly=True),
                       array(dt, 5, "A", readonly=True), types.boolean, array(dt, 3, readonly=True),
                       array(dt, 2, readonly=True), gate_t, array(f64, 1, readonly=True),
                       array(dt, 4, "A"), array(dt, 4, "A"), array(dt, 4, "A"), array(dt, 3), array(dt, 2),
-                      array(f64, 2, "A"), array(f64, 2, "A"), array(i64, 1))
+                      array(f64, 3, "A"), array(f64, 3, "A"), array(i64, 1))
 
 
-#: kind: 0 without gates, 1 with a log factor per position (decay and gates folded into it)
-causal_backward = ThreadedKernel(_causal_backward, _signature)
+#: kind: 0 without gates, 1 with a log factor per position, 2 per position and key dimension (decay and gates
+#: folded into it)
+causal_backward = ThreadedKernel(_causal_backward, _signature, prepare=prepare_kernel)
