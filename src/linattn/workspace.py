@@ -29,7 +29,16 @@ def take(shape, dtype):
             arr = arrays.pop()
             _free_bytes -= arr.nbytes
             return arr
-    return np.empty(shape, dtype)
+    return aligned_empty(shape, dtype)
+
+
+def aligned_empty(shape, dtype, align=64):
+    """np.empty(shape, dtype) starting at a multiple of ``align`` bytes (streaming stores need 64)."""
+    dtype = np.dtype(dtype)
+    nbytes = int(np.prod(shape, dtype=np.int64)) * dtype.itemsize
+    raw = np.empty(nbytes + align, np.uint8)
+    start = -raw.ctypes.data % align
+    return raw[start:start + nbytes].view(dtype).reshape(shape)
 
 
 def _release(arr):

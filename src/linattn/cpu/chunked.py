@@ -32,7 +32,7 @@ from .schedule import take
 from .smallgemm import small_gemm, small_gemm_tn
 from .threaded import ThreadedKernel
 from .views import as_contiguous, prefetch_rows
-from .vector import transpose_rows
+from .vector import stream_copy, transpose_rows
 
 #: Chunks between folds of the pending float32 sums into the float64 state.
 FOLD_EVERY = 16
@@ -192,13 +192,14 @@ def _write_state(acc, accz, P, Pz, h, S_out, Z_out, has_acc, has_p, lam, decayed
 
 
 @njit(helper=True)
-def keep_state(S, Z, d_, dst, scratch):
-    """dst (Dv + 1, D') = [S[:D'] | Z]^T: the state a chunk starts from, kept for the backward pass
-    (``scratch``: at least Dv elements)."""
+def keep_state(S, Z, d_, dst, block, scratch):
+    """dst (Dv + 1, D') = [S[:D'] | Z]^T: the state a chunk starts from, kept for the backward pass:
+    transposed in ``block`` (as dst), then streamed to memory (``scratch``: at least Dv elements)."""
     dv = S.shape[1]
-    transpose_rows(S, dst, scratch[:dv], d_)
+    transpose_rows(S, block, scratch[:dv], d_)
     for a in range(d_):
-        dst[dv, a] = Z[a]
+        block[dv, a] = Z[a]
+    stream_copy(block, dst)
 
 
 @njit(helper=True)
@@ -262,6 +263,7 @@ def _causal_forward(q, k, v, fm, fp, fa, eps, normalize, scale, lengths, chunk, 
     Kf = np.empty((chunk, d_), dt)
     KT = np.empty((d_, chunk), dt)
     sums = np.empty(max(d_, dv), dt)
+    ST = np.empty((dv + 1, d_), dt)  # a chunk's state, transposed, on its way to ``states``
     G, R, F, X = gate_buffers(gates, chunk, dt)
     # rows far apart (head views of a fused projection) are fetched a chunk ahead: 0.93x the time
     # in a model; adjacent rows gain nothing (the hardware prefetches them)
@@ -302,7 +304,7 @@ def _causal_forward(q, k, v, fm, fp, fa, eps, normalize, scale, lengths, chunk, 
                 prefetch_rows(kh, i0 + chunk, cn)
                 prefetch_rows(vh, i0 + chunk, cn)
             if kept.shape[0] > 0:
-                keep_state(SV, Z, d_, kept[ci], sums)
+                keep_state(SV, Z, d_, kept[ci], ST, sums)
             chunk_gates(gates, h, ld, i0, c, G, R, F, status)
             load_features(qh, i0, c, mp, QA)
             _load_kt(kh, i0, c, mp, Kf, KT, sums if decayed else Pz)  # gated keys add their sums later

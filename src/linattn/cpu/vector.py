@@ -218,3 +218,39 @@ def transpose_rows(src, dst, colsum, nrows):
         for a in range(d_end if t < c_end else 0, src.shape[1]):
             dst[a, t] = src[t, a]
             colsum[a] += src[t, a]
+
+
+@intrinsic
+def stream_copy(typingctx, src, dst):
+    """dst[:] = src[:] for C-contiguous arrays of as many elements, with non-temporal (streaming) 64-byte
+    stores where dst is 64-byte aligned: the lines are written without being read first and without
+    filling the caches (for large results read much later: the backward pass's chunk states); then a
+    store fence. Plain stores where dst is not aligned. Only callable from Numba code."""
+    if not (isinstance(src, types.Array) and isinstance(dst, types.Array) and src.dtype == dst.dtype
+            and src.dtype in (types.float32, types.float64) and src.layout == "C" and dst.layout == "C"):
+        return None
+    sig = types.void(src, dst)
+
+    def codegen(context, builder, sig, args):
+        s_arr, d_arr = (context.make_array(t)(context, builder, a) for t, a in zip(sig.args, args))
+        fty = context.get_data_type(sig.args[0].dtype)
+        size = context.get_abi_sizeof(fty)
+        w = 64 // size
+        vec = ir.VectorType(fty, w)
+        i64 = context.get_value_type(types.intp)
+        n = s_arr.nitems
+        addr = builder.ptrtoint(d_arr.data, i64)
+        aligned = builder.icmp_unsigned("==", builder.and_(addr, ir.Constant(i64, 63)), ir.Constant(i64, 0))
+        nvec = builder.select(aligned, builder.udiv(n, ir.Constant(i64, w)), ir.Constant(i64, 0))
+        md = builder.module.add_metadata([ir.Constant(ir.IntType(32), 1)])
+        with cgutils.for_range(builder, nvec) as loop:
+            idx = builder.mul(loop.index, ir.Constant(i64, w))
+            x = builder.load(_at(builder, s_arr.data, idx, vec), align=size)
+            st = builder.store(x, _at(builder, d_arr.data, idx, vec), align=64)
+            st.set_metadata("nontemporal", md)
+        with cgutils.for_range_slice(builder, builder.mul(nvec, ir.Constant(i64, w)), n, ir.Constant(i64, 1)) as (i, _):
+            builder.store(builder.load(builder.gep(s_arr.data, [i])), builder.gep(d_arr.data, [i]))
+        builder.fence("seq_cst")
+        return context.get_dummy_value()
+
+    return sig, codegen
