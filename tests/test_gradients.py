@@ -1,5 +1,7 @@
 """Gradients: every option against central finite differences in float64 on small odd shapes, float32
 against float64, split/resume of gradients through the state, zero gradients past lengths, bad input."""
+import copy
+
 import numpy as np
 import pytest
 
@@ -387,7 +389,8 @@ def test_feature_map_vjp_bad_input(rng):
 def test_every_map_through_attention(rng, causal):
     """Gradients with each feature map (the elementwise ones by their vjp when scaled, the others
     through phi applied before the kernel) along random directions, causal over several chunks with
-    lengths, and non-causal; a callable with its own vjp too."""
+    lengths, and non-causal; a callable with its own vjp too; the parameters of the maps that have
+    them."""
     lead, n, d, dv = (2,), 70 if causal else 9, 3, 2
     q, k, v, _ = _inputs(rng, lead, n, d, dv)
 
@@ -412,6 +415,26 @@ def test_every_map_through_attention(rng, causal):
 
             delta = rng.standard_normal(args[name].shape)
             want = _directional(loss, args[name], delta, 1e-6)
+            assert abs((grad * delta).sum() - want) <= 1e-6 * (np.abs(grad * delta).sum() + 1e-6), (fmap, name)
+        names = getattr(fmap, "param_names", ())
+        grads = vjp(W)
+        assert len(grads) == 3 + bool(names)
+        if not names:
+            continue
+        assert set(grads[3]) == set(names)
+        for name in names:  # the map's parameters, through attention (positions past a length: no part)
+            attr = "weight" if name == "omega" else name
+            value = getattr(fmap, attr)
+            grad = grads[3][name]
+            assert grad.shape == value.shape
+
+            def loss(p, attr=attr):
+                other = copy.copy(fmap)
+                other.__dict__ = dict(fmap.__dict__, _params={}, **{attr: p})
+                return (forward(q, k, v, feature_map=other, **kw) * W).sum()
+
+            delta = rng.standard_normal(value.shape)
+            want = _directional(loss, value, delta, 1e-6)
             assert abs((grad * delta).sum() - want) <= 1e-6 * (np.abs(grad * delta).sum() + 1e-6), (fmap, name)
 
 

@@ -101,6 +101,11 @@ def _pairs_vjp(u, g, table):
     return (gc * u[..., j]) @ onehot_i + (gc * u[..., i]) @ onehot_j
 
 
+def _rows(x):
+    """x as (rows, last dim)."""
+    return x.reshape(-1, x.shape[-1])
+
+
 def _sigmoid(u):
     e = np.exp(-np.abs(u))
     return np.where(u >= 0, 1 / (1 + e), e / (1 + e))
@@ -170,11 +175,21 @@ class FeatureMap:
             code += mapfns.SCALED_IDENTITY
         return mapfns.apply(rows, code, self.params(d, comp), dk).reshape(x.shape[:-1] + (dk,))
 
+    #: The names of the map's parameters (its constructor's arguments) that get gradients
+    #: (:meth:`param_vjp`); none for the parameter-free maps.
+    param_names = ()
+
     def vjp(self, x, dphi, y=None):
         """The gradient of x from that of phi(x): dphi (..., D') -> dx (..., D), in dphi's dtype.
-        ``y``, phi(x) when the caller has it (saves computing it again). Weights of learned maps get
-        no gradient here."""
+        ``y``, phi(x) when the caller has it (saves computing it again). The parameters' gradients:
+        :meth:`param_vjp`."""
         raise NotImplementedError
+
+    def param_vjp(self, x, dphi, y=None):
+        """The gradients of the map's parameters from that of phi(x) (summed over every row of x): a
+        dict by the names of :attr:`param_names`, each of its parameter's shape, in dphi's dtype; empty
+        for a map without parameters."""
+        return {}
 
     def _prepared(self, x, dphi, y=None, need_y=True):
         """(u = scale x, dphi, y = phi(x)), checked, in dphi's float dtype (float64 for integers); y
@@ -335,17 +350,28 @@ class ReBased(FeatureMap):
     def _family_params(self, d):
         return np.concatenate([[self.eps], self.gamma, self.beta, _pair_table(_upper_pairs(d, 1.0, math.sqrt(2)))])
 
-    def vjp(self, x, dphi, y=None):
+    param_names = ("gamma", "beta")
+
+    def _backward(self, x, dphi):
+        """(r, n, du): the norm's inverse deviation and output, and the gradient of y = gamma n + beta."""
         xs, dphi, _ = self._prepared(x, dphi, need_y=False)
         dt, d = dphi.dtype, xs.shape[-1]
         centred = xs - xs.mean(-1, keepdims=True)
         r = 1 / np.sqrt((centred * centred).mean(-1, keepdims=True) + dt.type(self.eps))
         n = centred * r
-        gamma = self.gamma.astype(dt)
-        u = gamma * n + self.beta.astype(dt)
-        dn = _pairs_vjp(u, dphi, self._family_params(d)[1 + 2 * d:]) * gamma
+        u = self.gamma.astype(dt) * n + self.beta.astype(dt)
+        return r, n, _pairs_vjp(u, dphi, self._family_params(d)[1 + 2 * d:])
+
+    def vjp(self, x, dphi, y=None):
+        r, n, du = self._backward(x, dphi)
+        dn = du * self.gamma.astype(du.dtype)
         dxs = r * (dn - dn.mean(-1, keepdims=True) - n * (dn * n).mean(-1, keepdims=True))
-        return dxs * dt.type(self.input_scale)
+        return dxs * du.dtype.type(self.input_scale)
+
+    def param_vjp(self, x, dphi, y=None):
+        _, n, du = self._backward(x, dphi)
+        d = du.shape[-1]
+        return {"gamma": (du * n).reshape(-1, d).sum(0), "beta": du.reshape(-1, d).sum(0)}
 
     def _args(self):
         return f"gamma=<{self.gamma.shape[0]}>, beta=<{self.beta.shape[0]}>, eps={self.eps!r}"
@@ -455,11 +481,17 @@ class Performer(_Projection):
     def _family_params(self, d):
         return self.weight.ravel()
 
+    param_names = ("omega",)
+
     def vjp(self, x, dphi, y=None):
         u, dphi, y = self._prepared(x, dphi, y)
         t = dphi * y  # phi = exp(omega^T u - |u|^2 / 2) / sqrt(m)
         du = t @ self.weight.T.astype(u.dtype) - u * t.sum(-1, keepdims=True)
         return du * u.dtype.type(self.input_scale)
+
+    def param_vjp(self, x, dphi, y=None):
+        u, dphi, y = self._prepared(x, dphi, y)
+        return {"omega": _rows(u).T @ _rows(dphi * y)}
 
 
 class Hedgehog(_Projection):
@@ -488,12 +520,22 @@ class Hedgehog(_Projection):
     def _family_params(self, d):
         return np.concatenate([self.weight.ravel(), self.bias])
 
-    def vjp(self, x, dphi, y=None):
+    param_names = ("weight", "bias")
+
+    def _dz(self, x, dphi, y):
+        """(u, dz): the scaled input and the gradient of z = u W + b."""
         u, dphi, p = self._prepared(x, dphi, y)
         g = p * (dphi - (p * dphi).sum(-1, keepdims=True))  # through the softmax over [2z, -2z]
         m = self.weight.shape[1]
-        dz = 2 * (g[..., :m] - g[..., m:])
+        return u, 2 * (g[..., :m] - g[..., m:])
+
+    def vjp(self, x, dphi, y=None):
+        u, dz = self._dz(x, dphi, y)
         return (dz @ self.weight.T.astype(u.dtype)) * u.dtype.type(self.input_scale)
+
+    def param_vjp(self, x, dphi, y=None):
+        u, dz = self._dz(x, dphi, y)
+        return {"weight": _rows(u).T @ _rows(dz), "bias": _rows(dz).sum(0)}
 
 
 class T2R(Hedgehog):
@@ -512,9 +554,9 @@ class T2R(Hedgehog):
         self._check_d(d)
         return self.weight.shape[1]
 
-    def vjp(self, x, dphi, y=None):
+    def _dz(self, x, dphi, y):
         u, dphi, y = self._prepared(x, dphi, y)
-        return ((dphi * (y > 0)) @ self.weight.T.astype(u.dtype)) * u.dtype.type(self.input_scale)
+        return u, dphi * (y > 0)
 
 
 #: The names ``feature_map=`` accepts.

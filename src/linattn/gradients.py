@@ -70,6 +70,18 @@ def _map_vjp(fmap, x, dphi, y):
     return dx
 
 
+def _map_param_grads(fmap, xs, dphis, ys):
+    """The gradients of a map's parameters, summed over its applications (x, dphi, y = phi(x)), as a
+    dict by name (FeatureMap.param_vjp); None for a map without parameters."""
+    if not (isinstance(fmap, FeatureMap) and fmap.param_names):
+        return None
+    total = {}
+    for x, dphi, y in zip(xs, dphis, ys):
+        for name, grad in fmap.param_vjp(x, dphi, y).items():
+            total[name] = total[name] + grad if name in total else grad
+    return total
+
+
 def _ones_column(x):
     return np.concatenate([x, np.ones(x.shape[:-1] + (1,), x.dtype)], -1)
 
@@ -158,8 +170,10 @@ def causal_linear_attention_vjp(q, k, v, *, feature_map="elu", eps=1e-6, normali
 
     Every feature map of :mod:`linattn.feature_maps` is differentiated: "elu", "relu" and "identity"
     inside the backward kernel, the others through their ``vjp`` (phi(q), phi(k) are then computed
-    in full, (..., N, D') each); a learned map's weights get no gradient. A callable map needs a
-    ``vjp(x, dphi)`` attribute returning the gradient of x (a TypeError otherwise).
+    in full, (..., N, D') each); a map with parameters (the learned and random-feature maps) adds, last,
+    a dict of their gradients by name (``FeatureMap.param_names``: "weight" and "bias", "gamma" and
+    "beta", "omega"). A callable map needs a ``vjp(x, dphi)`` attribute returning the gradient of x (a
+    TypeError otherwise).
 
     Examples
     --------
@@ -260,21 +274,28 @@ def _backward(q, k, v, fmap, code, lead, d, out_dt, normalize, s, initial_state,
         if gated:
             extra = _gate_gradients((rq - rk).reshape(lead + (n, width)), dS, dZ, final, valid, gate, vector,
                                     decay_arr, log_decay, lead, comp)
-        if code is None:
-            dq, dk = _map_vjp(fmap, q, dq, qf), _map_vjp(fmap, k, dk, kf)
+        dmap = None
+        if code is None:  # dq, dk: the gradients of phi(q), phi(k) so far
+            dqf, dkf = dq, dk
             if valid is not None:  # (padding past a length may hold NaN, which a map's vjp would spread)
-                dq, dk = np.where(valid, dq, 0), np.where(valid, dk, 0)
+                qv, kv = np.where(valid, q, 0), np.where(valid, k, 0)
+                dq, dk = (np.where(valid, _map_vjp(fmap, x, dx, y), 0) for x, dx, y in ((qv, dq, qf), (kv, dk, kf)))
+            else:
+                qv, kv = q, k
+                dq, dk = _map_vjp(fmap, q, dq, qf), _map_vjp(fmap, k, dk, kf)
+            dmap = _map_param_grads(fmap, (qv, kv), (dqf, dkf), (qf, kf))
         grads = [x.astype(out_dt, copy=False) for x in (dq, dk, dvv)]
         if has_state:
             grads.append(State(H_out.reshape(lead + (d, dv)), Z_out.reshape(lead + (d,))))
-        return tuple(grads + extra)
+        return tuple(grads + extra + ([dmap] if dmap is not None else []))
 
     return vjp
 
 
 def linear_attention_vjp(q, k, v, *, feature_map="elu", eps=1e-6, normalize=True, scale=None):
     """:func:`linattn.linear_attention` and its vector-Jacobian product: ``(out, vjp)``, ``vjp(dout)``
-    returns ``(dq, dk, dv)``. Feature maps as for :func:`causal_linear_attention_vjp`.
+    returns ``(dq, dk, dv)`` (and a dict of the map's parameters' gradients for a map with parameters).
+    Feature maps as for :func:`causal_linear_attention_vjp`.
 
     Examples
     --------
@@ -306,6 +327,7 @@ def linear_attention_vjp(q, k, v, *, feature_map="elu", eps=1e-6, normalize=True
         dkf = linear_attention(v1, ab, sq, feature_map="identity", normalize=False)
         dvv = linear_attention(kf, sq, a, feature_map="identity", normalize=False)
         grads = (_map_vjp(fmap, q, dqf, qf), _map_vjp(fmap, k, dkf, kf), dvv)
-        return tuple(x.astype(out_dt, copy=False) for x in grads)
+        dmap = _map_param_grads(fmap, (q, k), (dqf, dkf), (qf, kf))
+        return tuple(x.astype(out_dt, copy=False) for x in grads) + ((dmap,) if dmap is not None else ())
 
     return out.astype(out_dt, copy=False), vjp

@@ -59,7 +59,7 @@ class _NonCausal(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, dout):
-        return (*(_tensor(g) for g in ctx.vjp(dout.contiguous().numpy())), None)
+        return (*(_tensor(g) for g in ctx.vjp(dout.contiguous().numpy())[:3]), None)  # (a map's weights: constants)
 
 
 def causal_linear_attention(q, k, v, *, feature_map="elu", eps=1e-6, normalize=True, initial_state=None,
