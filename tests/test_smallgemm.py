@@ -1,6 +1,6 @@
 """small_gemm(_tn), the chunk's register-tiled matrix products, against NumPy: every tile and panel
-edge, strided rows, accumulation, the causal bands, a transposed A (and a lower triangular one); with 512-bit vectors (AVX-512)
-and 256-bit (AVX2)."""
+edge, strided rows, accumulation, the causal bands, a transposed A (and a lower triangular one); with
+512-bit vectors (AVX-512) and 256-bit (AVX2)."""
 import os
 import subprocess
 import sys

@@ -28,13 +28,12 @@ gradient (its running sums are the caller's).
 """
 import numpy as np
 from numba import types
+from numba.extending import overload
+from numba.np.numpy_support import as_dtype
 
 from .._jit import array, njit
 from .chunked import _current, _init_state, _segment, _state_buffers, _write_state, pending_added
 from .elementwise import ELU, RELU, load_rows
-from numba.extending import overload
-from numba.np.numpy_support import as_dtype
-
 from .gating import (SUB, VECTOR, _OPTS, _kind, _stub, chunk_gates, gate_buffers, gate_key_rows, gate_pending,
                      gate_queries, gate_scores, gate_state_factors, masked_product, prepare_kernel)
 from .schedule import take
@@ -250,8 +249,8 @@ def _vector_intra_keys(M, QS, d, a, R, c, Qsc, TB, fac, tiny):
 def _chunk(q, k, v, g, out, den, fm, normalize, s, one, i0, c, St, has_st, C, Cz, has_c, own, gates, dq, dk, dv, rq,
            rk, has_r, QA, QA2, KT, KT2, V1, KF, KW, QE, R, CT, sums, G, Rg, F, X, W):
     """Positions [i0, i0 + c) of one head: dq, dk, dv when ``own`` (the adjoint after the chunk in C,
-    D x Dv, and Cz, D, when ``has_c``; the state before it in St, e x D, when ``has_st``). Leaves QA[:c, :e] = ab
-    and QE[:c] = ef qs (QA2[:c, :D] = qs without gates: returned) for the adjoint's update."""
+    D x Dv, and Cz, D, when ``has_c``; the state before it in St, e x D, when ``has_st``). Leaves
+    QA[:c, :e] = ab and, with gates, QE[:c] = ef qs (else QA2[:c, :D] = qs) for the adjoint's update."""
     e, d = KT.shape[0], KT2.shape[0]
     dvd, decayed = e - 1, gates.ndim > 1
     _load_adjoints(g, out, den, i0, c, normalize, QA)
