@@ -169,7 +169,8 @@ def _intra_keys(gates, M, QS, d, R, c, G, beta, W):
 
 @njit(helper=True)
 def _flushed(fac, a, tiny, zero):
-    """fac *= a, below the smallest normal number 0 (as gating's running products)."""
+    """fac *= a, below the smallest normal number 0 (as gating's running products; those stay written
+    inline: calling this helper there made the per-key-dimension backward ~12% slower, measured)."""
     for j in range(fac.shape[0]):
         x = fac[j] * a[j]
         fac[j] = x if x >= tiny else zero
@@ -332,9 +333,8 @@ def _segment_backward(q, k, v, g, out, den, fm, normalize, s, one, length, chunk
         gate_state_factors(gates, lam, fb)
         _current(B, Bz, P, Pz, C, Z, has_acc, has_p, fb, decayed)
     if last:
-        for x in (dq, dk):
+        for x in (dq, dk, dv):
             _zero_rows(x, length, x.shape[0])
-        _zero_rows(dv, length, dv.shape[0])
         if H_out.shape[0] > 0:
             _write_state(acc, accz, P, Pz, h, H_out, Z_out, has_acc, has_p, lam, decayed)
 

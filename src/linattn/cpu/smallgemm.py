@@ -10,7 +10,8 @@ time. Two
 optional bands skip the zero part of causal products: for the rows of a tile starting at r0, the
 inner dimension stops at ``kband + r0 + ROWS`` (the chunk's masked scores times V) and the columns at
 ``nband + r0 + ROWS``, rounded up to whole vectors (the scores themselves; the caller zeroes the
-rest of the triangle).
+rest of the triangle). The product with A transposed has one (``small_gemm_tn_lower``): for a lower
+triangular A the inner dimension of a tile starts at its first row.
 """
 from llvmlite import binding as llvm_binding
 from llvmlite import ir
