@@ -383,6 +383,15 @@ def test_feature_map_vjp_bad_input(rng):
     with pytest.raises(ValueError, match="feature_map: Performer has a weight of shape"):
         fm.Performer.random(5, 4, seed=0).vjp(x, np.ones((4, 4)))
     assert fm.Elementwise("relu").vjp(x, np.ones((4, 3), np.int64)).dtype == np.float64
+    # the parameters' gradients: the same checks; none for a map without parameters
+    t2r = fm.T2R(rng.standard_normal((3, 5)), rng.standard_normal(5))
+    with pytest.raises(ValueError, match=r"dphi: expected shape \(4, 5\) \(that of phi\(x\)\), got \(4, 3\)"):
+        t2r.param_vjp(x, np.ones((4, 3)))
+    with pytest.raises(TypeError, match="x: expected real numbers, got dtype complex128"):
+        fm.ReBased(np.ones(3), np.zeros(3)).param_vjp(x.astype(complex), np.ones((4, 6)))
+    with pytest.raises(ValueError, match="feature_map: Hedgehog has a weight of shape"):
+        fm.Hedgehog(np.ones((5, 2))).param_vjp(x, np.ones((4, 4)))
+    assert fm.Taylor().param_vjp(x, np.ones((4, 10))) == {} and fm.Taylor().param_names == ()
 
 
 @pytest.mark.parametrize("causal", [True, False])
