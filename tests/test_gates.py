@@ -218,6 +218,29 @@ def test_prefill_then_steps(rng, option, dtype):
     assert rel_err(np.stack(steps, axis=-2), full[..., split:, :]) < tol
 
 
+def test_step_gate_and_decay_layouts(rng):
+    """A per-dimension gate with strided rows (read in place by the fast kernel only when its rows
+    are adjacent), and a decay array changed in place between steps (the fast path keeps a view of
+    it), give the same state and outputs as plain arrays."""
+    q, k, v = (x[..., 0, :] for x in make_qkv(rng, (2, 3), 1, 6, 5))
+    wide = -rng.random((2, 3, 12), np.float32)
+    strided, plain = wide[..., ::2], np.ascontiguousarray(wide[..., ::2])
+    a, b = linattn.State.zeros((2, 3), 6, 5), linattn.State.zeros((2, 3), 6, 5)
+    for _ in range(3):
+        np.testing.assert_array_equal(linattn.step(q, k, v, a, gate=strided), linattn.step(q, k, v, b, gate=plain))
+    np.testing.assert_array_equal(a.S, b.S)
+    decay = np.array([0.9, 0.8, 0.7])
+    for value in (0.5, 0.25):
+        linattn.step(q, k, v, a, decay=decay)
+        decay[:] = value
+        out = linattn.step(q, k, v, a, decay=decay)
+        linattn.step(q, k, v, b, decay=np.array([0.9, 0.8, 0.7]))
+        ref = linattn.step(q, k, v, b, decay=value)
+        np.testing.assert_array_equal(out, ref)
+        decay[:] = [0.9, 0.8, 0.7]
+    np.testing.assert_array_equal(a.S, b.S)
+
+
 def test_step_bad_gates_leave_the_state_alone(rng):
     q, k, v = (x[..., 0, :] for x in make_qkv(rng, (2, 3), 1, 4, 4))
     for state in (linattn.State.zeros((2, 3), 4, 4),  # the fast path

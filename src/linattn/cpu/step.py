@@ -6,8 +6,9 @@ registers, the decay, Z and the normalisation folded in; plain loops for states 
 rows), so the work is O(D * Dv) and the memory traffic is reading and writing the state once.
 
 Gates and decay are compile-time variants (``None`` when absent): a gate per sequence, shaped like
-the leading dims, or per key dimension, leading dims + (D',); a decay of the leading dims' ndim
-(broadcast views allowed), float64. Their values are checked here: a bad one returns 2.
+the leading dims, or per key dimension, leading dims + (D',) with rows of adjacent elements; a decay
+of the leading dims' ndim (broadcast views allowed), float64. Their values are checked here: a bad
+one returns 2.
 """
 import numpy as np
 from numba import prange, types
@@ -22,15 +23,15 @@ from .views import as_contiguous, head_matrix, head_row, head_scalar
 _OPTS = {"fastmath": set(FASTMATH), "error_model": "numpy"}
 
 
-def decay_ok(gates, decay, h, q):
+def _head_ok(gates, decay, h, q):
     """Whether head h's gate and decay values are good (gates <= 0, not NaN; a decay in (0, 1]).
     ``q`` (leading dims + (D,)) tells a gate per key dimension (of q's ndim) from one per sequence.
     Only callable from Numba code."""
     raise NotImplementedError("runs inside Numba kernels only")
 
 
-@overload(decay_ok, jit_options=_OPTS)
-def _decay_ok(gates, decay, h, q):
+@overload(_head_ok, jit_options=_OPTS)
+def _ol_head_ok(gates, decay, h, q):
     no_gate = isinstance(gates, types.NoneType)
     no_decay = isinstance(decay, types.NoneType)
     per_dim = not no_gate and gates.ndim == q.ndim
@@ -44,7 +45,7 @@ def _decay_ok(gates, decay, h, q):
             g = head_scalar(gates, h)
             ok = ok and not (g > 0 or g != g)
         elif per_dim:
-            row = head_row(gates, h)
+            row = as_contiguous(head_row(gates, h))
             bad = False
             for a in range(row.shape[0]):  # no early exit
                 g = row[a]
@@ -55,84 +56,93 @@ def _decay_ok(gates, decay, h, q):
     return impl
 
 
+def head_factors(gates, decay, q, bh, decs):
+    """Check every head's gate and decay values (before any state is touched) and, unless the gate
+    is per key dimension, write each head's factor for this step, exp(gate) times the decay, to
+    decs[h, 0]. False when a value is bad. Only callable from Numba code."""
+    raise NotImplementedError("runs inside Numba kernels only")
+
+
+@overload(head_factors, jit_options=_OPTS)
+def _ol_head_factors(gates, decay, q, bh, decs):
+    no_gate = isinstance(gates, types.NoneType)
+    no_decay = isinstance(decay, types.NoneType)
+    if no_gate and no_decay:
+        return lambda gates, decay, q, bh, decs: True
+    per_dim = not no_gate and gates.ndim == q.ndim
+    dt = as_dtype(decs.dtype).type
+
+    def impl(gates, decay, q, bh, decs):
+        ok = True
+        for h in range(bh):
+            ok = _head_ok(gates, decay, h, q) and ok
+            if not per_dim:
+                d = 1.0 if no_decay else head_scalar(decay, h)
+                if no_gate:  # the decay itself: exp(log d) would round it
+                    decs[h, 0] = dt(d)
+                else:
+                    decs[h, 0] = dt(d * exp_le0(np.float64(head_scalar(gates, h))))
+        return ok
+
+    return impl
+
+
 def fill_decay(gates, decay, h, dec, q):
-    """dec[:] = the factors of head h's state for this step, exp(gate) times the decay (values
-    checked by decay_ok). Only callable from Numba code."""
+    """For a gate per key dimension, dec[:] = head h's factors for this step, exp(gate) times the
+    decay (values checked by head_factors); nothing otherwise. Only callable from Numba code."""
     raise NotImplementedError("runs inside Numba kernels only")
 
 
 @overload(fill_decay, jit_options=_OPTS)
 def _fill_decay(gates, decay, h, dec, q):
-    no_gate = isinstance(gates, types.NoneType)
-    no_decay = isinstance(decay, types.NoneType)
-    if no_gate and no_decay:
+    if isinstance(gates, types.NoneType) or gates.ndim != q.ndim:
         return lambda gates, decay, h, dec, q: None
-    per_dim = not no_gate and gates.ndim == q.ndim
+    no_decay = isinstance(decay, types.NoneType)
     dt = as_dtype(dec.dtype).type
 
     def impl(gates, decay, h, dec, q):
-        d = 1.0 if no_decay else head_scalar(decay, h)
-        if no_gate:  # the decay itself: exp(log d) would round it
-            f = dt(d)
-            for a in range(dec.shape[0]):
-                dec[a] = f
-        elif not per_dim:
-            f = dt(d * exp_le0(np.float64(head_scalar(gates, h))))
-            for a in range(dec.shape[0]):
-                dec[a] = f
-        else:
-            row = head_row(gates, h)
-            for a in range(dec.shape[0]):  # the row where it may have any stride, then a loop that vectorises
-                dec[a] = row[a]
-            f = dt(d)
-            for a in range(dec.shape[0]):
-                dec[a] = f * exp_le0(dec[a])
+        row = as_contiguous(head_row(gates, h))
+        f = dt(1.0 if no_decay else head_scalar(decay, h))
+        for a in range(dec.shape[0]):
+            dec[a] = f * exp_le0(row[a])
 
     return impl
 
 
-def decay_row(gates, decay, dec):
-    """``dec`` (the head's decay row from fill_decay), or None when there are neither gates nor a
-    decay (the passes then skip the multiply). Only callable from Numba code."""
+def head_decay(gates, decay, decs, h, q):
+    """What multiplies head h's state this step: None (neither gates nor a decay: the passes skip
+    the multiply), the head's factor decs[h, 0], or its row decs[h] for a gate per key dimension.
+    Only callable from Numba code."""
     raise NotImplementedError("runs inside Numba kernels only")
 
 
-@overload(decay_row, jit_options=_OPTS)
-def _decay_row(gates, decay, dec):
+@overload(head_decay, jit_options=_OPTS)
+def _ol_head_decay(gates, decay, decs, h, q):
     if isinstance(gates, types.NoneType) and isinstance(decay, types.NoneType):
-        return lambda gates, decay, dec: None
-    return lambda gates, decay, dec: dec
+        return lambda gates, decay, decs, h, q: None
+    if not isinstance(gates, types.NoneType) and gates.ndim == q.ndim:
+        return lambda gates, decay, decs, h, q: decs[h]
+    return lambda gates, decay, decs, h, q: decs[h, 0]
 
 
-def decays_ok(gates, decay, q, bh):
-    """decay_ok for every head (checked before any state is touched). Only callable from Numba code."""
-    raise NotImplementedError("runs inside Numba kernels only")
-
-
-@overload(decays_ok, jit_options=_OPTS)
-def _decays_ok(gates, decay, q, bh):
-    if isinstance(gates, types.NoneType) and isinstance(decay, types.NoneType):
-        return lambda gates, decay, q, bh: True
-
-    def impl(gates, decay, q, bh):
-        ok = True
-        for h in range(bh):
-            ok = decay_ok(gates, decay, h, q) and ok
-        return ok
-    return impl
-
-
-@njit(helper=True)
 def _decayed(x, dec, a):
-    """x times dec[a], or x when there is no decay (dec None)."""
-    return x if dec is None else dec[a] * x
+    """x times row a's factor (dec: None for none, one factor, or a factor per row)."""
+    raise NotImplementedError("runs inside Numba kernels only")
+
+
+@overload(_decayed, jit_options=_OPTS)
+def _ol_decayed(x, dec, a):
+    if isinstance(dec, types.NoneType):
+        return lambda x, dec, a: x
+    if isinstance(dec, types.Float):
+        return lambda x, dec, a: dec * x
+    return lambda x, dec, a: dec[a] * x
 
 
 @njit(helper=True)
 def _head_loops(Sh, Zh, vrow, qf, kf, orow, eps, normalize, qscale, dec, scratch):
     """What ``state_pass`` does, with plain loops for any strides: two rows of S per pass, then
-    Zh = dec Zh + phi(k) and the division of orow by phi(q).Zh + eps (dec: the decay of each row,
-    None for none)."""
+    Zh = dec Zh + phi(k) and the division of orow by phi(q).Zh + eps (dec: see _decayed)."""
     d_, dv = Sh.shape
     for e in range(dv):
         orow[e] = 0
@@ -165,12 +175,15 @@ def _head_loops(Sh, Zh, vrow, qf, kf, orow, eps, normalize, qscale, dec, scratch
 
 def _step(q, k, v, fm, eps, normalize, S, Z, out, gates, decay, qscale):
     """q, k: (BH, D) (already mapped when fm is IDENTITY); v: (BH, Dv); S: (BH, D, Dv) and
-    Z: (BH, D) updated in place; out: (BH, Dv); gates: None, (BH,) or (BH, D); decay: None or (BH,).
-    Any strides; the caller checked the shapes and values."""
+    Z: (BH, D) updated in place; out: (BH, Dv); gates: None, (BH,) or (BH, D) with rows of adjacent
+    elements; decay: None or (BH,).
+    Any strides; the caller checked the shapes and values (a bad value returns 2, touching nothing)."""
     bh, d_ = S.shape[0], S.shape[1]
+    decs = np.empty((bh, d_), out.dtype)
+    if not head_factors(gates, decay, q, bh, decs):
+        return 2
     maps = np.empty((bh, 2, d_), out.dtype)
     scratch = np.empty(bh, out.dtype)
-    decs = np.empty((bh, d_), out.dtype)
     for h in range(bh):
         for a in range(d_):
             maps[h, 0, a] = q[h, a]
@@ -182,10 +195,10 @@ def _step(q, k, v, fm, eps, normalize, S, Z, out, gates, decay, qscale):
         fill_decay(gates, decay, h, decs[h], q)
         if vector:
             state_pass(S[h], Z[h], v[h], maps[h, 0], maps[h, 1], out[h], S.strides[1] // unit, eps, normalize,
-                       decay_row(gates, decay, decs[h]), qscale)
+                       head_decay(gates, decay, decs, h, q), qscale)
         else:
             _head_loops(S[h], Z[h], v[h], maps[h, 0], maps[h, 1], out[h], eps, normalize, qscale,
-                        decay_row(gates, decay, decs[h]), scratch[h:h + 1])
+                        head_decay(gates, decay, decs, h, q), scratch[h:h + 1])
     return 0
 
 
@@ -210,9 +223,9 @@ def _step_nd(q, k, v, fm, eps, normalize, S, Z, out, gates, decay, qscale):
     if out.strides[-1] != isz or Z.strides[-1] != isz:
         return 1
     bh = q.size // d_
-    if not decays_ok(gates, decay, q, bh):
-        return 2
     decs = np.empty((bh, d_), out.dtype)
+    if not head_factors(gates, decay, q, bh, decs):
+        return 2
     qf, kf = np.empty(bh * d_, out.dtype), np.empty(bh * d_, out.dtype)
     for h in range(bh):
         map_row(as_contiguous(head_row(q, h)), fm, qf[h * d_:(h + 1) * d_])
@@ -221,7 +234,7 @@ def _step_nd(q, k, v, fm, eps, normalize, S, Z, out, gates, decay, qscale):
         fill_decay(gates, decay, h, decs[h], q)
         Sh = head_matrix(S, h)
         state_pass(Sh, head_row(Z, h), head_row(v, h), qf[h * d_:(h + 1) * d_], kf[h * d_:(h + 1) * d_],
-                   head_row(out, h), Sh.strides[0] // isz, eps, normalize, decay_row(gates, decay, decs[h]), qscale)
+                   head_row(out, h), Sh.strides[0] // isz, eps, normalize, head_decay(gates, decay, decs, h, q), qscale)
     return 0
 
 
@@ -235,7 +248,9 @@ def _ol_gates_fit(gates, lead, d_):
         return lambda gates, lead, d_: True
     if gates.ndim == len(lead):
         return lambda gates, lead, d_: gates.shape == lead
-    return lambda gates, lead, d_: gates.shape[:-1] == lead and gates.shape[-1] == d_
+    # a gate per key dimension: rows of adjacent elements, read as such (cpu/views.as_contiguous)
+    return lambda gates, lead, d_: (gates.shape[:-1] == lead and gates.shape[-1] == d_
+                                    and gates.strides[-1] == gates.itemsize)
 
 
 def _decay_fits(decay, lead):

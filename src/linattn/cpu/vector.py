@@ -48,8 +48,8 @@ def wide_vectors(typingctx):
 def state_pass(typingctx, S, Z, v, q, k, out, row_stride, eps, normalize, decay, qscale):
     """One decoding step of one head: for every row a and column e of S (D' x Dv, rows
     ``row_stride`` elements apart, unit column stride), S[a, e] = decay[a] S[a, e] + k[a] v[e] and
-    Z[a] = decay[a] Z[a] + k[a] (``decay`` None: 1); then out[e] = qscale sum_a q[a] S[a, e],
-    divided by qscale sum_a q[a] Z[a] + eps when ``normalize``.
+    Z[a] = decay[a] Z[a] + k[a] (``decay`` None: 1; a float: the same factor for every row); then
+    out[e] = qscale sum_a q[a] S[a, e], divided by qscale sum_a q[a] Z[a] + eps when ``normalize``.
 
     Z, v, q, k, out and decay must have unit stride. Columns go in panels of PANEL vectors, then
     single vectors, then one at a time; the division is applied to the panels' registers before they
@@ -57,7 +57,10 @@ def state_pass(typingctx, S, Z, v, q, k, out, row_stride, eps, normalize, decay,
     """
     if not (isinstance(S, types.Array) and S.ndim == 2 and S.dtype in (types.float32, types.float64)):
         return None
-    arrays = (Z, v, q, k, out) + (() if isinstance(decay, types.NoneType) else (decay,))
+    one_factor = isinstance(decay, types.Float)
+    if one_factor and decay != S.dtype:
+        return None
+    arrays = (Z, v, q, k, out) + (() if isinstance(decay, (types.NoneType, types.Float)) else (decay,))
     if not all(isinstance(x, types.Array) and x.ndim == 1 and x.dtype == S.dtype for x in arrays):
         return None
     decayed = not isinstance(decay, types.NoneType)
@@ -66,7 +69,7 @@ def state_pass(typingctx, S, Z, v, q, k, out, row_stride, eps, normalize, decay,
     def codegen(context, builder, sig, args):
         s_arr, z_arr, v_arr, q_arr, k_arr, o_arr = (context.make_array(t)(context, builder, a)
                                                     for t, a in zip(sig.args[:6], args[:6]))
-        d_arr = context.make_array(sig.args[9])(context, builder, args[9]) if decayed else None
+        d_arr = context.make_array(sig.args[9])(context, builder, args[9]) if decayed and not one_factor else None
         stride_v = args[6]
         eps_v = context.cast(builder, args[7], sig.args[7], types.float64)
         norm_v = context.cast(builder, args[8], sig.args[8], types.boolean)
@@ -81,11 +84,18 @@ def state_pass(typingctx, S, Z, v, q, k, out, row_stride, eps, normalize, decay,
         undef = ir.Constant(vec, ir.Undefined)
         zero_mask = ir.Constant(ir.VectorType(i32, width), [0] * width)
 
-        def splat(base, idx, ty):
-            x = builder.load(builder.gep(base, [idx]))
+        def broadcast(x, ty):
+            """x (a scalar) as ty: itself, or splat to a vector."""
             if ty is fty:
                 return x
             return builder.shuffle_vector(builder.insert_element(undef, x, ir.Constant(i32, 0)), undef, zero_mask)
+
+        def splat(base, idx, ty):
+            return broadcast(builder.load(builder.gep(base, [idx])), ty)
+
+        def factor(idx, ty):
+            """Row idx's decay factor as ty (one factor for all rows: ``decay`` itself)."""
+            return broadcast(args[9], ty) if one_factor else splat(d_arr.data, idx, ty)
 
         def fma(x, y, z):
             return builder.fadd(builder.fmul(x, y, flags=_FLAGS), z, flags=_FLAGS)
@@ -98,7 +108,7 @@ def state_pass(typingctx, S, Z, v, q, k, out, row_stride, eps, normalize, decay,
             zp = builder.gep(z_arr.data, [loop.index])
             zold = builder.load(zp)
             if decayed:
-                zold = builder.fmul(builder.load(builder.gep(d_arr.data, [loop.index])), zold, flags=_FLAGS)
+                zold = builder.fmul(factor(loop.index, fty), zold, flags=_FLAGS)
             z = builder.fadd(zold, builder.load(builder.gep(k_arr.data, [loop.index])))
             builder.store(z, zp)
             qz = builder.fmul(builder.load(builder.gep(q_arr.data, [loop.index])), z, flags=_FLAGS)
@@ -115,9 +125,10 @@ def state_pass(typingctx, S, Z, v, q, k, out, row_stride, eps, normalize, decay,
             cols = [builder.add(e0, ir.Constant(i64, j * lanes)) for j in range(nvec)]
             vv = [builder.load(_at(builder, v_arr.data, c, ty), align=align) for c in cols]
             accs = [cgutils.alloca_once_value(builder, ir.Constant(ty, None)) for _ in cols]
+            d_one = factor(None, ty) if one_factor else None
             with cgutils.for_range(builder, rows) as loop:
                 ka, qa = splat(k_arr.data, loop.index, ty), splat(q_arr.data, loop.index, ty)
-                da = splat(d_arr.data, loop.index, ty) if decayed else None
+                da = d_one if one_factor else splat(d_arr.data, loop.index, ty) if decayed else None
                 row = builder.mul(loop.index, stride_v)
                 for c, x, acc in zip(cols, vv, accs):
                     p = _at(builder, s_arr.data, builder.add(row, c), ty)
@@ -125,8 +136,7 @@ def state_pass(typingctx, S, Z, v, q, k, out, row_stride, eps, normalize, decay,
                     s = fma(ka, x, builder.fmul(da, old, flags=_FLAGS) if decayed else old)
                     builder.store(s, p, align=align)
                     builder.store(fma(qa, s, builder.load(acc)), acc)
-            sc = scale if ty is fty else builder.shuffle_vector(
-                builder.insert_element(undef, scale, ir.Constant(i32, 0)), undef, zero_mask)
+            sc = broadcast(scale, ty)
             for c, acc in zip(cols, accs):
                 builder.store(builder.fmul(builder.load(acc), sc), _at(builder, o_arr.data, c, ty), align=align)
 
