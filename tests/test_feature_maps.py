@@ -137,6 +137,26 @@ def test_map_against_formula(rng, name, dtype):
         assert_close(_gram(phi.astype(np.float64), phi[::-1].astype(np.float64)), want, dtype)
 
 
+@pytest.mark.parametrize("dtype", [np.float32, np.float64])
+@pytest.mark.parametrize("name, d, rows", [("taylor", 16, 100), ("rebased", 16, 33), ("dpfp", 8, 97),
+                                           ("taylor", 9, 64), ("dpfp", 1, 31)])
+def test_pair_maps_over_whole_and_partial_tiles(rng, name, d, rows, dtype):
+    """The pair maps are computed transposed, 32 rows at a time, through vector transposes of 8 x 8
+    (float32) or 4 x 4 (float64) tiles: sizes with whole tiles, edges and a last partial block."""
+    mp, formula = _maps(d)[name]
+    x = rng.standard_normal((rows, d)).astype(dtype)
+    x64, phi = x.astype(np.float64), mp(x)
+    if formula is None:  # Taylor, ReBased: phi(x).phi(y) equals the closed form
+        want = _kernel_formula(name, d)(x64, x64[::-1])
+        assert_close(_gram(phi.astype(np.float64), phi[::-1].astype(np.float64)), want, dtype)
+    else:
+        want = formula(x64)
+        size = np.maximum(np.abs(want).max(-1, keepdims=True), 1.0)
+        assert (np.abs(phi - want) / size).max() <= {np.float32: 5e-7, np.float64: 1e-14}[dtype]
+    view = np.asfortranarray(x)[::-1]  # rows far apart in memory
+    np.testing.assert_array_equal(mp(view), mp(np.ascontiguousarray(view)))
+
+
 @pytest.mark.parametrize("name, d, want", [("taylor", 16, 153), ("taylor", 1, 3), ("rebased", 16, 136),
                                            ("dpfp", 4, 16), ("performer", 16, 12), ("hedgehog", 16, 12),
                                            ("t2r", 16, 6), ("gelu", 16, 16)])

@@ -38,6 +38,7 @@ from . import symbols
 from .elementwise import exp_f32_parts, exp_le0, load_rows, map_row, relu
 from .gating import like
 from .smallgemm import noinline, small_gemm
+from .vector import transpose_rows
 from .views import as_contiguous
 
 _OPTS = {"fastmath": set(FASTMATH), "error_model": "numpy"}
@@ -162,29 +163,55 @@ def _relu0(v, zero):
     return v if (v > 0 or v != v) else zero
 
 
-@njit(helper=True)
-def _pairs(u, y, fp, off):
-    """y[f] = u[I[f]] u[J[f]] C[f] for f < D', with I, J, C (D' each) from fp[off:]: the products that
-    the Taylor, ReBased and DPFP maps are made of, one loop over the features (with gathers)."""
-    dk = y.shape[0]
-    idx_i, idx_j, coef = fp[off:off + dk], fp[off + dk:off + 2 * dk], fp[off + 2 * dk:off + 3 * dk]
-    for f in range(dk):
-        y[f] = u[np.intp(idx_i[f])] * u[np.intp(idx_j[f])] * coef[f]
-
-
 # One function per family for a block of rows: Y[t, :D'] = phi(X[t]) (X: rows of D values already
-# scaled by fp[0]; Y: rows with unit stride; ``work``: BLOCK D' + 2D + 2 values). Each is compiled
-# into its own C function (below), only once it is used.
+# scaled by fp[0]; Y: rows with unit stride; ``work``: work_size(D, D') - BLOCK D values). Each is
+# compiled into its own C function (below), only once it is used.
 
 #: Rows mapped at a time (the projections' products are BLOCK x D by D x m).
 BLOCK = 64
+#: Rows whose pair products are computed at a time (transposed: D' x PAIR_ROWS values).
+PAIR_ROWS = 32
 
 
 @njit(helper=True)
 def work_size(d, dk):
     """Values of scratch a C function needs for inputs of D and maps of D' features (with the gathered
     block of rows)."""
-    return BLOCK * (d + dk) + 2 * d + 2
+    return BLOCK * (d + dk) + PAIR_ROWS * (2 * d + 3) + 4 * d + 2
+
+
+@njit(helper=True)
+def _pairs(X, Y, fp, off, work, dpfp):
+    """Y[t, f] = u_t[I[f]] u_t[J[f]] C[f] for the rows t of X, with I, J, C (D' each) from fp[off:]:
+    the products that the Taylor, ReBased and DPFP maps are made of. u = [x, 1], or [relu(x),
+    relu(-x)] when ``dpfp``. Computed transposed, PAIR_ROWS rows at a time: u^T (one row of u's
+    element i for all rows t) and then each feature for all rows as a product of two contiguous
+    rows (vectors), transposed into Y at the end (vector.transpose_rows); per row and feature a
+    gather of two elements cost 3-4x more."""
+    d, dk = X.shape[1], Y.shape[1]
+    nu = 2 * d if dpfp else d + 1
+    UT = work[:nu * PAIR_ROWS].reshape(nu, PAIR_ROWS)
+    YT = work[nu * PAIR_ROWS:(nu + dk) * PAIR_ROWS].reshape(dk, PAIR_ROWS)
+    colsum = work[(nu + dk) * PAIR_ROWS:(nu + dk + 1) * PAIR_ROWS + 2 * d]  # transpose_rows' sums, unused
+    idx_i, idx_j, coef = fp[off:off + dk], fp[off + dk:off + 2 * dk], fp[off + 2 * dk:off + 3 * dk]
+    zero = like(0.0, Y)
+    if not dpfp:
+        UT[d, :] = 1
+    for s0 in range(0, X.shape[0], PAIR_ROWS):
+        nb = min(PAIR_ROWS, X.shape[0] - s0)
+        transpose_rows(X[s0:s0 + nb], UT, colsum, nb)
+        if dpfp:
+            for a in range(d):
+                row, neg = UT[a], UT[d + a]
+                for t in range(nb):
+                    x = row[t]
+                    row[t] = _relu0(x, zero)
+                    neg[t] = _relu0(-x, zero)
+        for f in range(dk):
+            ui, uj, yt, c = UT[np.intp(idx_i[f])], UT[np.intp(idx_j[f])], YT[f], coef[f]
+            for t in range(nb):
+                yt[t] = ui[t] * uj[t] * c
+        transpose_rows(YT[:, :nb], Y[s0:s0 + nb], colsum, dk)
 
 
 @njit(helper=True)
@@ -196,21 +223,14 @@ def _elementwise_block(code, fp, X, Y, work):
 @njit(helper=True)
 def _taylor_block(code, fp, X, Y, work):
     """u = [x, 1]: the constant, x / D**(1/4) and the products as pairs of u (fp: I, J, C)."""
-    d = X.shape[1]
-    u = work[:d + 1]
-    u[d] = 1
-    for t in range(X.shape[0]):
-        for a in range(d):
-            u[a] = X[t, a]
-        _pairs(u, as_contiguous(Y[t]), fp, HEAD)
+    _pairs(X, Y, fp, HEAD, work, False)
 
 
 @njit(helper=True)
 def _rebased_block(code, fp, X, Y, work):
     """u = gamma LN(x) + beta (fp: eps, gamma, beta, then I, J, C)."""
     d = X.shape[1]
-    u = work[:d]
-    for t in range(X.shape[0]):
+    for t in range(X.shape[0]):  # X's rows become u
         x = X[t]
         mean = 0.0
         for a in range(d):
@@ -221,21 +241,14 @@ def _rebased_block(code, fp, X, Y, work):
             var += (x[a] - mean) ** 2
         inv = 1.0 / math.sqrt(var / d + fp[HEAD])
         for a in range(d):
-            u[a] = (x[a] - mean) * inv * fp[HEAD + 1 + a] + fp[HEAD + 1 + d + a]
-        _pairs(u, as_contiguous(Y[t]), fp, HEAD + 1 + 2 * d)
+            x[a] = (x[a] - mean) * inv * fp[HEAD + 1 + a] + fp[HEAD + 1 + d + a]
+    _pairs(X, Y, fp, HEAD + 1 + 2 * d, work, False)
 
 
 @njit(helper=True)
 def _dpfp_block(code, fp, X, Y, work):
     """u = [relu(x), relu(-x)] (fp: I, J, C)."""
-    d = X.shape[1]
-    u = work[:2 * d]
-    zero = like(0.0, Y)
-    for t in range(X.shape[0]):
-        for a in range(d):
-            u[a] = _relu0(X[t, a], zero)
-            u[d + a] = _relu0(-X[t, a], zero)
-        _pairs(u, as_contiguous(Y[t]), fp, HEAD)
+    _pairs(X, Y, fp, HEAD, work, True)
 
 
 @njit(helper=True)
