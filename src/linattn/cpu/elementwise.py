@@ -128,8 +128,9 @@ def _elu1_overload(x):
 
 @njit(helper=True)
 def relu(x):
-    """max(x, 0) that keeps NaN."""
-    return x if (x > 0 or x != x) else x * 0
+    """max(x, 0) that keeps NaN, in x's type (x * 0 with an integer 0 was a float64 for a float32
+    x: every use converted to float64 and back)."""
+    return x if (x > 0 or x != x) else x * np.float32(0.0)
 
 
 @njit(helper=True)

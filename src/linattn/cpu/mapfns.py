@@ -38,7 +38,7 @@ from . import symbols
 from .elementwise import exp_f32_parts, exp_le0, load_rows, map_row, relu
 from .gating import like
 from .smallgemm import noinline, small_gemm
-from .vector import transpose_rows
+from .vector import transpose_rows, wide_vectors
 from .views import as_contiguous
 
 _OPTS = {"fastmath": set(FASTMATH), "error_model": "numpy"}
@@ -133,6 +133,7 @@ def _gelu_overload(x):
 @njit(helper=True)
 def _elementwise(code, x, y):
     """y = f(x) for the elementwise codes (x already scaled), in x's dtype."""
+    wide_vectors()
     one = like(1.0, y)
     if code < SQUARED_RELU:  # identity, elu + 1, relu (of a scaled input): the kernels' own loops
         map_row(x, code - SCALED_IDENTITY, y)
