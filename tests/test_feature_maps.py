@@ -139,11 +139,16 @@ def test_map_against_formula(rng, name, dtype):
 
 @pytest.mark.parametrize("dtype", [np.float32, np.float64])
 @pytest.mark.parametrize("name, d, rows", [("taylor", 16, 100), ("rebased", 16, 33), ("dpfp", 8, 97),
-                                           ("taylor", 9, 64), ("dpfp", 1, 31)])
-def test_pair_maps_over_whole_and_partial_tiles(rng, name, d, rows, dtype):
-    """The pair maps are computed transposed, 32 rows at a time, through vector transposes of 8 x 8
-    (float32) or 4 x 4 (float64) tiles: sizes with whole tiles, edges and a last partial block."""
+                                           ("taylor", 9, 64), ("dpfp", 1, 31), ("hedgehog", 16, 100),
+                                           ("hedgehog", 3, 65)])
+def test_maps_over_whole_and_partial_tiles(rng, name, d, rows, dtype):
+    """The pair maps and Hedgehog are computed transposed, 32 rows at a time, through vector
+    transposes of 8 x 8 (float32) or 4 x 4 (float64) tiles: sizes with whole tiles, edges and a last
+    partial block."""
     mp, formula = _maps(d)[name]
+    if name == "hedgehog":  # m = 24: whole tiles of the projection's columns
+        w, b = rng.standard_normal((d, 24)) / math.sqrt(d), 0.1 * rng.standard_normal(24)
+        mp, formula = fm.Hedgehog(w, b), lambda x: _hedgehog(x, w, b)
     x = rng.standard_normal((rows, d)).astype(dtype)
     x64, phi = x.astype(np.float64), mp(x)
     if formula is None:  # Taylor, ReBased: phi(x).phi(y) equals the closed form

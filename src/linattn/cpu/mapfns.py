@@ -178,7 +178,7 @@ PAIR_ROWS = 32
 def work_size(d, dk):
     """Values of scratch a C function needs for inputs of D and maps of D' features (with the gathered
     block of rows)."""
-    return BLOCK * (d + dk) + PAIR_ROWS * (2 * d + 3) + 4 * d + 2
+    return BLOCK * (d + dk) + PAIR_ROWS * (2 * d + dk + 3) + 4 * d + dk + 2
 
 
 @njit(helper=True)
@@ -288,29 +288,50 @@ def _t2r_block(code, fp, X, Y, work):
 
 @njit(helper=True)
 def _hedgehog_block(code, fp, X, Y, work):
-    """softmax over [2z, -2z], z = x W + b: shifted by 2 max |z|, exponentials of numbers <= 0."""
-    d, m = X.shape[1], Y.shape[1] // 2
-    Z = work[:X.shape[0] * m].reshape(X.shape[0], m)
+    """softmax over [2z, -2z], z = x W + b: shifted by 2 max |z|, exponentials of numbers <= 0.
+    Computed transposed, PAIR_ROWS rows at a time (as _pairs): the row maxima and sums become
+    elementwise loops over rows (a max reduction over one row of m did not vectorise)."""
+    wide_vectors()
+    c, d, m = X.shape[0], X.shape[1], Y.shape[1] // 2
+    Z = work[:c * m].reshape(c, m)
+    off = c * m
+    ZT = work[off:off + m * PAIR_ROWS].reshape(m, PAIR_ROWS)
+    off += m * PAIR_ROWS
+    YT = work[off:off + 2 * m * PAIR_ROWS].reshape(2 * m, PAIR_ROWS)
+    off += 2 * m * PAIR_ROWS
+    top = work[off:off + PAIR_ROWS]
+    colsum = work[off + PAIR_ROWS:off + 2 * PAIR_ROWS + m]  # transpose_rows' sums, unused
+    total = np.empty(PAIR_ROWS, np.float64)
     _projection(fp, X, Z)
     b = fp[HEAD + d * m:HEAD + d * m + m]
-    two = like(2.0, Y)
-    for t in range(X.shape[0]):
-        z, y = Z[t], as_contiguous(Y[t])
-        top = z[0] - z[0]
+    two, zero = like(2.0, Y), like(0.0, Y)
+    for s0 in range(0, c, PAIR_ROWS):
+        nb = min(PAIR_ROWS, c - s0)
+        transpose_rows(Z[s0:s0 + nb], ZT, colsum, nb)
+        for t in range(nb):
+            top[t] = zero
+            total[t] = 0.0
         for j in range(m):
-            z[j] += b[j]
-            top = max(top, abs(z[j]))
-        top *= two
-        total = 0.0
+            z, bj = ZT[j], b[j]
+            for t in range(nb):
+                v = z[t] + bj
+                z[t] = v
+                top[t] = max(top[t], abs(v))
         for j in range(m):
-            a = exp_le0(two * z[j] - top)
-            e = exp_le0(-two * z[j] - top)
-            y[j] = a
-            y[m + j] = e
-            total += a + e
-        inv = like(1.0 / total, Y)
+            z, ya, ye = ZT[j], YT[j], YT[m + j]
+            for t in range(nb):
+                a = exp_le0(two * z[t] - two * top[t])
+                e = exp_le0(-two * z[t] - two * top[t])
+                ya[t] = a
+                ye[t] = e
+                total[t] += a + e
+        for t in range(nb):
+            top[t] = like(1.0 / total[t], Y)
         for j in range(2 * m):
-            y[j] *= inv
+            y = YT[j]
+            for t in range(nb):
+                y[t] *= top[t]
+        transpose_rows(YT[:, :nb], Y[s0:s0 + nb], colsum, 2 * m)
 
 
 def _rows(src, rs, cs, c, d, dst, drs, code, fp, nfp, work, family):
