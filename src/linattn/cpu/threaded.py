@@ -66,7 +66,10 @@ class ThreadedKernel(Kernel):
             _RUN_THREADS)
 
         def run(nthreads, *args):
-            loop(address, nthreads, args)
+            if nthreads <= 1:  # the worker itself: the loop's tuple of arguments is typed in Python (~1 us)
+                worker(*args, np.zeros(1, np.int64))
+            else:
+                loop(address, nthreads, args)
 
         run.worker, run.loop = worker, loop  # (the worker keeps its code alive)
         return run
