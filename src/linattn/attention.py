@@ -197,7 +197,12 @@ def _prepare(q, k, v, feature_map, eps, normalize, where="cpu"):
     normalize = checks.check_flag(normalize, "normalize")
     if where == "device":
         checks.check_device_inputs({"q": q, "k": k, "v": v}, comp, out_dt)
-        code = resolve_for_device(feature_map)
+        code, premap = resolve_for_device(feature_map)
+        if premap is not None:  # mapped on the device first (cuda/maps.py), then read as they are
+            from .cuda.maps import apply
+
+            q, k = apply(q, premap, comp), apply(k, premap, comp)
+            d = premap.out_dim(d)
         return q, k, v, lead, n, d, dv, comp, out_dt, eps, normalize, code
     q, k, code, dk = _features(q, k, feature_map, lead, n, comp, fused=where == "cpu")
     v = v.astype(comp, copy=False)

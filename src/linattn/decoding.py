@@ -233,7 +233,12 @@ def _step_device(q, k, v, state, feature_map, eps, normalize, decay, gate, scale
     checks.check_device_inputs({"q": q, "k": k, "v": v}, comp, out_dt)
     eps = checks.check_eps(eps)
     normalize = checks.check_flag(normalize, "normalize")
-    code = resolve_for_device(feature_map)
+    code, premap = resolve_for_device(feature_map)
+    if premap is not None:  # mapped on the device first (cuda/maps.py)
+        from .cuda.maps import apply
+
+        q, k = apply(q, premap, comp), apply(k, premap, comp)
+        d = premap.out_dim(d)
     S_in, Z_in = checks.state_parts(state)
     if Z_in is not None:
         state = (cuda_api.as_device(S_in), cuda_api.as_device(Z_in))

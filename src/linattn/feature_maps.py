@@ -606,15 +606,15 @@ DEVICE_CODES = {ELU, RELU, IDENTITY, mapfns.SQUARED_RELU, mapfns.GELU, mapfns.SI
 
 
 def resolve_for_device(feature_map):
-    """Kernel code of a map the CUDA kernels apply (the elementwise maps, unscaled); others are a
-    TypeError."""
+    """``(code, None)`` for a map the CUDA kernels apply themselves (the elementwise maps, unscaled), or
+    ``(IDENTITY, fmap)`` for a FeatureMap that cuda/maps.py applies to the device arrays first; a
+    callable is a TypeError (it maps host arrays)."""
     fmap = as_map(feature_map)
-    named = ", ".join(repr(n) for n in NAMES if n != "swish")
     if not isinstance(fmap, FeatureMap):
+        named = ", ".join(repr(n) for n in NAMES if n != "swish")
         raise TypeError("feature_map: a callable runs on host arrays; on CUDA device arrays use "
-                        f"{named} (or pass host arrays with device='cuda')")
+                        f"{named} or a linattn.feature_maps map (or pass host arrays with device='cuda')")
     code = fmap.kernel_code()
-    if code not in DEVICE_CODES or fmap.input_scale != 1.0:
-        raise TypeError(f"feature_map: the CUDA kernels apply {named} (unscaled); {feature_map!r} runs on the "
-                        "CPU kernels only: pass host arrays")
-    return code
+    if code in DEVICE_CODES and fmap.input_scale == 1.0:
+        return code, None
+    return IDENTITY, fmap
