@@ -4,7 +4,8 @@
     NUMBA_ENABLE_CUDASIM=1 python examples/gpu_check.py --tiny   # the same code path, in the simulator
 
 Prints, per case, the largest difference from the CPU result and the time of the causal forward
-and of one decoding step, next to a PyTorch chunked implementation when torch with CUDA is installed.
+and of one decoding step, next to a PyTorch chunked implementation when torch with CUDA is installed;
+then two maps that are computed on the device before the kernels (Taylor, Performer).
 Exits with status 1 if any result differs from the CPU by more than 1e-4 (relative).
 """
 import sys
@@ -86,6 +87,21 @@ def main():
         ok &= err < 1e-4
         t = timed(lambda: linattn.step(dq, dk, dv, st), sync, repeat=20)
         print(f"step B={batch} H={H} D=Dv={D}: max rel err {err:.2e}, {t * 1e6:.1f} us per step")
+    fm = linattn.feature_maps
+    b, h, n = (1, 1, 12) if TINY else (1, 8, 2048)
+    for name, fmap, d in (("Taylor", fm.Taylor(), 4 if TINY else 16),
+                          ("Performer", fm.Performer.random(8 if TINY else 64, 8 if TINY else 64, seed=0)
+                           .scaled(0.35), 8 if TINY else 64)):
+        rng = np.random.default_rng(2)
+        q, k = ((rng.standard_normal((b, h, n, d)) * 0.5).astype(np.float32) for _ in range(2))
+        v = (rng.standard_normal((b, h, n, 4 if TINY else 64)) * 0.5).astype(np.float32)
+        dq, dk, dv = (cuda.to_device(x) for x in (q, k, v))
+        ref = linattn.causal_linear_attention(q, k, v, feature_map=fmap)
+        got = linattn.causal_linear_attention(dq, dk, dv, feature_map=fmap).copy_to_host()
+        err = float(np.max(np.abs(got - ref)) / np.max(np.abs(ref)))
+        ok &= err < 1e-4
+        t = timed(lambda: linattn.causal_linear_attention(dq, dk, dv, feature_map=fmap), sync)
+        print(f"{name} map (mapped on the device), {(b, h, n, d)}: max rel err {err:.2e}, {t * 1e3:.3f} ms")
     print("OK" if ok else "MISMATCH")
     return 0 if ok else 1
 
