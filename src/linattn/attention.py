@@ -12,7 +12,7 @@ from .cpu import chunked
 from .cpu.runtime import kernel_section, plan
 from .cpu import mapfns
 from .cpu.elementwise import IDENTITY
-from .feature_maps import NAMED, FeatureMap, as_map, resolve_for_device
+from .feature_maps import NAMED, FeatureMap, as_map
 from .state import State
 
 _ndarray, _INF = np.ndarray, math.inf
@@ -197,12 +197,9 @@ def _prepare(q, k, v, feature_map, eps, normalize, where="cpu"):
     normalize = checks.check_flag(normalize, "normalize")
     if where == "device":
         checks.check_device_inputs({"q": q, "k": k, "v": v}, comp, out_dt)
-        code, premap = resolve_for_device(feature_map)
-        if premap is not None:  # mapped on the device first (cuda/maps.py), then read as they are
-            from .cuda.maps import apply
+        from .cuda.maps import device_features
 
-            q, k = apply(q, premap, comp), apply(k, premap, comp)
-            d = premap.out_dim(d)
+        q, k, code, d = device_features(q, k, feature_map, d, comp)
         return q, k, v, lead, n, d, dv, comp, out_dt, eps, normalize, code
     q, k, code, dk = _features(q, k, feature_map, lead, n, comp, fused=where == "cpu")
     v = v.astype(comp, copy=False)

@@ -9,7 +9,7 @@ from . import checks, reference
 from . import gates as gates_mod
 from .cpu import step as step_kernels
 from .cpu.runtime import kernel_section
-from .feature_maps import NAMED, resolve, resolve_for_device
+from .feature_maps import NAMED, resolve
 from .state import State
 
 _NAMED_CODES = {name: code for name, (_, code) in NAMED.items()}
@@ -233,12 +233,9 @@ def _step_device(q, k, v, state, feature_map, eps, normalize, decay, gate, scale
     checks.check_device_inputs({"q": q, "k": k, "v": v}, comp, out_dt)
     eps = checks.check_eps(eps)
     normalize = checks.check_flag(normalize, "normalize")
-    code, premap = resolve_for_device(feature_map)
-    if premap is not None:  # mapped on the device first (cuda/maps.py)
-        from .cuda.maps import apply
+    from .cuda.maps import device_features
 
-        q, k = apply(q, premap, comp), apply(k, premap, comp)
-        d = premap.out_dim(d)
+    q, k, code, d = device_features(q, k, feature_map, d, comp)
     S_in, Z_in = checks.state_parts(state)
     if Z_in is not None:
         state = (cuda_api.as_device(S_in), cuda_api.as_device(Z_in))

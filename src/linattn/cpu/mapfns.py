@@ -325,7 +325,7 @@ def _hedgehog_block(code, fp, X, Y, work):
                 ya[t] = a
                 ye[t] = e
                 total[t] += a + e
-        for t in range(nb):
+        for t in range(nb):  # (top now holds each row's 1 / total)
             top[t] = like(1.0 / total[t], Y)
         for j in range(2 * m):
             y = YT[j]

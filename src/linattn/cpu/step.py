@@ -176,8 +176,8 @@ def _head_loops(Sh, Zh, vrow, qf, kf, orow, eps, normalize, qscale, dec, scratch
 def _step(q, k, v, fm, eps, normalize, S, Z, out, gates, decay, qscale):
     """q, k: (BH, D) (already mapped when fm is IDENTITY); v: (BH, Dv); S: (BH, D, Dv) and
     Z: (BH, D) updated in place; out: (BH, Dv); gates: None, (BH,) or (BH, D) with rows of adjacent
-    elements; decay: None or (BH,).
-    Any strides; the caller checked the shapes and values (a bad value returns 2, touching nothing)."""
+    elements; decay: None or (BH,). Any strides; the caller checked the shapes and values (a bad
+    value returns 2, touching nothing)."""
     bh, d_ = S.shape[0], S.shape[1]
     decs = np.empty((bh, d_), out.dtype)
     if not head_factors(gates, decay, q, bh, decs):

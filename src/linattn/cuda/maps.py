@@ -103,6 +103,18 @@ def _map_rows(x, fp, code, y):
         y[r, f] = val
 
 
+def device_features(q, k, feature_map, d, dtype):
+    """``(q', k', code, D')`` for device arrays q, k (..., D): the code of a map the sequence kernels
+    apply themselves with q, k as they are, or any other FeatureMap applied here first (then the
+    identity's code); a callable is a TypeError (feature_maps.resolve_for_device)."""
+    from ..feature_maps import resolve_for_device
+
+    code, premap = resolve_for_device(feature_map)
+    if premap is None:
+        return q, k, code, d
+    return apply(q, premap, dtype), apply(k, premap, dtype), code, premap.out_dim(d)
+
+
 def apply(x, fmap, dtype):
     """phi of device array ``x`` (..., D) with FeatureMap ``fmap``, as a new device array (..., D')."""
     from .api import cuda_module, to_device
