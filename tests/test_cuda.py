@@ -58,23 +58,31 @@ def test_causal_and_noncausal(cuda, dtype, feature_map):
         close(out.copy_to_host(), linattn.linear_attention(q, k, v, **kw), dtype)
 
 
-def test_state_handoff_and_lengths(cuda):
+@pytest.mark.parametrize("taylor", [False, True])
+def test_state_handoff_and_lengths(cuda, taylor):
+    """Also with a map computed on the device before the kernels (Taylor: D' = 10 for D = 3), whose
+    state and gates per key dimension have D' rows."""
     rng = np.random.default_rng(2)
     q, k, v = qkv(rng, (2,), 11, 3, 5, np.float32)
+    kw = dict(feature_map=linattn.feature_maps.Taylor()) if taylor else {}
     dq, dk, dv = (dev(cuda, x) for x in (q, k, v))
-    full, st = linattn.causal_linear_attention(q, k, v, return_state=True)
+    full, st = linattn.causal_linear_attention(q, k, v, return_state=True, **kw)
     a, dst = linattn.causal_linear_attention(dev(cuda, q[:, :6]), dev(cuda, k[:, :6]),
-                                             dev(cuda, v[:, :6]), return_state=True)
+                                             dev(cuda, v[:, :6]), return_state=True, **kw)
     b, dst2 = linattn.causal_linear_attention(dev(cuda, q[:, 6:]), dev(cuda, k[:, 6:]),
-                                              dev(cuda, v[:, 6:]), initial_state=dst, return_state=True)
+                                              dev(cuda, v[:, 6:]), initial_state=dst, return_state=True, **kw)
     close(np.concatenate([a.copy_to_host(), b.copy_to_host()], axis=1), full, np.float32)
     close(dst2.S.copy_to_host(), st.S, np.float32)
     close(dst2.Z.copy_to_host(), st.Z, np.float32)
     lengths = np.array([11, 4])
-    out, stl = linattn.causal_linear_attention(dq, dk, dv, lengths=lengths, return_state=True)
-    ref, st_ref = linattn.causal_linear_attention(q, k, v, lengths=lengths, return_state=True)
+    out, stl = linattn.causal_linear_attention(dq, dk, dv, lengths=lengths, return_state=True, **kw)
+    ref, st_ref = linattn.causal_linear_attention(q, k, v, lengths=lengths, return_state=True, **kw)
     close(out.copy_to_host(), ref, np.float32)
     close(stl.S.copy_to_host(), st_ref.S, np.float32)
+    if taylor:  # a gate per key dimension of the mapped features
+        gate = -0.2 * rng.random((2, 11, 10)).astype(np.float32)
+        close(linattn.causal_linear_attention(dq, dk, dv, gate=gate, **kw).copy_to_host(),
+              linattn.causal_linear_attention(q, k, v, gate=gate, **kw), np.float32)
 
 
 @pytest.mark.parametrize("dtype, feature_map", [(np.float32, "elu"), (np.float64, "elu"), (np.float32, "relu"),
