@@ -40,7 +40,7 @@ from .schedule import take
 from .smallgemm import small_gemm, small_gemm_tn, small_gemm_tn_lower
 from .threaded import ThreadedKernel
 from .vector import transpose_rows
-from .views import as_contiguous
+from .views import as_contiguous, keep_alive, unowned
 
 
 @njit(helper=True)
@@ -359,20 +359,21 @@ def _causal_backward(q, k, v, g, out, den, fm, normalize, s, lengths, chunk, fra
     e, dt = v.shape[3] + 1, dq.dtype
     has_r = rq.shape[1] > 0
     one = np.ones(1, dt)[0]
-    QA = np.empty((chunk, e + chunk), dt)  # [ab | M]
-    QA2 = np.empty((chunk, d + chunk), dt)  # [qs | A]
-    KT = np.empty((e, chunk), dt)  # v1^T
-    KT2 = np.empty((d, chunk), dt)  # kf^T
-    V1 = np.empty((chunk, e), dt)
-    KF = np.empty((chunk, d), dt)
-    KW = np.empty((chunk, d), dt)  # kf times the factors at the chunk's end
-    QE = np.empty((chunk, d), dt)  # qs times those from its start
-    R = np.empty((chunk, d), dt)
-    C = np.empty((d, e - 1), dt)  # the adjoint's value columns (its Z: the state helpers' Z)
-    CT = np.empty((e, d), dt)  # transposed
+    # views without reference counting (see chunked._causal_forward): the caller owns the arguments,
+    # the buffers' owners are kept to the end
+    q, k, v, g, out, den, gates = unowned((q, k, v, g, out, den, gates))
+    dq, dk, dv, rq, rk = unowned((dq, dk, dv, rq, rk))
+    owners = (np.empty((chunk, e + chunk), dt), np.empty((chunk, d + chunk), dt), np.empty((e, chunk), dt),
+              np.empty((d, chunk), dt), np.empty((chunk, e), dt), np.empty((chunk, d), dt), np.empty((chunk, d), dt),
+              np.empty((chunk, d), dt), np.empty((chunk, d), dt), np.empty((d, e - 1), dt), np.empty((e, d), dt))
+    # [ab | M], [qs | A], v1^T, kf^T, v1, kf, kf times the factors at the chunk's end, qs times those from
+    # its start, R, the adjoint's value columns C (its Z: the state helpers' Z) and C transposed
+    QA, QA2, KT, KT2, V1, KF, KW, QE, R, C, CT = unowned(owners)
     sums = np.zeros(max(d, e), dt)
-    G, Rg, F, X = gate_buffers(gates, chunk, dt)
-    W = (np.empty((chunk, d), dt), np.empty((SUB, d), dt), np.empty(d, dt))  # per key dimension: scratch
+    gbuf = gate_buffers(gates, chunk, dt)
+    wbuf = (np.empty((chunk, d), dt), np.empty((SUB, d), dt), np.empty(d, dt))  # per key dimension: scratch
+    G, Rg, F, X = unowned(gbuf)
+    W = unowned(wbuf)
     nseg = frac.shape[0] - 1
     items = q.shape[0] * g2 * nseg
     item = take(counter)
@@ -389,6 +390,7 @@ def _causal_backward(q, k, v, g, out, den, fm, normalize, s, lengths, chunk, fra
                               gates, ld, status, dq[h1, h2], dk[h1, h2], dv[h1, h2], H_out, Z_out, rq[r], rk[r], has_r,
                               QA, QA2, KT, KT2, V1, KF, KW, QE, R, C, CT, sums, G, Rg, F, X, W)
         item = take(counter)
+    keep_alive((owners, gbuf, wbuf))
 
 
 def _signature(dt, kind):

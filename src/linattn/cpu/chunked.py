@@ -31,7 +31,7 @@ from .mapfns import load_features, map_state, mapped_dim
 from .schedule import take
 from .smallgemm import small_gemm, small_gemm_tn
 from .threaded import ThreadedKernel
-from .views import as_contiguous, prefetch_rows
+from .views import as_contiguous, keep_alive, prefetch_rows, unowned
 from .vector import stream_copy, transpose_rows
 
 #: Chunks between folds of the pending float32 sums into the float64 state.
@@ -258,13 +258,15 @@ def _causal_forward(q, k, v, fm, fp, fa, eps, normalize, scale, lengths, chunk, 
     nseg = frac.shape[0] - 1
     items = q.shape[0] * g2 * nseg
     decayed = gates.ndim > 1
-    QA = np.empty((chunk, d_ + chunk), dt)  # [phi(Q) | A]
-    SV = np.empty((d_ + chunk, dv), dt)  # [S ; V]
-    Kf = np.empty((chunk, d_), dt)
-    KT = np.empty((d_, chunk), dt)
-    sums = np.empty(max(d_, dv), dt)
-    ST = np.empty((dv + 1, d_), dt)  # a chunk's state, transposed, on its way to ``states``
-    G, R, F, X = gate_buffers(gates, chunk, dt)
+    # the arrays' views (rows of a chunk) without reference counting: the caller owns the arguments,
+    # the buffers' owners are kept to the end
+    q, k, v, out, den, states, gates = unowned((q, k, v, out, den, states, gates))
+    owners = (np.empty((chunk, d_ + chunk), dt), np.empty((d_ + chunk, dv), dt), np.empty((chunk, d_), dt),
+              np.empty((d_, chunk), dt), np.empty(max(d_, dv), dt), np.empty((dv + 1, d_), dt))
+    # [phi(Q) | A], [S ; V], phi(K), its transpose, sums, a chunk's state transposed on its way to ``states``
+    QA, SV, Kf, KT, sums, ST = unowned(owners)
+    gbuf = gate_buffers(gates, chunk, dt)
+    G, R, F, X = unowned(gbuf)
     # rows far apart (head views of a fused projection) are fetched a chunk ahead: 0.93x the time
     # in a model; adjacent rows gain nothing (the hardware prefetches them)
     spread = q.strides[2] != q.shape[3] * q.itemsize or v.strides[2] != dv * v.itemsize
@@ -332,6 +334,7 @@ def _causal_forward(q, k, v, fm, fp, fa, eps, normalize, scale, lengths, chunk, 
             if S_out.shape[0] > 0:
                 _write_state(acc, accz, P, Pz, h, S_out, Z_out, has_acc, has_p, lam, decayed)
         item = take(counter)
+    keep_alive((owners, gbuf))
 
 
 @njit(helper=True)
@@ -375,10 +378,10 @@ def _noncausal_forward(q, k, v, fm, fp, fa, eps, normalize, scale, chunk, frac, 
     nseg = frac.shape[0] - 1
     nchunks = (n + chunk - 1) // chunk
     items = q.shape[0] * g2 * nseg
-    QA = np.empty((chunk, d_), dt)
-    Kf = np.empty((chunk, d_), dt)
-    V = np.empty((chunk, dv), dt)
-    S = np.empty((d_, dv), dt)
+    q, k, v, out = unowned((q, k, v, out))  # (see _causal_forward)
+    owners = (np.empty((chunk, d_), dt), np.empty((chunk, d_), dt), np.empty((chunk, dv), dt),
+              np.empty((d_, dv), dt))
+    QA, Kf, V, S = unowned(owners)
     item = take(counter)
     while item < items:
         h, _s, c0, c1 = _segment(item, nseg, frac, nchunks)
@@ -387,6 +390,7 @@ def _noncausal_forward(q, k, v, fm, fp, fa, eps, normalize, scale, chunk, frac, 
             _noncausal_segment(q[h1, h2], k[h1, h2], v[h1, h2], out[h1, h2], mp, eps, normalize, scale, chunk, c0,
                                c1, QA, Kf, V, S)
         item = take(counter)
+    keep_alive(owners)
 
 
 def _gates_type(dt, kind):

@@ -39,7 +39,7 @@ from .elementwise import exp_f32_parts, exp_le0, load_rows, map_row, relu
 from .gating import like
 from .smallgemm import noinline, small_gemm
 from .vector import transpose_rows, wide_vectors
-from .views import as_contiguous
+from .views import as_contiguous, unowned
 
 _OPTS = {"fastmath": set(FASTMATH), "error_model": "numpy"}
 
@@ -480,7 +480,7 @@ def map_state(code, fp, addr, d, dk, dtype):
 
 def _apply(x, code, fp, addr, y):
     mp = map_state(code, fp, addr, x.shape[1], y.shape[1], y.dtype)
-    load_features(x, 0, x.shape[0], mp, y)
+    load_features(unowned(x), 0, x.shape[0], mp, unowned(y))  # (views not counted: cpu/views.unowned)
 
 
 def _apply_signature(dt, variant):

@@ -18,7 +18,7 @@ from numba.np.numpy_support import as_dtype
 from .._jit import FASTMATH, Kernel, array, njit
 from .elementwise import exp_le0, map_flat, map_row
 from .vector import state_pass
-from .views import as_contiguous, head_matrix, head_row, head_scalar
+from .views import as_contiguous, head_matrix, head_row, head_scalar, keep_alive, unowned
 
 _OPTS = {"fastmath": set(FASTMATH), "error_model": "numpy"}
 
@@ -179,11 +179,11 @@ def _step(q, k, v, fm, eps, normalize, S, Z, out, gates, decay, qscale):
     elements; decay: None or (BH,). Any strides; the caller checked the shapes and values (a bad
     value returns 2, touching nothing)."""
     bh, d_ = S.shape[0], S.shape[1]
-    decs = np.empty((bh, d_), out.dtype)
+    q, k, v, S, Z, out = unowned((q, k, v, S, Z, out))  # (see _step_nd)
+    owners = (np.empty((bh, d_), out.dtype), np.empty((bh, 2, d_), out.dtype), np.empty(bh, out.dtype))
+    decs, maps, scratch = unowned(owners)
     if not head_factors(gates, decay, q, bh, decs):
         return 2
-    maps = np.empty((bh, 2, d_), out.dtype)
-    scratch = np.empty(bh, out.dtype)
     for h in range(bh):
         for a in range(d_):
             maps[h, 0, a] = q[h, a]
@@ -199,6 +199,7 @@ def _step(q, k, v, fm, eps, normalize, S, Z, out, gates, decay, qscale):
         else:
             _head_loops(S[h], Z[h], v[h], maps[h, 0], maps[h, 1], out[h], eps, normalize, qscale,
                         head_decay(gates, decay, decs, h, q), scratch[h:h + 1])
+    keep_alive(owners)
     return 0
 
 
@@ -223,10 +224,13 @@ def _step_nd(q, k, v, fm, eps, normalize, S, Z, out, gates, decay, qscale):
     if out.strides[-1] != isz or Z.strides[-1] != isz:
         return 1
     bh = q.size // d_
-    decs = np.empty((bh, d_), out.dtype)
+    # views without reference counting (see cpu/views.unowned): the caller owns the arguments, the
+    # buffers' owners are kept to the end
+    q, k, v, S, Z, out = unowned((q, k, v, S, Z, out))
+    owners = (np.empty((bh, d_), out.dtype), np.empty(bh * d_, out.dtype), np.empty(bh * d_, out.dtype))
+    decs, qf, kf = unowned(owners)
     if not head_factors(gates, decay, q, bh, decs):
         return 2
-    qf, kf = np.empty(bh * d_, out.dtype), np.empty(bh * d_, out.dtype)
     for h in range(bh):
         map_row(as_contiguous(head_row(q, h)), fm, qf[h * d_:(h + 1) * d_])
         map_row(as_contiguous(head_row(k, h)), fm, kf[h * d_:(h + 1) * d_])
@@ -235,6 +239,7 @@ def _step_nd(q, k, v, fm, eps, normalize, S, Z, out, gates, decay, qscale):
         Sh = head_matrix(S, h)
         state_pass(Sh, head_row(Z, h), head_row(v, h), qf[h * d_:(h + 1) * d_], kf[h * d_:(h + 1) * d_],
                    head_row(out, h), Sh.strides[0] // isz, eps, normalize, head_decay(gates, decay, decs, h, q), qscale)
+    keep_alive(owners)
     return 0
 
 
