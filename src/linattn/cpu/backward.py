@@ -306,8 +306,8 @@ def _segment_backward(q, k, v, g, out, den, fm, normalize, s, one, length, chunk
     state's gradient, to H_out[h], Z_out[h] when they have rows."""
     e, d = KT.shape[0], KT2.shape[0]
     decayed = gates.ndim > 1
-    P, B, acc, Pz, Bz, Z, accz, lam = _state_buffers(d, e - 1, QA.dtype)  # the adjoint [C | Cz] as a state
-    fb = np.empty(d if decayed else 0, QA.dtype)
+    sbuf = (_state_buffers(d, e - 1, QA.dtype), np.empty(d if decayed else 0, QA.dtype))
+    (P, B, acc, Pz, Bz, Z, accz, lam), fb = unowned(sbuf)  # the adjoint [C | Cz] as a state
     has_acc = _init_state(H0, Z0, h, acc, accz, B, Bz)
     has_p = False
     gate_state_factors(gates, lam, fb)
@@ -337,6 +337,7 @@ def _segment_backward(q, k, v, g, out, den, fm, normalize, s, one, length, chunk
             _zero_rows(x, length, x.shape[0])
         if H_out.shape[0] > 0:
             _write_state(acc, accz, P, Pz, h, H_out, Z_out, has_acc, has_p, lam, decayed)
+    keep_alive(sbuf)
 
 
 def _causal_backward(q, k, v, g, out, den, fm, normalize, s, lengths, chunk, frac, states, has_s0, H0, Z0, gates, ld,
@@ -362,7 +363,8 @@ def _causal_backward(q, k, v, g, out, den, fm, normalize, s, lengths, chunk, fra
     # views without reference counting (see chunked._causal_forward): the caller owns the arguments,
     # the buffers' owners are kept to the end
     q, k, v, g, out, den, gates = unowned((q, k, v, g, out, den, gates))
-    dq, dk, dv, rq, rk = unowned((dq, dk, dv, rq, rk))
+    dq, dk, dv, rq, rk, states = unowned((dq, dk, dv, rq, rk, states))
+    H0, Z0, H_out, Z_out = unowned((H0, Z0, H_out, Z_out))
     owners = (np.empty((chunk, e + chunk), dt), np.empty((chunk, d + chunk), dt), np.empty((e, chunk), dt),
               np.empty((d, chunk), dt), np.empty((chunk, e), dt), np.empty((chunk, d), dt), np.empty((chunk, d), dt),
               np.empty((chunk, d), dt), np.empty((chunk, d), dt), np.empty((d, e - 1), dt), np.empty((e, d), dt))

@@ -261,6 +261,7 @@ def _causal_forward(q, k, v, fm, fp, fa, eps, normalize, scale, lengths, chunk, 
     # the arrays' views (rows of a chunk) without reference counting: the caller owns the arguments,
     # the buffers' owners are kept to the end
     q, k, v, out, den, states, gates = unowned((q, k, v, out, den, states, gates))
+    S0, Z0, S_out, Z_out = unowned((S0, Z0, S_out, Z_out))
     owners = (np.empty((chunk, d_ + chunk), dt), np.empty((d_ + chunk, dv), dt), np.empty((chunk, d_), dt),
               np.empty((d_, chunk), dt), np.empty(max(d_, dv), dt), np.empty((dv + 1, d_), dt))
     # [phi(Q) | A], [S ; V], phi(K), its transpose, sums, a chunk's state transposed on its way to ``states``
@@ -284,8 +285,8 @@ def _causal_forward(q, k, v, fm, fp, fa, eps, normalize, scale, lengths, chunk, 
         qh, kh, vh, oh = q[h // g2, h % g2], k[h // g2, h % g2], v[h // g2, h % g2], out[h // g2, h % g2]
         keep = den[h // g2, h % g2] if den.shape[2] > 0 else den[0, 0]
         kept = states[h // g2, h % g2] if states.shape[2] > 0 else states[0, 0]
-        P, B, acc, Pz, Bz, Z, accz, lam = _state_buffers(d_, dv, dt)  # (zeros where they must start so)
-        fb = np.empty(d_ if decayed else 0, dt)  # B's factors (gate_state_factors)
+        sbuf = (_state_buffers(d_, dv, dt), np.empty(d_ if decayed else 0, dt))  # (zeros where they must start so)
+        (P, B, acc, Pz, Bz, Z, accz, lam), fb = unowned(sbuf)  # fb: B's factors (gate_state_factors)
         has_acc = _init_state(S0, Z0, h, acc, accz, B, Bz)
         has_p = False
         for ci in range(c0):  # the state at the start of this segment
@@ -333,6 +334,7 @@ def _causal_forward(q, k, v, fm, fp, fa, eps, normalize, scale, lengths, chunk, 
             oh[length:] = 0
             if S_out.shape[0] > 0:
                 _write_state(acc, accz, P, Pz, h, S_out, Z_out, has_acc, has_p, lam, decayed)
+        keep_alive(sbuf)
         item = take(counter)
     keep_alive((owners, gbuf))
 
