@@ -138,6 +138,20 @@ def test_map_against_formula(rng, name, dtype):
 
 
 @pytest.mark.parametrize("dtype", [np.float32, np.float64])
+@pytest.mark.parametrize("name", list(ELEMENTWISE))
+def test_elementwise_maps_at_infinities(name, dtype):
+    """The formula's value at +-inf, NaN and -0 (relu of -inf was NaN, as was softplus of it)."""
+    x = np.array([[-np.inf, np.inf, np.nan, -0.0, -1e30]], dtype)
+    with np.errstate(all="ignore"):
+        want = ELEMENTWISE[name](x.astype(np.float64))
+    phi = fm.Elementwise(name)(x)
+    np.testing.assert_array_equal(np.isnan(phi), np.isnan(want))
+    # (exp of a large negative number is clamped at about the smallest normal number)
+    np.testing.assert_allclose(phi[~np.isnan(want)], want[~np.isnan(want)],
+                               rtol={np.float32: 5e-7, np.float64: 1e-14}[dtype], atol=4 * np.finfo(dtype).tiny)
+
+
+@pytest.mark.parametrize("dtype", [np.float32, np.float64])
 @pytest.mark.parametrize("name, d, rows", [("taylor", 16, 100), ("rebased", 16, 33), ("dpfp", 8, 97),
                                            ("taylor", 9, 64), ("dpfp", 1, 31), ("hedgehog", 16, 100),
                                            ("hedgehog", 3, 65)])

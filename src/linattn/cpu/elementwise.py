@@ -128,9 +128,9 @@ def _elu1_overload(x):
 
 @njit(helper=True)
 def relu(x):
-    """max(x, 0) that keeps NaN, in x's type (x * 0 with an integer 0 was a float64 for a float32
-    x: every use converted to float64 and back)."""
-    return x if (x > 0 or x != x) else x * np.float32(0.0)
+    """max(x, 0) that keeps NaN, in x's type (+0 for every x <= 0: x * 0 gave NaN for -inf, and
+    with an integer 0 a float64 for a float32 x)."""
+    return x if (x > 0 or x != x) else np.float32(0.0)
 
 
 @njit(helper=True)
