@@ -77,10 +77,24 @@ def _exp_any_overload(x):
 
 
 def _log1p_01(e):
-    """log(1 + e) for 0 <= e <= 1, as 2 atanh(u) with u = e / (2 + e) <= 1/3, a series that
-    vectorises: to u**17 in float32, u**35 in float64 (truncation below each one's eps). NaN stays
-    NaN. Only callable from Numba code."""
+    """log(1 + e) for 0 <= e <= 1, in code that vectorises: in float32 e p(e) with p a degree-9
+    least-squares fit of log1p(x) / x on [0, 1] (Chebyshev nodes; truncation 5e-9, 1.7e-7 relative
+    with float32 rounding; no division: softplus over identity 1.24-1.26 instead of 1.27-1.30 with
+    the series below); in float64 2 atanh(u) with u = e / (2 + e) <= 1/3, a series to u**35. NaN stays NaN.
+    Only callable from Numba code."""
     raise NotImplementedError("runs inside Numba kernels only")
+
+
+_LOG1P_F32 = tuple(np.float32(c) for c in (
+    0.9999999953848531, -0.49999903992765465, 0.33330004035249367, -0.24954558871319, 0.19678117257459637,
+    -0.1531186310530405, 0.10614264692310249, -0.05706420081439122, 0.01990716095508309, -0.003256378479573084))
+
+
+def _log1p_f32(e):
+    p = _LOG1P_F32[9]
+    for j in range(8, -1, -1):
+        p = p * e + _LOG1P_F32[j]
+    return e * p
 
 
 def _series(dtype, terms):
@@ -98,7 +112,7 @@ def _series(dtype, terms):
 @overload(_log1p_01, jit_options=_OPTS)
 def _log1p_overload(e):
     if e == types.float32:
-        return _series(np.float32, 8)
+        return _log1p_f32
     return _series(np.float64, 17)
 
 
