@@ -68,7 +68,8 @@ def report(prefix, data, top=30):
     syms = sorted((a, short(n)) for n, a in meta["names"].items() if a)
     starts = [a for a, _ in syms]
     ips = collections.Counter()
-    for line in subprocess.run(["perf", "script", "-i", data, "-F", "ip"], capture_output=True, text=True).stdout.split():
+    listing = subprocess.run(["perf", "script", "-i", data, "-F", "ip"], capture_output=True, text=True).stdout
+    for line in listing.split():
         ips[int(line, 16)] += 1
     inside = {ip: c for ip, c in ips.items() if any(a <= ip < b for a, b, _ in meta["regions"])}
     total = sum(inside.values()) or 1
