@@ -3,13 +3,14 @@ import numpy as np
 import pytest
 from numba import njit
 
-from linattn.cpu.vector import stream_copy, transpose_rows
+from linattn.cpu.vector import store_fence, stream_copy, transpose_rows
 from linattn.workspace import aligned_empty
 
 
 @njit
 def _copy(src, dst):
     stream_copy(src, dst)
+    store_fence()
 
 
 @njit

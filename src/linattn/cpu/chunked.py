@@ -32,7 +32,7 @@ from .schedule import take
 from .smallgemm import small_gemm, small_gemm_tn
 from .threaded import ThreadedKernel
 from .views import as_contiguous, keep_alive, prefetch_rows, unowned
-from .vector import stream_copy, transpose_rows
+from .vector import store_fence, stream_copy, transpose_rows
 
 #: Chunks between folds of the pending float32 sums into the float64 state.
 FOLD_EVERY = 16
@@ -336,6 +336,7 @@ def _causal_forward(q, k, v, fm, fp, fa, eps, normalize, scale, lengths, chunk, 
                 _write_state(acc, accz, P, Pz, h, S_out, Z_out, has_acc, has_p, lam, decayed)
         keep_alive(sbuf)
         item = take(counter)
+    store_fence()  # the kept states' streaming stores, before the backward's threads read them
     keep_alive((owners, gbuf))
 
 
