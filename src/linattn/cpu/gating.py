@@ -41,7 +41,7 @@ from .._jit import FASTMATH, njit
 from .elementwise import exp_le0
 from . import symbols
 from .smallgemm import small_gemm
-from .vector import transpose_rows
+from .vector import transpose_rows, wide_vectors
 
 _OPTS = {"fastmath": set(FASTMATH), "error_model": "numpy"}
 
@@ -139,6 +139,7 @@ def _vector_factors(gp, sp, sd, i0, c, d, extra, a, sums, e, w, whole, run, tiny
     """chunk_gates per key dimension, from the gates at gp (a CPointer: position t, dimension j at
     gp[t * sp + j * sd]): a = the per-position factors, sums = the chunk's sums of log gates (float64),
     e, w, whole: the factors F (run: scratch); the first bad gate is reported in status."""
+    wide_vectors()
     one, zero = tiny / tiny, tiny - tiny  # in the compute dtype
     top = whole  # the largest gate of each dimension, for now
     for j in range(d):
@@ -287,6 +288,7 @@ def _vector_scores(QA, Kf, a, fac, qb, kh, kt, d_, c, tiny):
     """gate_scores per key dimension: blocks of SUB positions (see the module docstring). a: the
     per-position factors; fac (D',), qb, kh (SUB, D') and kt (D', SUB): scratch for a running
     factor row and a block's scaled queries and keys."""
+    wide_vectors()
     one, zero = tiny / tiny, tiny - tiny  # in the compute dtype
     for t in range(c):
         for s in range(c):
