@@ -58,6 +58,19 @@ def test_causal_and_noncausal(cuda, dtype, feature_map):
         close(out.copy_to_host(), linattn.linear_attention(q, k, v, **kw), dtype)
 
 
+@pytest.mark.parametrize("feature_map", ["relu", "squared_relu", "softplus"])
+def test_maps_of_minus_inf(cuda, feature_map):
+    """Keys at -inf: phi is 0 there (relu's was NaN on the device), as on the CPU."""
+    rng = np.random.default_rng(2)
+    q, k, v = qkv(rng, (2,), 7, 3, 4, np.float64)
+    q, k = np.abs(q) + 0.2, np.abs(k) + 0.2
+    k[0, 2, 1] = k[1, 5, 0] = -np.inf
+    out = linattn.causal_linear_attention(dev(cuda, q), dev(cuda, k), dev(cuda, v), feature_map=feature_map)
+    want = linattn.causal_linear_attention(q, k, v, feature_map=feature_map)
+    assert np.isfinite(want).all()
+    close(out.copy_to_host(), want, np.float64)
+
+
 @pytest.mark.parametrize("taylor", [False, True])
 def test_state_handoff_and_lengths(cuda, taylor):
     """Also with a map computed on the device before the kernels (Taylor: D' = 10 for D = 3), whose

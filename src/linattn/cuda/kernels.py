@@ -23,8 +23,8 @@ def phi(x, fm):
     """The elementwise feature maps by code (cpu/elementwise.py, cpu/mapfns.py), in float64."""
     if fm == 1:  # elu + 1
         return x + 1.0 if x > 0 else math.exp(x)
-    if fm == 2:  # relu, keeping NaN
-        return x if (x > 0 or x != x) else 0.0 * x
+    if fm == 2:  # relu, keeping NaN (0 for -inf: 0 * x was NaN there)
+        return x if (x > 0 or x != x) else 0.0
     if fm == 6:  # squared relu
         r = x if (x > 0 or x != x) else 0.0
         return r * r
