@@ -145,9 +145,10 @@ def _head_impl(lead):
 
     def impl(x, h):
         idx = np.empty(lead, np.intp)
-        for i in range(lead - 1, -1, -1):
-            idx[i] = h % x.shape[i]
-            h //= x.shape[i]
+        idx[lead - 1] = h
+        for i in range(lead - 1, 0, -1):  # (h itself is not rebound: inlined, that made Numba warn)
+            idx[i - 1] = idx[i] // x.shape[i]
+            idx[i] = idx[i] % x.shape[i]
         return x[to_fixed_tuple(idx, lead)]
 
     return impl
