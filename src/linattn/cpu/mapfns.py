@@ -172,12 +172,6 @@ def _elementwise(code, x, y):
             y[a] = relu(v) + _log1p_01(exp_le0(-abs(v)))
 
 
-@njit(helper=True)
-def _relu0(v, zero):
-    """max(v, 0) with +0 (``zero``, in v's type) for negatives, where relu gives -0; NaN kept."""
-    return v if (v > 0 or v != v) else zero
-
-
 # One function per family for a block of rows: Y[t, :D'] = phi(X[t]) (X: rows of D values already
 # scaled by fp[0]; Y: rows with unit stride; ``work``: work_size(D, D') - BLOCK D values). Each is
 # compiled into its own C function (below), only once it is used.
@@ -209,7 +203,6 @@ def _pairs(X, Y, fp, off, work, dpfp):
     YT = work[nu * PAIR_ROWS:(nu + dk) * PAIR_ROWS].reshape(dk, PAIR_ROWS)
     colsum = work[(nu + dk) * PAIR_ROWS:(nu + dk + 1) * PAIR_ROWS + 2 * d]  # transpose_rows' sums, unused
     idx_i, idx_j, coef = fp[off:off + dk], fp[off + dk:off + 2 * dk], fp[off + 2 * dk:off + 3 * dk]
-    zero = like(0.0, Y)
     if not dpfp:
         UT[d, :] = 1
     for s0 in range(0, X.shape[0], PAIR_ROWS):
@@ -220,8 +213,8 @@ def _pairs(X, Y, fp, off, work, dpfp):
                 row, neg = UT[a], UT[d + a]
                 for t in range(nb):
                     x = row[t]
-                    row[t] = _relu0(x, zero)
-                    neg[t] = _relu0(-x, zero)
+                    row[t] = relu(x)
+                    neg[t] = relu(-x)
         for f in range(dk):
             ui, uj, yt, c = UT[np.intp(idx_i[f])], UT[np.intp(idx_j[f])], YT[f], coef[f]
             for t in range(nb):
@@ -293,11 +286,10 @@ def _t2r_block(code, fp, X, Y, work):
     d, m = X.shape[1], Y.shape[1]
     _projection(fp, X, Y)
     b = fp[HEAD + d * m:HEAD + d * m + m]
-    zero = like(0.0, Y)
     for t in range(X.shape[0]):
         y = as_contiguous(Y[t])
         for j in range(m):
-            y[j] = _relu0(y[j] + b[j], zero)
+            y[j] = relu(y[j] + b[j])
 
 
 @njit(helper=True)

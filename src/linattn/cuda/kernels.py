@@ -19,14 +19,20 @@ from numba import cuda, float64
 
 
 @cuda.jit(device=True)
+def relu(x):
+    """max(x, 0) keeping NaN (0 for -inf)."""
+    return x if (x > 0 or x != x) else 0.0
+
+
+@cuda.jit(device=True)
 def phi(x, fm):
     """The elementwise feature maps by code (cpu/elementwise.py, cpu/mapfns.py), in float64."""
     if fm == 1:  # elu + 1
         return x + 1.0 if x > 0 else math.exp(x)
-    if fm == 2:  # relu, keeping NaN (0 for -inf: 0 * x was NaN there)
-        return x if (x > 0 or x != x) else 0.0
+    if fm == 2:
+        return relu(x)
     if fm == 6:  # squared relu
-        r = x if (x > 0 or x != x) else 0.0
+        r = relu(x)
         return r * r
     if fm == 7:  # gelu: x Phi(x), with erfc (no cancellation on the left)
         return 0.5 * x * math.erfc(-x * 0.7071067811865476)

@@ -15,14 +15,9 @@ import numpy as np
 from numba import cuda, float64
 
 from ..cpu import mapfns as M
-from .kernels import phi
+from .kernels import phi, relu
 
 _THREADS = 64
-
-
-@cuda.jit(device=True)
-def _relu0(x):
-    return x if (x > 0 or x != x) else 0.0
 
 
 @cuda.jit(device=True)
@@ -43,8 +38,8 @@ def _u(x, r, s, fp, i, d, code, stats):
     if code == M.REBASED:
         return (s * float64(x[r, i]) - stats[0]) * stats[1] * fp[M.HEAD + 1 + i] + fp[M.HEAD + 1 + d + i]
     if i < d:
-        return _relu0(s * float64(x[r, i]))
-    return _relu0(-s * float64(x[r, i - d]))
+        return relu(s * float64(x[r, i]))
+    return relu(-s * float64(x[r, i - d]))
 
 
 @cuda.jit
@@ -99,7 +94,7 @@ def _map_rows(x, fp, code, y):
             z = _projection(x, r, s, fp, j, d, m) + fp[M.HEAD + d * m + j]
             val = math.exp((2.0 if f < m else -2.0) * z - 2.0 * stats[0]) * stats[1]
         else:  # T2R
-            val = _relu0(_projection(x, r, s, fp, f, d, dk) + fp[M.HEAD + d * dk + f])
+            val = relu(_projection(x, r, s, fp, f, d, dk) + fp[M.HEAD + d * dk + f])
         y[r, f] = val
 
 
