@@ -127,7 +127,7 @@ def test_device_option_on_host_arrays(cuda):
     fm = lambda x: np.concatenate([np.maximum(x, 0), np.maximum(-x, 0)], -1) + 0.1  # noqa: E731
     close(linattn.causal_linear_attention(q, k, v, feature_map=fm, device="cuda"),
           linattn.causal_linear_attention(q, k, v, feature_map=fm), np.float32)
-    for fmap in (linattn.feature_maps.Taylor(), "softplus"):  # host arrays are mapped on the host first
+    for fmap in (linattn.feature_maps.Taylor(), "softplus"):  # computed inside the kernels, as on a device
         close(linattn.causal_linear_attention(q, k, v, feature_map=fmap, device="cuda"),
               linattn.causal_linear_attention(q, k, v, feature_map=fmap), np.float32)
         close(linattn.linear_attention(q, k, v, feature_map=fmap, device="cuda"),
@@ -153,7 +153,7 @@ def test_device_option_on_host_arrays(cuda):
 
 
 def _device_maps(d, seed=3):
-    """Every map the CUDA kernels do not apply themselves (cuda/maps.py maps the device arrays first)."""
+    """The expansion, learned and scaled maps (the kernels compute them with cuda/maps.py's features)."""
     rng = np.random.default_rng(seed)
     fm = linattn.feature_maps
     w, b = rng.standard_normal((d, 3)) / np.sqrt(d), 0.1 * rng.standard_normal(3)
@@ -181,6 +181,31 @@ def test_maps_on_device_arrays(cuda, dtype):
             o = linattn.step(dev(cuda, q[:, i]), dev(cuda, k[:, i]), dev(cuda, v[:, i]), st, **kw)
             close(o.copy_to_host(), linattn.step(q[:, i], k[:, i], v[:, i], st_cpu, **kw), dtype)
         close(st.S.copy_to_host(), st_cpu.S, dtype)
+
+
+def test_maps_allocate_nothing_of_the_features_shape(cuda, monkeypatch):
+    """phi(q), phi(k) are computed inside the kernels: no device array of shape (BH, N, D') is made
+    (the maps used to be applied to the inputs first), for device and host inputs."""
+    rng = np.random.default_rng(8)
+    bh, n, d = 2, 5, 3
+    q, k, v = qkv(rng, (bh,), n, d, 2, np.float32)
+    shapes = []
+    for name in ("device_array", "to_device"):
+        real = getattr(cuda, name)
+
+        def record(*args, _real=real, **kw):
+            arr = _real(*args, **kw)
+            shapes.append(tuple(arr.shape))
+            return arr
+
+        monkeypatch.setattr(cuda, name, record)
+    fmap = linattn.feature_maps.Taylor()  # D' = 10
+    want = linattn.causal_linear_attention(q, k, v, feature_map=fmap)
+    close(linattn.causal_linear_attention(q, k, v, feature_map=fmap, device="cuda"), want, np.float32)
+    inputs = [dev(cuda, x) for x in (q, k, v)]
+    close(linattn.causal_linear_attention(*inputs, feature_map=fmap).copy_to_host(), want, np.float32)
+    assert (bh, n, 2) in shapes  # the outputs were seen
+    assert not [s for s in shapes if np.prod(s) >= bh * n * fmap.out_dim(d)], shapes
 
 
 def test_errors(cuda):

@@ -92,13 +92,12 @@ def _fast(causal, q, k, v, feature_map, eps, normalize):
     return out
 
 
-def _features(q, k, feature_map, lead, n, comp, fused=True):
+def _features(q, k, feature_map, lead, n, comp):
     """(q', k', (kernel code, parameters, address), D'): inputs in the compute dtype, mapped already if
-    the map is a user's callable; the CPU kernels compute every FeatureMap themselves (``fused``), the
-    CUDA kernels only the inline ones (the others map the host arrays first)."""
+    the map is a user's callable; the kernels compute every FeatureMap themselves."""
     fmap = as_map(feature_map)
     q, k = q.astype(comp, copy=False), k.astype(comp, copy=False)
-    if not isinstance(fmap, FeatureMap) or (not fused and fmap.kernel_code() >= mapfns.FIRST):
+    if not isinstance(fmap, FeatureMap):
         q = checks.check_mapped(fmap(q), "q", lead, n).astype(comp, copy=False)
         k = checks.check_mapped(fmap(k), "k", lead, n, q.shape[-1]).astype(comp, copy=False)
         return q, k, (IDENTITY, _NO_GATES[comp], 0), q.shape[-1]
@@ -187,7 +186,8 @@ def _deliver(res, out, out_dt, where):
 
 
 def _prepare(q, k, v, feature_map, eps, normalize, where="cpu"):
-    """Checked inputs. On a CUDA device ("device") nothing is copied and only named maps run."""
+    """Checked inputs. On a CUDA device ("device") nothing is copied; on CUDA ("device", "cuda-host") the
+    code is cuda/maps.device_map's (code, parameters, D')."""
     if where == "device":
         from .cuda.api import as_device
 
@@ -195,13 +195,19 @@ def _prepare(q, k, v, feature_map, eps, normalize, where="cpu"):
     q, k, v, lead, n, d, dv, comp, out_dt = checks.check_qkv(q, k, v, host=where != "device")
     eps = checks.check_eps(eps)
     normalize = checks.check_flag(normalize, "normalize")
-    if where == "device":
-        checks.check_device_inputs({"q": q, "k": k, "v": v}, comp, out_dt)
-        from .cuda.maps import device_features
+    if where != "cpu":  # the CUDA kernels compute every FeatureMap themselves, a callable maps host arrays
+        from .cuda.maps import device_map
 
-        q, k, code, d = device_features(q, k, feature_map, d, comp)
-        return q, k, v, lead, n, d, dv, comp, out_dt, eps, normalize, code
-    q, k, code, dk = _features(q, k, feature_map, lead, n, comp, fused=where == "cpu")
+        if where == "device":
+            checks.check_device_inputs({"q": q, "k": k, "v": v}, comp, out_dt)
+        else:
+            q, k, v = (x.astype(comp, copy=False) for x in (q, k, v))
+            if not isinstance(as_map(feature_map), FeatureMap):
+                q, k, _, _ = _features(q, k, feature_map, lead, n, comp)
+                feature_map = "identity"
+        code = device_map(feature_map, d if where == "device" else q.shape[-1])
+        return q, k, v, lead, n, code[2], dv, comp, out_dt, eps, normalize, code
+    q, k, code, dk = _features(q, k, feature_map, lead, n, comp)
     v = v.astype(comp, copy=False)
     return q, k, v, lead, n, dk, dv, comp, out_dt, eps, normalize, code
 
@@ -338,7 +344,7 @@ def causal_with_denominators(q, k, v, feature_map="elu", eps=1e-6, normalize=Tru
         g = None if gates is None else np.ascontiguousarray(gates if kind == gates_mod.VECTOR else gates[..., None])
         cuda_kind = gates_mod.SCALAR if kind == gates_mod.CONSTANT else kind  # its zero gates, there
         res, S, Z, status = cuda_api.causal(
-            _flat(q, bh, 2), _flat(k, bh, 2), _flat(v, bh, 2), code if where == "device" else code[0], eps, normalize,
+            _flat(q, bh, 2), _flat(k, bh, 2), _flat(v, bh, 2), code, eps, normalize,
             lens, S0, Z0, return_state, comp,
             None if g is None else g.reshape((bh,) + g.shape[-2:]), cuda_kind, log_decay, scale)
         gates_mod.raise_bad_gate(status, lead)
@@ -426,7 +432,7 @@ def linear_attention(q, k, v, *, feature_map="elu", eps=1e-6, normalize=True, sc
         from .cuda import api as cuda_api
 
         res = cuda_api.noncausal(_flat(q, bh, 2), _flat(k, bh, 2), _flat(v, bh, 2),
-                                 code if where == "device" else code[0], eps, normalize, comp)
+                                 code, eps, normalize, comp)
         res = res.reshape(lead + (n, dv))
     else:
         res = _result_array(out, lead, n, dv, comp, (q, k, v))

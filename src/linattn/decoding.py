@@ -203,7 +203,10 @@ def _step_checked(q, k, v, state, feature_map, eps, normalize, decay, gate, scal
         from .cuda import api as cuda_api
 
         S_dev, Z_dev = cuda_api.to_device(np.ascontiguousarray(S3c)), cuda_api.to_device(np.ascontiguousarray(Z2c))
-        res2[...] = cuda_api.step(q.reshape(bh, dk), k.reshape(bh, dk), v.reshape(bh, dv), code, eps,
+        from .cuda.maps import device_map
+
+        fmap = device_map("identity" if is_callable else feature_map, dk)  # (mapped on the host, or inline)
+        res2[...] = cuda_api.step(q.reshape(bh, dk), k.reshape(bh, dk), v.reshape(bh, dv), fmap, eps,
                                   normalize, S_dev, Z_dev, None, comp, gate_flat, gate_kind, decay_flat, qscale)
         S3c[...] = S_dev.copy_to_host()
         Z2c[...] = Z_dev.copy_to_host()
@@ -233,9 +236,11 @@ def _step_device(q, k, v, state, feature_map, eps, normalize, decay, gate, scale
     checks.check_device_inputs({"q": q, "k": k, "v": v}, comp, out_dt)
     eps = checks.check_eps(eps)
     normalize = checks.check_flag(normalize, "normalize")
-    from .cuda.maps import device_features
+    from .cuda.maps import device_map
 
-    q, k, code, d = device_features(q, k, feature_map, d, comp)
+    fmap = device_map(feature_map, d)  # (computed inside the kernel)
+    din, d = d, fmap[2]  # D, D'
+
     S_in, Z_in = checks.state_parts(state)
     if Z_in is not None:
         state = (cuda_api.as_device(S_in), cuda_api.as_device(Z_in))
@@ -256,7 +261,7 @@ def _step_device(q, k, v, state, feature_map, eps, normalize, decay, gate, scale
         gate_kind, gate_arr = gates_mod.check_gate(gate, lead, None, d, comp, per_position=False)
         gates_mod.check_gate_values(gate_arr)
         gate_flat = np.ascontiguousarray(gate_arr).reshape(bh, -1)
-    res = cuda_api.step(q.reshape(bh, d), k.reshape(bh, d), v.reshape(bh, dv), code, eps, normalize,
+    res = cuda_api.step(q.reshape(bh, din), k.reshape(bh, din), v.reshape(bh, dv), fmap, eps, normalize,
                         S.reshape(bh, d, dv), Z.reshape(bh, d), out, comp, gate_flat, gate_kind, decay_flat, qscale)
     return res.reshape(lead + (dv,))
 

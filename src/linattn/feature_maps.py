@@ -600,21 +600,12 @@ def resolve(feature_map):
     return fmap, IDENTITY, True
 
 
-#: The maps the CUDA kernels apply themselves (unscaled elementwise maps), by kernel code.
-DEVICE_CODES = {ELU, RELU, IDENTITY, mapfns.SQUARED_RELU, mapfns.GELU, mapfns.SILU, mapfns.SIGMOID,
-                mapfns.SOFTPLUS}
-
-
 def resolve_for_device(feature_map):
-    """``(code, None)`` for a map the CUDA kernels apply themselves (the elementwise maps, unscaled), or
-    ``(IDENTITY, fmap)`` for a FeatureMap that cuda/maps.py applies to the device arrays first; a
-    callable is a TypeError (it maps host arrays)."""
+    """The FeatureMap of ``feature_map`` for arrays on a CUDA device (its kernels compute every
+    FeatureMap themselves, cuda/maps.py); a callable is a TypeError (it maps host arrays)."""
     fmap = as_map(feature_map)
     if not isinstance(fmap, FeatureMap):
         named = ", ".join(repr(n) for n in NAMES if n != "swish")
         raise TypeError("feature_map: a callable runs on host arrays; on CUDA device arrays use "
                         f"{named} or a linattn.feature_maps map (or pass host arrays with device='cuda')")
-    code = fmap.kernel_code()
-    if code in DEVICE_CODES and fmap.input_scale == 1.0:
-        return code, None
-    return IDENTITY, fmap
+    return fmap

@@ -7,9 +7,9 @@ _SHARED_BYTES = 48 * 1024  # static limit for dynamic shared memory without an o
 
 
 def shared_doubles(c, te, d, w=0):
-    """Size of the dynamic shared buffer of the sequence kernels, in float64 values (w: columns of
-    the gates' G and R, 0 without gates)."""
-    return 2 * c * d + c * te + c * c + d * te + d + c + 2 * c * w
+    """Size of the dynamic shared buffer of the sequence kernels, in float64 values (d: the features'
+    number D'; w: columns of the gates' G and R, 0 without gates)."""
+    return 2 * c * d + c * te + c * c + d * te + d + 5 * c + 2 * c * w
 
 
 def tiles(d, dv, w=0):
@@ -55,16 +55,24 @@ def _result(x, host):
     return x.copy_to_host() if host else x
 
 
-def causal(q, k, v, code, eps, normalize, lengths, S0, Z0, want_state, dtype, gates=None, kind=0, log_decay=None,
+def _map_args(fmap):
+    """(code, fp on the device, D') from a map's (code, fp, D') (cuda/maps.device_map)."""
+    code, fp, dk = fmap
+    return code, to_device(np.ascontiguousarray(fp, np.float64)), dk
+
+
+def causal(q, k, v, fmap, eps, normalize, lengths, S0, Z0, want_state, dtype, gates=None, kind=0, log_decay=None,
            scale=1.0):
-    """Causal forward of (BH, N, D) arrays; returns (out, S, Z, status) (S, Z have no rows unless
-    ``want_state``) on the host if q is a host array, else on the device. ``gates``: (BH, N, 1) or
-    (BH, N, D) log gates of ``kind`` (linattn.gates), ``log_decay`` (BH,); ``status`` (host, 3 ints)
-    reports a bad gate value as the CPU kernels do."""
+    """Causal forward of (BH, N, D) arrays with feature map ``fmap`` (code, parameters, D':
+    cuda/maps.device_map); returns (out, S, Z, status) (S, Z have no rows unless ``want_state``) on the
+    host if q is a host array, else on the device. ``gates``: (BH, N, 1) or (BH, N, D') log gates of
+    ``kind`` (linattn.gates), ``log_decay`` (BH,); ``status`` (host, 3 ints) reports a bad gate value
+    as the CPU kernels do."""
     cuda = cuda_module()
     from .kernels import causal as kern
     host = not is_device_array(q)
-    bh, n, d = q.shape
+    bh, n = q.shape[:2]
+    code, fp, d = _map_args(fmap)
     dv = v.shape[2]
     q, k, v, S0, Z0 = (_on_device(x) for x in (q, k, v, S0, Z0))
     lens = cuda.to_device(np.ascontiguousarray(lengths, dtype=np.int64))
@@ -79,8 +87,8 @@ def causal(q, k, v, code, eps, normalize, lengths, S0, Z0, want_state, dtype, ga
         w = 0 if kind == 0 else (1 if kind == 1 else d)
         c, te = tiles(d, dv, w)
         kern[(bh, -(-dv // te)), (te, c), 0, shared_doubles(c, te, d, w) * 8](
-            q, k, v, code, float(eps), bool(normalize), lens, S0, Z0, out, S, Z, c, te, g, kind, ld, float(scale),
-            status)
+            q, k, v, code, fp, float(eps), bool(normalize), lens, S0, Z0, out, S, Z, c, te, g, kind, ld,
+            float(scale), status)
     elif want_state and S0.shape[0]:
         S, Z = S0, Z0
     elif want_state:
@@ -88,29 +96,33 @@ def causal(q, k, v, code, eps, normalize, lengths, S0, Z0, want_state, dtype, ga
     return _result(out, host), _result(S, host), _result(Z, host), status.copy_to_host()
 
 
-def noncausal(q, k, v, code, eps, normalize, dtype):
+def noncausal(q, k, v, fmap, eps, normalize, dtype):
+    """Non-causal forward of (BH, N, D) arrays with feature map ``fmap`` (as ``causal``)."""
     cuda = cuda_module()
     from .kernels import noncausal as kern
     host = not is_device_array(q)
-    bh, n, d = q.shape
+    bh, n = q.shape[:2]
+    code, fp, d = _map_args(fmap)
     dv = v.shape[2]
     q, k, v = (_on_device(x) for x in (q, k, v))
     out = cuda.device_array((bh, n, dv), dtype)
     if bh and n:
         c, te = tiles(d, dv)
         kern[(bh, -(-dv // te)), (te, c), 0, shared_doubles(c, te, d) * 8](
-            q, k, v, code, float(eps), bool(normalize), out, c, te)
+            q, k, v, code, fp, float(eps), bool(normalize), out, c, te)
     return _result(out, host)
 
 
-def step(q, k, v, code, eps, normalize, S, Z, out, dtype, gates=None, kind=0, decay=None, scale=1.0):
-    """One step on (BH, D) arrays; S, Z (device arrays) are updated in place. Host q, k, v are
-    copied over; returns out (a device array, or a host array for host q). ``gates``: (BH,) or
-    (BH, D) of ``kind``, ``decay`` (BH,) in (0, 1]; their values already checked."""
+def step(q, k, v, fmap, eps, normalize, S, Z, out, dtype, gates=None, kind=0, decay=None, scale=1.0):
+    """One step on (BH, D) arrays with feature map ``fmap`` (as ``causal``); S, Z (device arrays,
+    (BH, D', Dv) and (BH, D')) are updated in place. Host q, k, v are copied over; returns out (a
+    device array, or a host array for host q). ``gates``: (BH,) or (BH, D') of ``kind``, ``decay``
+    (BH,) in (0, 1]; their values already checked."""
     cuda = cuda_module()
     from .kernels import step as kern
     host = not is_device_array(q)
-    bh, d = q.shape
+    bh = q.shape[0]
+    code, fp, d = _map_args(fmap)
     dv = v.shape[1]
     q, k, v = (_on_device(x) for x in (q, k, v))
     res = out if out is not None else cuda.device_array((bh, dv), dtype)
@@ -119,5 +131,6 @@ def step(q, k, v, code, eps, normalize, S, Z, out, dtype, gates=None, kind=0, de
     ld = to_device(np.zeros(0)) if decay is None else to_device(np.log(np.asarray(decay, np.float64)))
     if bh:
         t = 4 if _simulating() else min(256, max(32, -(-dv // 32) * 32))
-        kern[bh, t, 0, 3 * d * 8](q, k, v, code, float(eps), bool(normalize), S, Z, res, t, g, kind, ld, float(scale))
+        kern[bh, t, 0, (3 * d + 4) * 8](q, k, v, code, fp, float(eps), bool(normalize), S, Z, res, t, g, kind, ld,
+                                        float(scale))
     return _result(res, host)

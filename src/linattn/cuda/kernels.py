@@ -2,9 +2,11 @@
 
 A block owns one head and one tile of TE value columns and walks the sequence in chunks of C
 positions with C x TE threads: thread (t, e) computes score row t and output (t, e); the state tile
-S (D x TE) and Z stay in shared memory, in float64, for the whole sequence. Shared memory is one
-dynamic float64 buffer: phi(Q), phi(K) (C x D each), V (C x TE), A (C x C), S (D x TE), Z (D),
-denominators (C), and with gates G, R (C x W each, W = 1 or D). Kernels compile on first launch;
+S (D x TE) and Z stay in shared memory, in float64, for the whole sequence. D is the number of
+features D' (``fp[1]``): the feature map (code ``fm``, parameters ``fp``: cuda/maps.py) is computed
+from the rows of q and k as each chunk is loaded. Shared memory is one dynamic float64 buffer: phi(Q),
+phi(K) (C x D each), V (C x TE), A (C x C), S (D x TE), Z (D), denominators (C), the map's row
+statistics (4 C), and with gates G, R (C x W each, W = 1 or D). Kernels compile on first launch;
 importing this module (done lazily, only for the CUDA path) needs numba.cuda but no GPU.
 
 Gates as on the CPU (cpu/gating.py): ``gk`` 0 (none), 1 (``gates`` (BH, N, 1): a log gate per
@@ -17,46 +19,27 @@ import math
 
 from numba import cuda, float64
 
-
-@cuda.jit(device=True)
-def relu(x):
-    """max(x, 0) keeping NaN (0 for -inf)."""
-    return x if (x > 0 or x != x) else 0.0
+from .maps import feature, has_stats, row_stats
 
 
 @cuda.jit(device=True)
-def phi(x, fm):
-    """The elementwise feature maps by code (cpu/elementwise.py, cpu/mapfns.py), in float64."""
-    if fm == 1:  # elu + 1
-        return x + 1.0 if x > 0 else math.exp(x)
-    if fm == 2:
-        return relu(x)
-    if fm == 6:  # squared relu
-        r = relu(x)
-        return r * r
-    if fm == 7:  # gelu: x Phi(x), with erfc (no cancellation on the left)
-        return 0.5 * x * math.erfc(-x * 0.7071067811865476)
-    if fm == 8 or fm == 9:  # silu, sigmoid: exp of -|x| only
-        e = math.exp(-abs(x))
-        sig = (1.0 if x >= 0 else e) / (1.0 + e)
-        if x != x:
-            return x
-        return x * sig if fm == 8 else sig
-    if fm == 10:  # softplus: max(x, 0) + log(1 + exp(-|x|))
-        if x != x:
-            return x
-        return (x if x > 0 else 0.0) + math.log1p(math.exp(-abs(x)))
-    return x
-
-
-@cuda.jit(device=True)
-def load_chunk(q, k, v, h, i0, c, fm, e0, C, TE, d, dv, Qs, Ks, Vs, tid, nthreads):
+def load_chunk(q, k, v, h, i0, c, fm, fp, e0, C, TE, d, dv, Qs, Ks, Vs, Ms, tid, nthreads):
+    """phi(Q), phi(K) (C x D' each, zero past the chunk's c rows) and the tile of V of the chunk at i0:
+    the map's row statistics first (Ms: 2 per row, q's rows then k's), then one feature per thread."""
+    din = q.shape[2]
+    qh, kh = q[h], k[h]
+    if has_stats(fm):
+        for i in range(tid, 2 * c, nthreads):
+            st = row_stats(qh if i < c else kh, i0 + (i if i < c else i - c), fp, fm, din, d)
+            Ms[2 * i] = st[0]
+            Ms[2 * i + 1] = st[1]
+        cuda.syncthreads()
     for i in range(tid, C * d, nthreads):
         t = i // d
-        a = i - t * d
+        f = i - t * d
         if t < c:
-            Qs[i] = phi(float64(q[h, i0 + t, a]), fm)
-            Ks[i] = phi(float64(k[h, i0 + t, a]), fm)
+            Qs[i] = feature(qh, i0 + t, fp, fm, f, din, d, Ms[2 * t], Ms[2 * t + 1])
+            Ks[i] = feature(kh, i0 + t, fp, fm, f, din, d, Ms[2 * (c + t)], Ms[2 * (c + t) + 1])
         else:
             Qs[i] = 0.0
             Ks[i] = 0.0
@@ -89,18 +72,20 @@ def block_position(C, TE):
 
 @cuda.jit(device=True)
 def carve(sm, C, TE, d):
-    """The views of the dynamic shared buffer: phi(Q), phi(K), V, A, S, Z, denominators."""
+    """The views of the dynamic shared buffer: phi(Q), phi(K), V, A, S, Z, denominators, the feature
+    map's row statistics (4 C)."""
     o1 = 2 * C * d + C * TE
     o2 = o1 + C * C
     o3 = o2 + d * TE
+    o4 = o3 + d + C
     return (sm[0:C * d], sm[C * d:2 * C * d], sm[2 * C * d:o1], sm[o1:o2], sm[o2:o3], sm[o3:o3 + d],
-            sm[o3 + d:o3 + d + C])
+            sm[o3 + d:o4], sm[o4:o4 + 4 * C])
 
 
 @cuda.jit(device=True)
 def carve_gates(sm, C, TE, d, w):
     """G and R (C x w each) after carve's views."""
-    o = 2 * C * d + C * TE + C * C + d * TE + d + C
+    o = 2 * C * d + C * TE + C * C + d * TE + d + 5 * C
     return sm[o:o + C * w], sm[o + C * w:o + 2 * C * w]
 
 
@@ -140,11 +125,12 @@ def gkw_reset(Rs, w, t, a):
 
 
 @cuda.jit
-def causal(q, k, v, fm, eps, normalize, lengths, S0, Z0, out, S_out, Z_out, C, TE, gates, gk, ld, scale, status):
+def causal(q, k, v, fm, fp, eps, normalize, lengths, S0, Z0, out, S_out, Z_out, C, TE, gates, gk, ld, scale,
+           status):
     h, e0, tx, ty, tid, nthreads = block_position(C, TE)
-    n, d, dv = q.shape[1], q.shape[2], v.shape[2]
+    n, d, dv = q.shape[1], int(fp[1]), v.shape[2]  # d: the features' number D'
     sm = cuda.shared.array(0, float64)
-    Qs, Ks, Vs, As, Ss, Zs, dens = carve(sm, C, TE, d)
+    Qs, Ks, Vs, As, Ss, Zs, dens, Ms = carve(sm, C, TE, d)
     w = 0 if gk == 0 else (1 if gk == 1 else d)
     Gs, Rs = carve_gates(sm, C, TE, d, w)
     has_init = S0.shape[0] > 0
@@ -159,7 +145,7 @@ def causal(q, k, v, fm, eps, normalize, lengths, S0, Z0, out, S_out, Z_out, C, T
     e = e0 + tx
     for i0 in range(0, length, C):
         c = min(C, length - i0)
-        load_chunk(q, k, v, h, i0, c, fm, e0, C, TE, d, dv, Qs, Ks, Vs, tid, nthreads)
+        load_chunk(q, k, v, h, i0, c, fm, fp, e0, C, TE, d, dv, Qs, Ks, Vs, Ms, tid, nthreads)
         if gk != 0:
             chunk_gates(gates, gk, ld, h, i0, c, Gs, Rs, w, status, tid, nthreads)
         cuda.syncthreads()
@@ -226,10 +212,10 @@ def add_decayed_chunk(Ks, Vs, Ss, Zs, c, C, TE, d, tx, ty, tid, nthreads, Gs, Rs
 
 
 @cuda.jit
-def noncausal(q, k, v, fm, eps, normalize, out, C, TE):
+def noncausal(q, k, v, fm, fp, eps, normalize, out, C, TE):
     h, e0, tx, ty, tid, nthreads = block_position(C, TE)
-    n, d, dv = q.shape[1], q.shape[2], v.shape[2]
-    Qs, Ks, Vs, _, Ss, Zs, dens = carve(cuda.shared.array(0, float64), C, TE, d)
+    n, d, dv = q.shape[1], int(fp[1]), v.shape[2]
+    Qs, Ks, Vs, _, Ss, Zs, dens, Ms = carve(cuda.shared.array(0, float64), C, TE, d)
     for i in range(tid, d * TE, nthreads):
         Ss[i] = 0.0
     for a in range(tid, d, nthreads):
@@ -237,14 +223,14 @@ def noncausal(q, k, v, fm, eps, normalize, out, C, TE):
     cuda.syncthreads()
     for i0 in range(0, n, C):  # the state over the whole sequence
         c = min(C, n - i0)
-        load_chunk(q, k, v, h, i0, c, fm, e0, C, TE, d, dv, Qs, Ks, Vs, tid, nthreads)
+        load_chunk(q, k, v, h, i0, c, fm, fp, e0, C, TE, d, dv, Qs, Ks, Vs, Ms, tid, nthreads)
         cuda.syncthreads()
         add_chunk_to_state(Ks, Vs, Ss, Zs, c, C, TE, d, tx, ty, tid, nthreads)
         cuda.syncthreads()
     e = e0 + tx
     for i0 in range(0, n, C):
         c = min(C, n - i0)
-        load_chunk(q, k, v, h, i0, c, fm, e0, C, TE, d, dv, Qs, Ks, Vs, tid, nthreads)
+        load_chunk(q, k, v, h, i0, c, fm, fp, e0, C, TE, d, dv, Qs, Ks, Vs, Ms, tid, nthreads)
         cuda.syncthreads()
         if tx == 0:
             den = 0.0
@@ -261,19 +247,25 @@ def noncausal(q, k, v, fm, eps, normalize, out, C, TE):
 
 
 @cuda.jit
-def step(q, k, v, fm, eps, normalize, S, Z, out, T, gates, gk, ld, scale):
+def step(q, k, v, fm, fp, eps, normalize, S, Z, out, T, gates, gk, ld, scale):
     """One block per head, T threads looping over the value columns; gates and decay as for causal
-    (gates (BH, 1) or (BH, D) for this step; the caller checked their values)."""
+    (gates (BH, 1) or (BH, D') for this step; the caller checked their values)."""
     h = cuda.blockIdx.x
     tx = cuda.threadIdx.x
-    d, dv = S.shape[1], S.shape[2]
+    d, dv, din = S.shape[1], S.shape[2], q.shape[1]
     sm = cuda.shared.array(0, float64)
     qf = sm[0:d]
     kf = sm[d:2 * d]
     df = sm[2 * d:3 * d]
+    st = sm[3 * d:3 * d + 4]  # the map's row statistics of q and k
+    if tx < 2 and has_stats(fm):
+        s0, s1 = row_stats(q if tx == 0 else k, h, fp, fm, din, d)
+        st[2 * tx] = s0
+        st[2 * tx + 1] = s1
+    cuda.syncthreads()
     for a in range(tx, d, T):
-        qf[a] = phi(float64(q[h, a]), fm)
-        kf[a] = phi(float64(k[h, a]), fm)
+        qf[a] = feature(q, h, fp, fm, a, din, d, st[0], st[1])
+        kf[a] = feature(k, h, fp, fm, a, din, d, st[2], st[3])
         g = ld[h] if ld.shape[0] > 0 else 0.0
         if gk != 0:
             g += float64(gates[h, a if gk == 2 else 0])
