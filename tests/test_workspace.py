@@ -57,3 +57,63 @@ def test_vjp_states_return_to_the_pool():
     for a, b in zip(vjp(np.ones((2, 100, 4))), first):
         np.testing.assert_array_equal(a, b)
     workspace.clear()
+
+
+def _address(x):
+    return x.__array_interface__["data"][0]
+
+
+def test_views_share_one_block_that_returns_when_the_last_view_dies():
+    workspace.clear()
+    a, b = workspace.take_views([(3, 5), (7,)], np.float64)
+    assert a.shape == (3, 5) and b.shape == (7,) and a.dtype == b.dtype == np.float64
+    assert _address(a) % 64 == 0 and _address(b) % 64 == 0 and not np.may_share_memory(a, b)
+    start = _address(a)
+    a[...] = 1.0
+    b[...] = 2.0
+    tail = a[1:, ::2]  # a view of a view keeps the block too
+    del a, b
+    gc.collect()
+    c, d = workspace.take_views([(3, 5), (7,)], np.float64)
+    assert _address(c) != start  # still in use: a new block
+    assert np.all(tail == 1.0)
+    second = _address(c)
+    del tail
+    gc.collect()
+    e, _ = workspace.take_views([(3, 5), (7,)], np.float64)
+    assert _address(e) == start  # the first block, back with its last view
+    del c, d
+    gc.collect()
+    assert _address(workspace.take_views([(3, 5), (7,)], np.float64)[0]) == second
+    workspace.clear()
+
+
+def test_large_results_are_reused_and_never_while_held():
+    """Outputs and gradients of 256 KiB or more come from the pool: a result a loop drops is reused by
+    the next call (no page faults), one it holds is never written again."""
+    import linattn
+
+    workspace.clear()
+    rng = np.random.default_rng(1)
+    q, k, v, g = (rng.standard_normal((2, 4, 2048, 16)).astype(np.float32) for _ in range(4))  # 1 MiB each
+    out = linattn.causal_linear_attention(q, k, v)
+    assert out.nbytes >= workspace.POOL_MIN_BYTES and not out.flags.owndata
+    kept = out.copy()
+    _, vjp = linattn.causal_linear_attention_vjp(q, k, v)
+    grads = vjp(g)
+    grads_kept = [x.copy() for x in grads]
+    head = grads[0][0]  # a view alone keeps its block
+    del grads
+    gc.collect()
+    for _ in range(2):  # new calls with other inputs while the results above are held
+        linattn.causal_linear_attention(-q, k, v)
+        vjp(-g)
+    np.testing.assert_array_equal(out, kept)
+    np.testing.assert_array_equal(head, grads_kept[0][0])
+    address = _address(out)
+    del out
+    gc.collect()
+    assert _address(linattn.causal_linear_attention(q, k, v)) == address  # dropped: reused
+    small = linattn.causal_linear_attention(q[:, :, :16], k[:, :, :16], v[:, :, :16])
+    assert small.flags.owndata  # below the size the pool starts at: plain np.empty
+    workspace.clear()

@@ -71,7 +71,10 @@ def _fast(causal, q, k, v, feature_map, eps, normalize):
     n, d, dv = shape[-2], shape[-1], v.shape[-1]
     bh = q.size // (n * d)
     chunk, frac, nthreads = plan(bh, n, d, dv, causal)
-    out = np.empty(shape[:-1] + (dv,), dt)
+    if bh * n * dv * dt.itemsize < workspace.POOL_MIN_BYTES:
+        out = np.empty(shape[:-1] + (dv,), dt)
+    else:  # a large result the caller will drop: from the pool, reused without page faults
+        out = workspace.empty(shape[:-1] + (dv,), dt)
     if len(shape) == 4:  # (B, H, N, D) as the kernels' (G1, G2, N, D): no reshapes (~1 us of a tiny call)
         q4, k4, v4, o4 = q, k, v, out
     else:
@@ -169,11 +172,12 @@ def _check_out(out, shape, out_dt, where):
 
 def _result_array(out, lead, n, dv, comp, inputs):
     """Where the kernel writes: ``out`` when it has the compute dtype, unit stride along its last
-    axis and no memory in common with the inputs, else a new array."""
+    axis and no memory in common with the inputs, else a new array (a large one from the pool:
+    workspace.empty)."""
     if (out is not None and out.dtype == comp and (out.strides[-1] == out.itemsize or dv == 1)
             and not any(np.may_share_memory(out, x) for x in inputs)):
         return out
-    return np.empty(lead + (n, dv), comp)
+    return workspace.empty(lead + (n, dv), comp)
 
 
 def _deliver(res, out, out_dt, where):

@@ -247,7 +247,7 @@ def _backward(q, k, v, fmap, code, lead, d, out_dt, normalize, s, initial_state,
         qf = kf = None
         if code is None:  # phi applied here, its vjp after the kernel
             qf, kf = _mapped(fmap, q, comp), _mapped(fmap, k, comp)
-        dq, dk, dvv = (np.empty(lead + (n, x), comp) for x in (d, d, dv))
+        dq, dk, dvv = workspace.take_views([lead + (n, x) for x in (d, d, dv)], comp)  # (no page faults)
         rows = bh if has_state else 0
         H_out, Z_out = np.empty((rows, d, dv), comp), np.empty((rows, d), comp)
         rq, rk = (np.empty((bh, n, width)) if gated else np.empty((1, 0, 1)) for _ in range(2))
