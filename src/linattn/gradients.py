@@ -109,23 +109,28 @@ def _output_adjoints(g, out, den, normalize):
     return ab
 
 
-def _gate_gradients(terms, dS, dZ, final, valid, gate, vector, decay, log_decay, lead, comp):
+def _gate_gradients(terms, scratch, dS, dZ, final, valid, gate, vector, decay, log_decay, lead, comp):
     """[dgate] and/or [ddecay] from the per-position terms qf_t . dqf_t - kf_t . dkf_t (..., N, 1), or
-    per key dimension qf_t[j] dqf_t[j] - kf_t[j] dkf_t[j] (..., N, D') with a gate per key dimension.
+    per key dimension qf_t[j] dqf_t[j] - kf_t[j] dkf_t[j] (..., N, D') with a gate per key dimension
+    (float64; ``terms`` is overwritten, ``scratch``, of its shape, holds the sums: no fresh arrays).
 
     With lam_t the log factor of position t (of dimension j) and R_end = <dS_end, S_end> + <dZ_end,
     Z_end> (of row j), d lam_t = sum_{i >= t} terms_i + R_end (the identity flash-linear-attention
     uses for its gates' gradients, with Z as one more value column)."""
     if valid is not None:  # (not written past a length)
-        terms = np.where(valid, terms, 0.0)
-    dlam = np.flip(np.cumsum(np.flip(terms, -2), -2), -2)
+        np.copyto(terms, 0.0, where=~valid)
+    dlam = scratch
+    np.cumsum(np.flip(terms, -2), -2, out=np.flip(dlam, -2))
     rows = (dS.astype(np.float64) * final.S).sum(-1) + dZ.astype(np.float64) * final.Z  # (..., D')
     dlam += (rows if vector else rows.sum(-1, keepdims=True))[..., None, :]
     if valid is not None:
-        dlam = np.where(valid, dlam, 0.0)
+        np.copyto(dlam, 0.0, where=~valid)
     out = []
     if gate is not None:
-        out.append((dlam if vector else dlam[..., 0]).astype(comp))
+        src = dlam if vector else dlam[..., 0]
+        dgate = workspace.empty(src.shape, comp)
+        np.copyto(dgate, src, casting="unsafe")
+        out.append(dgate)
     if decay is not None:  # d log decay / decay
         out.append(_decay_gradient(dlam.sum((-1, -2)) / np.exp(log_decay.reshape(lead)), decay))
     return out
@@ -250,7 +255,8 @@ def _backward(q, k, v, fmap, code, lead, d, out_dt, normalize, s, initial_state,
         dq, dk, dvv = workspace.take_views([lead + (n, x) for x in (d, d, dv)], comp)  # (no page faults)
         rows = bh if has_state else 0
         H_out, Z_out = np.empty((rows, d, dv), comp), np.empty((rows, d), comp)
-        rq, rk = (np.empty((bh, n, width)) if gated else np.empty((1, 0, 1)) for _ in range(2))
+        # (pooled: float64, (BH, N, D') each with a gate per key dimension)
+        rq, rk = workspace.take_views([(bh, n, width)] * 2, np.float64) if gated else (np.empty((1, 0, 1)),) * 2
         status = np.zeros(3, np.int64)
         if bh and n:
             arrays = (q, k) if code is not None else (qf, kf)
@@ -272,8 +278,9 @@ def _backward(q, k, v, fmap, code, lead, d, out_dt, normalize, s, initial_state,
             dS, dZ = np.zeros(lead + (d, dv), comp), np.zeros(lead + (d,), comp)
         extra = []
         if gated:
-            extra = _gate_gradients((rq - rk).reshape(lead + (n, width)), dS, dZ, final, valid, gate, vector,
-                                    decay_arr, log_decay, lead, comp)
+            np.subtract(rq, rk, out=rq)
+            extra = _gate_gradients(rq.reshape(lead + (n, width)), rk.reshape(lead + (n, width)), dS, dZ, final,
+                                    valid, gate, vector, decay_arr, log_decay, lead, comp)
         dmap = None
         if code is None:  # dq, dk: the gradients of phi(q), phi(k) so far
             dqf, dkf = dq, dk
