@@ -117,3 +117,25 @@ def test_large_results_are_reused_and_never_while_held():
     small = linattn.causal_linear_attention(q[:, :, :16], k[:, :, :16], v[:, :, :16])
     assert small.flags.owndata  # below the size the pool starts at: plain np.empty
     workspace.clear()
+
+
+def test_the_oldest_free_arrays_go_first_and_nearby_sizes_share_blocks(monkeypatch):
+    workspace.clear()
+    monkeypatch.setattr(workspace, "MAX_FREE_BYTES", 3000)
+    a, b, c = (workspace.take((1000,), np.uint8) for _ in range(3))
+    for x in (a, b, c):
+        workspace._release(x)
+    assert workspace._free_bytes == 3000
+    d = workspace.take((1500,), np.uint8)
+    workspace._release(d)  # over the bound: a and b (the oldest) are dropped, c stays
+    assert workspace._free_bytes == 2500
+    assert workspace.take((1000,), np.uint8) is c
+    workspace.clear()
+    monkeypatch.setattr(workspace, "MAX_FREE_BYTES", 1 << 30)
+    (x,) = workspace.take_views([(100_000,)], np.float32)
+    address = _address(x)
+    del x
+    gc.collect()
+    (y,) = workspace.take_views([(103_000,)], np.float32)  # within the same size class: the same block
+    assert _address(y) == address and y.shape == (103_000,)
+    workspace.clear()

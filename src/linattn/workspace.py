@@ -8,7 +8,9 @@ with a fresh array and 16 ms with a reused one (B2 H4 N8192 D64 float32; the for
 (the vjp closure) is garbage-collected. ``take_views`` hands out arrays carved from one pooled block
 that goes back when the last of them (and of their views) is gone: the gradients a training loop
 drops every step (freed, glibc returned them to the system, and the next step faulted them in again:
-~1000 page faults a call at B1 H8 N2048). The pool keeps at most ``MAX_FREE_BYTES`` of free arrays.
+~1000 page faults a call at B1 H8 N2048); their blocks come in size classes (1/8 to 1/16 apart), so
+calls of nearby sizes share them. The pool keeps at most ``MAX_FREE_BYTES`` of free arrays, dropping
+the oldest first; ``clear`` drops them all.
 """
 import math
 import threading
@@ -23,6 +25,7 @@ POOL_MIN_BYTES = 256 << 10
 
 _lock = threading.Lock()
 _free = {}  # (shape, dtype) -> [arrays]
+_order = []  # the free arrays, oldest first
 _free_bytes = 0
 
 
@@ -34,9 +37,19 @@ def take(shape, dtype):
         arrays = _free.get(key)
         if arrays:
             arr = arrays.pop()
+            _forget(arr)
             _free_bytes -= arr.nbytes
             return arr
     return aligned_empty(shape, dtype)
+
+
+def _forget(arr, arrays=None):
+    """Remove ``arr`` from ``arrays`` (by identity; default: the pool's order)."""
+    arrays = _order if arrays is None else arrays
+    for i, x in enumerate(arrays):
+        if x is arr:
+            del arrays[i]
+            return
 
 
 def aligned_empty(shape, dtype, align=64):
@@ -50,11 +63,16 @@ def aligned_empty(shape, dtype, align=64):
 
 def _release(arr):
     global _free_bytes
-    key = (arr.shape, arr.dtype)
+    if arr.nbytes > MAX_FREE_BYTES:
+        return
     with _lock:
-        if _free_bytes + arr.nbytes <= MAX_FREE_BYTES:
-            _free.setdefault(key, []).append(arr)
-            _free_bytes += arr.nbytes
+        while _order and _free_bytes + arr.nbytes > MAX_FREE_BYTES:  # drop the oldest
+            old = _order.pop(0)
+            _forget(old, _free[(old.shape, old.dtype)])
+            _free_bytes -= old.nbytes
+        _free.setdefault((arr.shape, arr.dtype), []).append(arr)
+        _order.append(arr)
+        _free_bytes += arr.nbytes
 
 
 def release_with(owner, arr):
@@ -94,7 +112,8 @@ def take_views(shapes, dtype, align=64):
     for size in sizes:
         offsets.append(total)
         total += -(-size // align) * align
-    owner = take((max(total, 1),), np.uint8).view(_Owner)
+    step = max(align, 1 << max(0, total.bit_length() - 4))  # the size class: 1/16 to 1/8 of the size
+    owner = take((max(-(-total // step) * step, 1),), np.uint8).view(_Owner)
     ref = _Ref(owner, _returned)
     ref.raw = owner.base
     _refs[id(ref)] = ref
@@ -115,4 +134,5 @@ def clear():
     global _free_bytes
     with _lock:
         _free.clear()
+        _order.clear()
         _free_bytes = 0

@@ -28,7 +28,8 @@ def load_chunk(q, k, v, h, i0, c, fm, fp, e0, C, TE, d, dv, Qs, Ks, Vs, Ms, tid,
     the map's row statistics first (Ms: 2 per row, q's rows then k's), then one feature per thread."""
     din = q.shape[2]
     qh, kh = q[h], k[h]
-    if has_stats(fm):
+    stats = has_stats(fm)
+    if stats:
         for i in range(tid, 2 * c, nthreads):
             st = row_stats(qh if i < c else kh, i0 + (i if i < c else i - c), fp, fm, din, d)
             Ms[2 * i] = st[0]
@@ -37,9 +38,12 @@ def load_chunk(q, k, v, h, i0, c, fm, fp, e0, C, TE, d, dv, Qs, Ks, Vs, Ms, tid,
     for i in range(tid, C * d, nthreads):
         t = i // d
         f = i - t * d
-        if t < c:
+        if t < c and stats:
             Qs[i] = feature(qh, i0 + t, fp, fm, f, din, d, Ms[2 * t], Ms[2 * t + 1])
             Ks[i] = feature(kh, i0 + t, fp, fm, f, din, d, Ms[2 * (c + t)], Ms[2 * (c + t) + 1])
+        elif t < c:
+            Qs[i] = feature(qh, i0 + t, fp, fm, f, din, d, 0.0, 0.0)
+            Ks[i] = feature(kh, i0 + t, fp, fm, f, din, d, 0.0, 0.0)
         else:
             Qs[i] = 0.0
             Ks[i] = 0.0
@@ -258,6 +262,9 @@ def step(q, k, v, fm, fp, eps, normalize, S, Z, out, T, gates, gk, ld, scale):
     kf = sm[d:2 * d]
     df = sm[2 * d:3 * d]
     st = sm[3 * d:3 * d + 4]  # the map's row statistics of q and k
+    if tx < 4:
+        st[tx] = 0.0
+    cuda.syncthreads()
     if tx < 2 and has_stats(fm):
         s0, s1 = row_stats(q if tx == 0 else k, h, fp, fm, din, d)
         st[2 * tx] = s0
