@@ -23,7 +23,7 @@ MAX_FREE_BYTES = 1 << 30
 #: ``empty`` pools arrays from this size (bytes); smaller ones come from malloc, which reuses them.
 POOL_MIN_BYTES = 256 << 10
 
-_lock = threading.Lock()
+_lock = threading.RLock()  # (re-entrant: a collection inside a locked section may release a block)
 _free = {}  # (shape, dtype) -> [arrays]
 _order = []  # the free arrays, oldest first
 _free_bytes = 0
