@@ -113,9 +113,10 @@ def take_views(shapes, dtype, align=64):
         offsets.append(total)
         total += -(-size // align) * align
     step = max(align, 1 << max(0, total.bit_length() - 4))  # the size class: 1/16 to 1/8 of the size
-    owner = take((max(-(-total // step) * step, 1),), np.uint8).view(_Owner)
+    raw = take((max(-(-total // step) * step, 1),), np.uint8)
+    owner = raw.view(_Owner)
     ref = _Ref(owner, _returned)
-    ref.raw = owner.base
+    ref.raw = raw  # (what goes back to the pool, under the key it was taken with)
     _refs[id(ref)] = ref
     return tuple(np.asarray(owner[o:o + size]).view(dtype).reshape(s) for o, size, s in zip(offsets, sizes, shapes))
 
