@@ -139,3 +139,16 @@ def test_the_oldest_free_arrays_go_first_and_nearby_sizes_share_blocks(monkeypat
     (y,) = workspace.take_views([(103_000,)], np.float32)  # within the same size class: the same block
     assert _address(y) == address and y.shape == (103_000,)
     workspace.clear()
+
+
+def test_a_free_block_serves_requests_from_two_thirds_of_its_size():
+    workspace.clear()
+    (big,) = workspace.take_views([(300_000,)], np.uint8)
+    address = _address(big)
+    del big
+    gc.collect()
+    (tiny,) = workspace.take_views([(100_000,)], np.uint8)  # a third: a new block
+    assert _address(tiny) != address
+    (near,) = workspace.take_views([(220_000,)], np.uint8)  # within 2/3: the free block
+    assert _address(near) == address and near.shape == (220_000,)
+    workspace.clear()

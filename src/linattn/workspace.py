@@ -8,8 +8,8 @@ with a fresh array and 16 ms with a reused one (B2 H4 N8192 D64 float32; the for
 (the vjp closure) is garbage-collected. ``take_views`` hands out arrays carved from one pooled block
 that goes back when the last of them (and of their views) is gone: the gradients a training loop
 drops every step (freed, glibc returned them to the system, and the next step faulted them in again:
-~1000 page faults a call at B1 H8 N2048); their blocks come in size classes (1/8 to 1/16 apart), so
-calls of nearby sizes share them. The pool keeps at most ``MAX_FREE_BYTES`` of free arrays, dropping
+~1000 page faults a call at B1 H8 N2048); a block serves any request from 2/3 of its size up, so
+calls of nearby sizes share blocks. The pool keeps at most ``MAX_FREE_BYTES`` of free arrays, dropping
 the oldest first; ``clear`` drops them all.
 """
 import math
@@ -18,8 +18,8 @@ import weakref
 
 import numpy as np
 
-#: Free arrays kept for reuse, at most (bytes).
-MAX_FREE_BYTES = 1 << 30
+#: Free arrays kept for reuse, at most (bytes; the oldest go first).
+MAX_FREE_BYTES = 256 << 20
 #: ``empty`` pools arrays from this size (bytes); smaller ones come from malloc, which reuses them.
 POOL_MIN_BYTES = 256 << 10
 
@@ -102,6 +102,28 @@ def _returned(ref):
         pass
 
 
+def _take_bytes(nbytes, align):
+    """A free block of bytes from the pool: the smallest of ``nbytes`` to 1.5 ``nbytes``, else a new one
+    of ``nbytes`` rounded up to its size class (1/16 to 1/8 of the size apart), so that calls of nearby
+    sizes share blocks."""
+    global _free_bytes
+    with _lock:
+        best = None
+        for (shape, dt), arrays in _free.items():
+            if not (arrays and dt == np.uint8 and len(shape) == 1):
+                continue
+            m = shape[0]
+            if nbytes <= m <= nbytes + nbytes // 2 and (best is None or m < best):
+                best = m
+        if best is not None:
+            arr = _free[((best,), np.dtype(np.uint8))].pop()
+            _forget(arr)
+            _free_bytes -= arr.nbytes
+            return arr
+    step = max(align, 1 << max(0, nbytes.bit_length() - 4))
+    return aligned_empty((-(-nbytes // step) * step,), np.uint8)
+
+
 def take_views(shapes, dtype, align=64):
     """Arrays of ``shapes`` and ``dtype`` (undefined contents, each starting at a multiple of ``align``
     bytes) from one pooled block of bytes, which goes back to the pool once none of them, nor any
@@ -112,8 +134,7 @@ def take_views(shapes, dtype, align=64):
     for size in sizes:
         offsets.append(total)
         total += -(-size // align) * align
-    step = max(align, 1 << max(0, total.bit_length() - 4))  # the size class: 1/16 to 1/8 of the size
-    raw = take((max(-(-total // step) * step, 1),), np.uint8)
+    raw = _take_bytes(max(total, 1), align)
     owner = raw.view(_Owner)
     ref = _Ref(owner, _returned)
     ref.raw = raw  # (what goes back to the pool, under the key it was taken with)
