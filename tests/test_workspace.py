@@ -12,18 +12,34 @@ def test_reuse_after_the_owner_dies():
     def owner():
         pass
 
-    arr = workspace.take((3, 5), np.float32)
-    assert arr.shape == (3, 5) and arr.dtype == np.float32
+    shape = (300, 500)  # (pooled from 256 KiB)
+    arr = workspace.take(shape, np.float32)
+    assert arr.shape == shape and arr.dtype == np.float32
     workspace.release_with(owner, arr)
-    other = workspace.take((3, 5), np.float32)
+    other = workspace.take(shape, np.float32)
     assert other is not arr  # still owned
     address = arr.__array_interface__["data"][0]
     del arr, owner
     gc.collect()
-    again = workspace.take((3, 5), np.float32)
+    again = workspace.take(shape, np.float32)
     assert again.__array_interface__["data"][0] == address  # the same memory, handed out once
-    assert workspace.take((3, 5), np.float32).__array_interface__["data"][0] != address
-    assert workspace.take((3, 5), np.float64).dtype == np.float64  # a new one per dtype and shape
+    assert workspace.take(shape, np.float32).__array_interface__["data"][0] != address
+    assert workspace.take(shape, np.float64).dtype == np.float64  # a new one per dtype and shape
+
+
+def test_small_arrays_are_left_to_malloc():
+    workspace.clear()
+
+    def owner():
+        pass
+
+    workspace.release_with(owner, workspace.take((3, 5), np.float32))
+    del owner
+    gc.collect()
+    assert workspace._free_bytes == 0
+    a, b = workspace.take_views([(3, 5), (7,)], np.float64)
+    assert a.flags.owndata and b.flags.owndata  # plain arrays
+    workspace.clear()
 
 
 def test_the_pool_is_bounded(monkeypatch):
@@ -33,6 +49,7 @@ def test_the_pool_is_bounded(monkeypatch):
     def owner():
         pass
 
+    monkeypatch.setattr(workspace, "POOL_MIN_BYTES", 10)
     workspace.release_with(owner, workspace.take((200,), np.uint8))  # too large to keep
     del owner
     gc.collect()
@@ -40,20 +57,24 @@ def test_the_pool_is_bounded(monkeypatch):
     workspace.clear()
 
 
-def test_vjp_states_return_to_the_pool():
+def test_vjp_states_return_to_the_pool(monkeypatch):
     import linattn
 
     workspace.clear()
+    monkeypatch.setattr(workspace, "POOL_MIN_BYTES", 1024)  # (these states are small)
     rng = np.random.default_rng(0)
     q, k, v = (rng.standard_normal((2, 100, 4)) for _ in range(3))
     _, vjp = linattn.causal_linear_attention_vjp(q, k, v)
+    def free_states():  # (the chunk states: (lead, chunks, Dv + 1, D), the other pooled blocks 1-D)
+        return [key for key, arrays in workspace._free.items() if arrays and len(key[0]) == 4]
+
     assert workspace._free_bytes == 0
     first = vjp(np.ones((2, 100, 4)))
     del vjp
     gc.collect()
-    assert workspace._free_bytes > 0
+    assert free_states()
     _, vjp = linattn.causal_linear_attention_vjp(q, k, v)  # reuses them: the same gradients
-    assert workspace._free_bytes == 0
+    assert not free_states()
     for a, b in zip(vjp(np.ones((2, 100, 4))), first):
         np.testing.assert_array_equal(a, b)
     workspace.clear()
@@ -63,8 +84,9 @@ def _address(x):
     return x.__array_interface__["data"][0]
 
 
-def test_views_share_one_block_that_returns_when_the_last_view_dies():
+def test_views_share_one_block_that_returns_when_the_last_view_dies(monkeypatch):
     workspace.clear()
+    monkeypatch.setattr(workspace, "POOL_MIN_BYTES", 10)
     a, b = workspace.take_views([(3, 5), (7,)], np.float64)
     assert a.shape == (3, 5) and b.shape == (7,) and a.dtype == b.dtype == np.float64
     assert _address(a) % 64 == 0 and _address(b) % 64 == 0 and not np.may_share_memory(a, b)
@@ -122,6 +144,7 @@ def test_large_results_are_reused_and_never_while_held():
 def test_the_oldest_free_arrays_go_first_and_nearby_sizes_share_blocks(monkeypatch):
     workspace.clear()
     monkeypatch.setattr(workspace, "MAX_FREE_BYTES", 3000)
+    monkeypatch.setattr(workspace, "POOL_MIN_BYTES", 10)
     a, b, c = (workspace.take((1000,), np.uint8) for _ in range(3))
     for x in (a, b, c):
         workspace._release(x)
@@ -141,8 +164,9 @@ def test_the_oldest_free_arrays_go_first_and_nearby_sizes_share_blocks(monkeypat
     workspace.clear()
 
 
-def test_a_free_block_serves_requests_from_two_thirds_of_its_size():
+def test_a_free_block_serves_requests_from_two_thirds_of_its_size(monkeypatch):
     workspace.clear()
+    monkeypatch.setattr(workspace, "POOL_MIN_BYTES", 1024)
     (big,) = workspace.take_views([(300_000,)], np.uint8)
     address = _address(big)
     del big

@@ -20,7 +20,7 @@ import numpy as np
 
 #: Free arrays kept for reuse, at most (bytes; the oldest go first).
 MAX_FREE_BYTES = 256 << 20
-#: ``empty`` pools arrays from this size (bytes); smaller ones come from malloc, which reuses them.
+#: Arrays are pooled from this size (bytes); smaller ones come from malloc, which reuses them.
 POOL_MIN_BYTES = 256 << 10
 
 _lock = threading.RLock()  # (re-entrant: a collection inside a locked section may release a block)
@@ -30,9 +30,12 @@ _free_bytes = 0
 
 
 def take(shape, dtype):
-    """An array of ``shape`` and ``dtype`` with undefined contents: a pooled one when there is one."""
+    """An array of ``shape`` and ``dtype`` with undefined contents, 64-byte aligned: a pooled one when
+    there is one (below ``POOL_MIN_BYTES`` always a new one: ``release_with`` keeps none of those)."""
     global _free_bytes
     key = (tuple(shape), np.dtype(dtype))
+    if math.prod(key[0]) * key[1].itemsize < POOL_MIN_BYTES:
+        return aligned_empty(shape, dtype)
     with _lock:
         arrays = _free.get(key)
         if arrays:
@@ -77,8 +80,9 @@ def _release(arr):
 
 def release_with(owner, arr):
     """Put ``arr`` back in the pool once ``owner`` (an object that holds the only other references to
-    it) is garbage-collected."""
-    weakref.finalize(owner, _release, arr)
+    it) is garbage-collected (arrays below ``POOL_MIN_BYTES`` are left to malloc, which reuses them)."""
+    if arr.nbytes >= POOL_MIN_BYTES:
+        weakref.finalize(owner, _release, arr)
 
 
 class _Owner(np.ndarray):
@@ -125,11 +129,13 @@ def _take_bytes(nbytes, align):
 
 
 def take_views(shapes, dtype, align=64):
-    """Arrays of ``shapes`` and ``dtype`` (undefined contents, each starting at a multiple of ``align``
-    bytes) from one pooled block of bytes, which goes back to the pool once none of them, nor any
-    view of them, is referenced."""
+    """Arrays of ``shapes`` and ``dtype`` (undefined contents) from one pooled block of bytes, which
+    goes back to the pool once none of them, nor any view of them, is referenced; each starts at a
+    multiple of ``align`` bytes. Below ``POOL_MIN_BYTES`` in all, plain new arrays (np.empty)."""
     dtype = np.dtype(dtype)
     sizes = [math.prod(s) * dtype.itemsize for s in shapes]
+    if sum(sizes) < POOL_MIN_BYTES:
+        return tuple(np.empty(s, dtype) for s in shapes)
     offsets, total = [], 0
     for size in sizes:
         offsets.append(total)
@@ -145,9 +151,6 @@ def take_views(shapes, dtype, align=64):
 def empty(shape, dtype):
     """np.empty(shape, dtype), from the pool (``take_views``) when it has ``POOL_MIN_BYTES`` or more: a
     result the caller drops is reused by the next call instead of faulted in again."""
-    dtype = np.dtype(dtype)
-    if math.prod(shape) * dtype.itemsize < POOL_MIN_BYTES:
-        return np.empty(shape, dtype)
     return take_views([shape], dtype)[0]
 
 
