@@ -58,7 +58,7 @@ def _forget(arr, arrays=None):
 def aligned_empty(shape, dtype, align=64):
     """np.empty(shape, dtype) starting at a multiple of ``align`` bytes (streaming stores need 64)."""
     dtype = np.dtype(dtype)
-    nbytes = int(np.prod(shape, dtype=np.int64)) * dtype.itemsize
+    nbytes = math.prod(shape) * dtype.itemsize
     raw = np.empty(nbytes + align, np.uint8)
     start = -raw.__array_interface__["data"][0] % align
     return raw[start:start + nbytes].view(dtype).reshape(shape)
