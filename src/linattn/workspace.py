@@ -32,18 +32,24 @@ _free_bytes = 0
 def take(shape, dtype):
     """An array of ``shape`` and ``dtype`` with undefined contents, 64-byte aligned: a pooled one when
     there is one (below ``POOL_MIN_BYTES`` always a new one: ``release_with`` keeps none of those)."""
-    global _free_bytes
     key = (tuple(shape), np.dtype(dtype))
     if math.prod(key[0]) * key[1].itemsize < POOL_MIN_BYTES:
         return aligned_empty(shape, dtype)
+    arr = _pop(key)
+    return aligned_empty(shape, dtype) if arr is None else arr
+
+
+def _pop(key):
+    """A free array of ``key`` (shape, dtype) out of the pool, or None."""
+    global _free_bytes
     with _lock:
         arrays = _free.get(key)
-        if arrays:
-            arr = arrays.pop()
-            _forget(arr)
-            _free_bytes -= arr.nbytes
-            return arr
-    return aligned_empty(shape, dtype)
+        if not arrays:
+            return None
+        arr = arrays.pop()
+        _forget(arr)
+        _free_bytes -= arr.nbytes
+        return arr
 
 
 def _forget(arr, arrays=None):
@@ -110,20 +116,11 @@ def _take_bytes(nbytes, align):
     """A free block of bytes from the pool: the smallest of ``nbytes`` to 1.5 ``nbytes``, else a new one
     of ``nbytes`` rounded up to its size class (1/16 to 1/8 of the size apart), so that calls of nearby
     sizes share blocks."""
-    global _free_bytes
     with _lock:
-        best = None
-        for (shape, dt), arrays in _free.items():
-            if not (arrays and dt == np.uint8 and len(shape) == 1):
-                continue
-            m = shape[0]
-            if nbytes <= m <= nbytes + nbytes // 2 and (best is None or m < best):
-                best = m
-        if best is not None:
-            arr = _free[((best,), np.dtype(np.uint8))].pop()
-            _forget(arr)
-            _free_bytes -= arr.nbytes
-            return arr
+        sizes = [shape[0] for (shape, dt), arrays in _free.items() if arrays and dt == np.uint8 and len(shape) == 1
+                 and nbytes <= shape[0] <= nbytes + nbytes // 2]
+        if sizes:
+            return _pop(((min(sizes),), np.dtype(np.uint8)))
     step = max(align, 1 << max(0, nbytes.bit_length() - 4))
     return aligned_empty((-(-nbytes // step) * step,), np.uint8)
 
