@@ -203,17 +203,17 @@ def keep_state(S, Z, d_, dst, block, scratch):
 
 
 @njit(helper=True)
-def _normalize_rows(out, i0, c, QA, Z, d_, causal, eps, scale, keep):
-    """Divide out[i0+t] (one head) by phi(q_t).Z (+ sum_{s<=t} A[t, s] when causal) + eps / scale,
-    and multiply it by 1 (phi(q) times ``scale``: scale phi(q).S / (scale phi(q).Z + eps)); the
-    denominators scale phi(q).Z + eps go to keep[i0+t] when ``keep`` has elements."""
+def _normalize_rows(out, i0, c, QA, W, n, eps, scale, keep):
+    """Divide out[i0+t] (one head) by den_t + eps / scale, den_t = QA[t, :n] . W[:n]: phi(q_t).Z with
+    W = Z (n = D'), plus the row's scores sum_{s<=t} A[t, s] with W = [Z, 1, ..., 1] (n = D' + c:
+    A is zero above the diagonal), one fixed-length dot product per row; and multiply it by 1 (phi(q)
+    times ``scale``: scale phi(q).S / (scale phi(q).Z + eps)); the denominators scale den_t + eps go to
+    keep[i0+t] when ``keep`` has elements."""
     for t in range(c):
-        den = Z[0] - Z[0]  # zero in the compute dtype
-        for a in range(d_):
-            den += QA[t, a] * Z[a]
-        if causal:
-            for s in range(t + 1):
-                den += QA[t, d_ + s]
+        qa = QA[t]
+        den = W[0] - W[0]  # zero in the compute dtype
+        for j in range(n):
+            den += qa[j] * W[j]
         inv = scale / (scale * den + eps)
         if keep.shape[0] > 0:
             keep[i0 + t] = scale * den + eps
@@ -263,9 +263,11 @@ def _causal_forward(q, k, v, fm, fp, fa, eps, normalize, scale, lengths, chunk, 
     q, k, v, out, den, states, gates = unowned((q, k, v, out, den, states, gates))
     S0, Z0, S_out, Z_out = unowned((S0, Z0, S_out, Z_out))
     owners = (np.empty((chunk, d_ + chunk), dt), np.empty((d_ + chunk, dv), dt), np.empty((chunk, d_), dt),
-              np.empty((d_, chunk), dt), np.empty(max(d_, dv), dt), np.empty((dv + 1, d_), dt))
-    # [phi(Q) | A], [S ; V], phi(K), its transpose, sums, a chunk's state transposed on its way to ``states``
-    QA, SV, Kf, KT, sums, ST = unowned(owners)
+              np.empty((d_, chunk), dt), np.empty(max(d_, dv), dt), np.empty((dv + 1, d_), dt),
+              np.ones(d_ + chunk, dt))
+    # [phi(Q) | A], [S ; V], phi(K), its transpose, sums, a chunk's state transposed on its way to
+    # ``states``, [Z, 1, ..., 1] (the denominators' weights)
+    QA, SV, Kf, KT, sums, ST, W = unowned(owners)
     gbuf = gate_buffers(gates, chunk, dt)
     G, R, F, X = unowned(gbuf)
     # rows far apart (head views of a fused projection) are fetched a chunk ahead: 0.93x the time
@@ -319,7 +321,8 @@ def _causal_forward(q, k, v, fm, fp, fa, eps, normalize, scale, lengths, chunk, 
             else:  # a zero state: the chunk's own part only
                 small_gemm(QA[:c, d_:d_ + c], SV[d_:d_ + c], oh[i0:i0 + c], False, 0, -1)
             if normalize:
-                _normalize_rows(oh, i0, c, QA, Z, d_, True, eps, scale, keep)
+                W[:d_] = Z
+                _normalize_rows(oh, i0, c, QA, W, d_ + c, eps, scale, keep)
             elif scale != 1:
                 _scale_rows(oh, i0, c, scale)
             beta = gate_pending(gates, P, Pz, lam, c, G, R, F, has_p)
@@ -364,7 +367,7 @@ def _noncausal_segment(q, k, v, out, mp, eps, normalize, scale, chunk, c0, c1, Q
         load_features(q, i0, c, mp, QA)
         small_gemm(QA[:c], S, out[i0:i0 + c], False, -1, -1)
         if normalize:
-            _normalize_rows(out, i0, c, QA, Z, d_, False, eps, scale, QA[0, :0])
+            _normalize_rows(out, i0, c, QA, Z, d_, eps, scale, QA[0, :0])
         elif scale != 1:
             _scale_rows(out, i0, c, scale)
 
