@@ -26,7 +26,7 @@ from .._jit import array, njit
 from . import gating
 from .elementwise import exp_le0
 from .gating import (chunk_gates, gate_buffers, gate_key_columns, gate_key_rows, gate_pending, gate_queries,
-                     gate_scores, gate_state_factors, like)
+                     gate_scores, gate_state_factors)
 from .mapfns import load_features, map_state, mapped_dim
 from .schedule import take
 from .smallgemm import small_gemm, small_gemm_tn

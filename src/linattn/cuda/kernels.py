@@ -38,12 +38,11 @@ def load_chunk(q, k, v, h, i0, c, fm, fp, e0, C, TE, d, dv, Qs, Ks, Vs, Ms, tid,
     for i in range(tid, C * d, nthreads):
         t = i // d
         f = i - t * d
-        if t < c and stats:
-            Qs[i] = feature(qh, i0 + t, fp, fm, f, din, d, Ms[2 * t], Ms[2 * t + 1])
-            Ks[i] = feature(kh, i0 + t, fp, fm, f, din, d, Ms[2 * (c + t)], Ms[2 * (c + t) + 1])
-        elif t < c:
-            Qs[i] = feature(qh, i0 + t, fp, fm, f, din, d, 0.0, 0.0)
-            Ks[i] = feature(kh, i0 + t, fp, fm, f, din, d, 0.0, 0.0)
+        if t < c:  # (Ms is read only where it was written)
+            q0, q1 = (Ms[2 * t], Ms[2 * t + 1]) if stats else (0.0, 0.0)
+            k0, k1 = (Ms[2 * (c + t)], Ms[2 * (c + t) + 1]) if stats else (0.0, 0.0)
+            Qs[i] = feature(qh, i0 + t, fp, fm, f, din, d, q0, q1)
+            Ks[i] = feature(kh, i0 + t, fp, fm, f, din, d, k0, k1)
         else:
             Qs[i] = 0.0
             Ks[i] = 0.0
@@ -261,11 +260,8 @@ def step(q, k, v, fm, fp, eps, normalize, S, Z, out, T, gates, gk, ld, scale):
     qf = sm[0:d]
     kf = sm[d:2 * d]
     df = sm[2 * d:3 * d]
-    st = sm[3 * d:3 * d + 4]  # the map's row statistics of q and k
-    if tx < 4:
-        st[tx] = 0.0
-    cuda.syncthreads()
-    if tx < 2 and has_stats(fm):
+    st = sm[3 * d:3 * d + 4]  # the map's row statistics of q and k (zeros for maps without any)
+    if tx < 2:
         s0, s1 = row_stats(q if tx == 0 else k, h, fp, fm, din, d)
         st[2 * tx] = s0
         st[2 * tx + 1] = s1
