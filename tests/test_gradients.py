@@ -342,6 +342,44 @@ def test_views_and_layouts(rng):
         np.testing.assert_array_equal(got, want)
 
 
+
+@pytest.mark.parametrize("dtype", [np.float32, np.float64])
+def test_fast_and_checked_paths_agree(rng, monkeypatch, dtype):
+    """The plain call (C-contiguous arrays, a map the kernel differentiates, no options) takes a short
+    path that skips the checks; the same call with an option that does not change the result (scale=1)
+    takes the checked one: the same kernels, the same bits, for a C-contiguous dout (prepared once per
+    vjp) and a strided one (laid out per call)."""
+    from linattn import checks
+    cases = [((), 1, 1, 1, {}), ((3,), 65, 7, 5, {}), ((2, 2), 200, 4, 6, dict(feature_map="relu")),
+             ((2,), 63, 5, 3, dict(feature_map="identity", normalize=False, eps=0.0)),
+             ((2, 3), 100, 3, 4, dict(return_state=True))]
+    for lead, n, d, dv, kw in cases:
+        q, k, v = (rng.standard_normal(lead + (n, x)).astype(dtype) * 0.5 for x in (d, d, dv))
+        dout = rng.standard_normal(lead + (n, 2 * dv)).astype(dtype)[..., ::2]
+        first_c = linattn.causal_linear_attention_vjp(q, k, v, scale=1.0, **kw)
+        with monkeypatch.context() as m:  # the short path checks nothing more
+            m.setattr(checks, "check_qkv", None)
+            first = linattn.causal_linear_attention_vjp(q, k, v, **kw)
+        assert len(first) == len(first_c) == (3 if kw.get("return_state") else 2)
+        vjp, vjp_c = first[-1], first_c[-1]
+        assert first[0].dtype == dtype
+        np.testing.assert_array_equal(first[0], first_c[0])
+        dstate = ()
+        if len(first) == 3:  # the final state, and a gradient for it
+            for x, y in zip(first[1], first_c[1]):
+                assert x.dtype == dtype
+                np.testing.assert_array_equal(x, y)
+            dstate = (linattn.State(*(rng.standard_normal(x.shape).astype(dtype) for x in first[1])),)
+        for g in (dout, np.ascontiguousarray(dout)):
+            got, want = vjp(g, *dstate), vjp_c(g, *dstate)
+            assert len(got) == len(want) == 3
+            for x, y in zip(got, want):
+                assert x.dtype == dtype
+                np.testing.assert_array_equal(x, y)
+    with pytest.raises(ValueError, match="dout"):  # the vjp of the short path checks its argument
+        vjp(np.ones(lead + (n + 1, dv), dtype))
+
+
 def _maps(rng, d):
     fm = linattn.feature_maps
     return ([fm.Elementwise(name) for name in fm.NAMES] + [fm.Elementwise("elu").scaled(0.5),

@@ -52,10 +52,11 @@ def _no_state(dt, dk, dv):
     return found
 
 
-def _fast(causal, q, k, v, feature_map, eps, normalize):
+def _fast(causal, q, k, v, feature_map, eps, normalize, keep=False, return_state=False):
     """The common call (C-contiguous NumPy arrays of one float dtype, a named feature map, nothing
     else) with a minimum of Python around the kernel; None for anything else, which then takes the
-    checked path (the same kernels)."""
+    checked path (the same kernels). With ``keep`` (causal only): ``((out, state), kept)`` as
+    causal_with_denominators returns them for the backward pass (state None unless ``return_state``)."""
     dt = q.dtype
     if (type(k) is not _ndarray or type(v) is not _ndarray or dt not in _FLOATS or k.dtype != dt
             or v.dtype != dt or type(feature_map) is not str or type(eps) is not float
@@ -83,11 +84,24 @@ def _fast(causal, q, k, v, feature_map, eps, normalize):
     section = kernel_section(nthreads) if nthreads > 1 else _NO_SECTION  # (one thread: no parallel region)
     if causal:
         S0, Z0, S, Z = _no_state(dt, d, dv)
+        if return_state:
+            S, Z = np.empty((bh, d, dv), dt), np.empty((bh, d), dt)
         kernel = chunked.causal_forward.get(dt, ("C", 0))
         status = np.zeros(3, np.int64)
+        den = states = None
+        den4, states4 = _NO_DEN[dt], _NO_STATES[dt]
+        if keep:  # the denominators and the chunk states for the backward (as causal_with_denominators')
+            if normalize:
+                den = np.zeros(shape[:-1], dt)
+                den4 = den.reshape(q4.shape[:3])
+            states = workspace.take(shape[:-2] + (-(-n // chunk), dv + 1, d), dt)  # (the caller releases it)
+            states4 = states.reshape(q4.shape[:2] + states.shape[-3:])
         with section:
             kernel(nthreads, q4, k4, v4, code, no_gates, 0, dt.type(eps), normalize, one, _full_lengths(bh, n), chunk,
-                   frac, S0, Z0, o4, S, Z, no_gates, _ZERO_DECAY, status, _NO_DEN[dt], _NO_STATES[dt])
+                   frac, S0, Z0, o4, S, Z, no_gates, _ZERO_DECAY, status, den4, states4)
+        if keep:
+            state = State(S.reshape(shape[:-2] + (d, dv)), Z.reshape(shape[:-2] + (d,))) if return_state else None
+            return (out, state), (den, states, chunk)
     else:
         kernel = chunked.noncausal_forward.get(dt, "C")
         with section:
