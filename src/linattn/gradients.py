@@ -252,7 +252,7 @@ def _backward(q, k, v, fmap, code, lead, d, out_dt, normalize, s, initial_state,
     bh = math.prod(lead)
     lens_all = _full_lengths(bh, n) if lens is None else np.ascontiguousarray(lens.reshape(bh), np.int64)
     gated = kind != gates_mod.NONE
-    # what every call shares, made once (a tiny call's Python around the kernel: 24 -> 15 us)
+    # what every call shares, made once (B1 H1 N16: vjp(dout) 24 -> 18.5 us)
     no_grad = (np.zeros((0, d, dv), comp), np.zeros((0, d), comp))  # no final state's gradient
     no_r = np.empty((1, 0, 1))  # no gates: no per-position terms
     zero_decay = np.zeros(bh)
