@@ -174,6 +174,47 @@ def test_float32_follows_float64_for_every_dv(rng, dv, gated):
         assert np.abs(g32 - g64).max() <= 1e-4 * np.abs(g64).max()
 
 
+
+def _noncausal_reference_grads(q, k, v, g, fm, scale, eps, normalize):
+    """The non-causal gradients written out in float64 NumPy (elu + 1 or relu)."""
+    q, k, v, g = (x.astype(np.float64) for x in (q, k, v, g))
+    phi = (lambda x: np.where(x > 0, x + 1, np.exp(np.minimum(x, 0)))) if fm == "elu" else (lambda x: np.maximum(x, 0))
+    dphi = (lambda x: np.where(x > 0, 1.0, np.exp(np.minimum(x, 0)))) if fm == "elu" else (lambda x: 1.0 * (x > 0))
+    qf, kf = phi(q), phi(k)
+    S, Z = np.swapaxes(kf, -1, -2) @ v, kf.sum(-2)
+    num = scale * qf @ S
+    if normalize:
+        den = scale * (qf @ Z[..., None])[..., 0] + eps
+        out = num / den[..., None]
+        a, b = g / den[..., None], -(g * out).sum(-1) / den
+    else:
+        a, b = g, np.zeros(g.shape[:-1])
+    dqf = scale * (a @ np.swapaxes(S, -1, -2) + b[..., None] * Z[..., None, :])
+    G, H = scale * np.swapaxes(qf, -1, -2) @ a, scale * (qf * b[..., None]).sum(-2)
+    dkf = v @ np.swapaxes(G, -1, -2) + H[..., None, :]
+    return dqf * dphi(q), dkf * dphi(k), kf @ G
+
+
+@pytest.mark.parametrize("dtype", [np.float32, np.float64])
+@pytest.mark.parametrize("kw", [{}, dict(feature_map="relu", scale=0.3, normalize=False),
+                                dict(scale=0.125, eps=1e-3)])
+def test_noncausal_vjp_on_real_sizes(rng, dtype, kw):
+    """Non-causal gradients at N = 1000 (D != Dv, and N = 1, 63, 65), of heads read as views of a fused
+    projection, against the formulas in float64."""
+    for n, d, dv in ((1000, 16, 24), (1, 1, 1), (63, 5, 3), (65, 8, 8)):
+        qkv = (rng.standard_normal((2, n, 3, 2, max(d, dv))) * 0.5).astype(dtype)
+        q, k, v = (qkv[:, :, i, :, :w].transpose(0, 2, 1, 3) for i, w in ((0, d), (1, d), (2, dv)))
+        g = rng.standard_normal((2, 2, n, dv)).astype(dtype)
+        out, vjp = linattn.linear_attention_vjp(q, k, v, **kw)
+        assert_close(out, linattn.linear_attention(q, k, v, **kw), dtype)
+        full = dict(dict(feature_map="elu", scale=1.0, eps=1e-6, normalize=True), **kw)
+        want = _noncausal_reference_grads(q, k, v, g, full["feature_map"], full["scale"], full["eps"],
+                                          full["normalize"])
+        for got, w in zip(vjp(g), want):
+            assert got.dtype == dtype and got.shape == w.shape
+            tol = 2e-5 if dtype == np.float32 else 1e-11
+            assert np.abs(got - w).max() <= tol * np.abs(w).max() + tol
+
 def test_float32_follows_float64(rng):
     q, k, v, state = _inputs(rng, (2, 3), 300, 16, 8)
     W = rng.standard_normal((2, 3, 300, 8))

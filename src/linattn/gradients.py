@@ -83,7 +83,11 @@ def _map_param_grads(fmap, xs, dphis, ys):
 
 
 def _ones_column(x):
-    return np.concatenate([x, np.ones(x.shape[:-1] + (1,), x.dtype)], -1)
+    """[x, 1] (..., X + 1), a large one from the pool."""
+    x1 = workspace.empty(x.shape[:-1] + (x.shape[-1] + 1,), x.dtype)
+    x1[..., :-1] = x
+    x1[..., -1] = 1
+    return x1
 
 
 def _check_grad(value, name, shape, dtype):
@@ -97,7 +101,7 @@ def _output_adjoints(g, out, den, normalize):
     """[a, b] (..., N, Dv + 1): the gradients of the numerators (a = g / den) and of the denominators
     (b = -(g . out) / den); without normalisation a = g, b = 0."""
     dv = g.shape[-1]
-    ab = np.empty(g.shape[:-1] + (dv + 1,), g.dtype)
+    ab = workspace.empty(g.shape[:-1] + (dv + 1,), g.dtype)
     if normalize:
         np.divide(g, den[..., None], out=ab[..., :dv])
         # (negated before it is written: NumPy 2.4's in-place np.negative on a float32 view with a stride of
@@ -336,28 +340,48 @@ def linear_attention_vjp(q, k, v, *, feature_map="elu", eps=1e-6, normalize=True
     >>> [x.shape for x in vjp(np.ones_like(out))]
     [(30, 4), (30, 4), (30, 4)]
     """
-    fmap, _ = _map_and_code(feature_map)
+    fmap, code = _map_and_code(feature_map)
     q, k, v, lead, n, d, dv, comp, out_dt = checks.check_qkv(q, k, v)
     eps = checks.check_eps(eps)
     normalize = checks.check_flag(normalize, "normalize")
     s = gates_mod.check_scale(scale)
     q, k, v = (x.astype(comp, copy=False) for x in (q, k, v))
-    v1 = _ones_column(v)
-    aug = linear_attention(q, k, v1, feature_map=fmap, normalize=False, scale=s)
-    num, den = aug[..., :dv], aug[..., dv] + comp.type(eps)
-    out = num / den[..., None] if normalize else num
+    out = linear_attention(q, k, v, feature_map=fmap, eps=eps, normalize=normalize, scale=s)
 
     def vjp(dout):
         g = _check_grad(dout, "dout", lead + (n, dv), comp)
-        ab = _output_adjoints(g, out, den, normalize)
-        a = ab[..., :dv]
         qf, kf = _mapped(fmap, q, comp), _mapped(fmap, k, comp)
+        den = None
+        if normalize:  # (as the forward computed them: s phi(q) . Z + eps)
+            Z = kf.sum(-2, dtype=np.float64).astype(comp)
+            den = np.matmul(qf, Z[..., None])[..., 0] * comp.type(s) + comp.type(eps)
+        ab = _output_adjoints(g, out, den, normalize)  # [a | b]
+        v1 = _ones_column(v)
         sq = qf * comp.type(s) if s != 1.0 else qf
-        dqf = linear_attention(ab, v1, kf, feature_map="identity", normalize=False, scale=s)
-        dkf = linear_attention(v1, ab, sq, feature_map="identity", normalize=False)
-        dvv = linear_attention(kf, sq, a, feature_map="identity", normalize=False)
-        grads = (_map_vjp(fmap, q, dqf, qf), _map_vjp(fmap, k, dkf, kf), dvv)
+        # three products of the kernel's form phi(q') (phi(k')^T v'), each a linear_attention call on
+        # C-contiguous arrays (its short path)
+        dqf = linear_attention(ab, v1, kf, feature_map="identity", normalize=False,
+                               scale=None if s == 1.0 else s)  # s [a | b] [S | Z]^T
+        dkf = linear_attention(v1, ab, sq, feature_map="identity", normalize=False)  # G v + H
+        gkf = linear_attention(kf, sq, ab, feature_map="identity", normalize=False)  # [G | H]^T kf
+        dvv = workspace.empty(lead + (n, dv), comp)  # G^T kf (pooled: no fresh pages)
+        dvv[...] = gkf[..., :dv]
+        if code is not None:  # elu + 1 (phi' = min(phi, 1)), relu, identity: in place
+            grads = (_times_derivative(dqf, qf, code), _times_derivative(dkf, kf, code), dvv)
+        else:
+            grads = (_map_vjp(fmap, q, dqf, qf), _map_vjp(fmap, k, dkf, kf), dvv)
         dmap = _map_param_grads(fmap, (q, k), (dqf, dkf), (qf, kf))
         return tuple(x.astype(out_dt, copy=False) for x in grads) + ((dmap,) if dmap is not None else ())
 
     return out.astype(out_dt, copy=False), vjp
+
+
+def _times_derivative(dphi, y, code):
+    """dphi times phi'(x) from y = phi(x), for the maps the kernels differentiate (unscaled), written
+    into dphi: elu + 1's derivative is min(y, 1) (1 above 0, e^x = y below), relu's (y > 0)."""
+    if code == ELU:
+        np.minimum(y, y.dtype.type(1), out=y)
+        dphi *= y
+    elif code == RELU:
+        dphi *= y > 0
+    return dphi

@@ -34,6 +34,7 @@ from numba import carray, types
 from numba.extending import intrinsic, overload
 
 from .._jit import FASTMATH, Kernel, array, njit
+from .. import workspace
 from . import symbols
 from .elementwise import exp_f32_parts, exp_le0, load_rows, map_row, relu
 from .gating import like
@@ -499,7 +500,8 @@ _apply_kernel = Kernel(_apply, _apply_signature, parallel=False)
 
 def apply(x, code, fp, dk):
     """phi of the rows of a 2-D float32/float64 array ``x`` (strides multiples of its itemsize), as a
-    new (rows, D') array: the kernels' own code, for paths that map before they compute."""
-    y = np.empty((x.shape[0], dk), x.dtype)
+    new (rows, D') array (a large one from linattn.workspace's pool): the kernels' own code, for paths
+    that map before they compute."""
+    y = workspace.empty((x.shape[0], dk), x.dtype)
     _apply_kernel.get(x.dtype, None)(x, code, fp, address(x.dtype, code), y)
     return y
