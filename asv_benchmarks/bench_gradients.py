@@ -98,6 +98,29 @@ class GatedBackward:
 
 
 
+
+class NoncausalBackward:
+    """The same for non-causal attention (``linear_attention_vjp``): 15.6-16.3 when its backward was
+    three linear_attention calls among NumPy passes and the maps' general vjp, 5.2-5.3 with
+    cpu/noncausal_grad.py's one pass per head (B1 H8 N2048, three runs each)."""
+    params = ["B1 H8 N2048"]
+    param_names = ["shape"]
+    timeout = 600
+
+    def setup(self, shape):
+        Backward.setup(self, shape)
+
+    def forward_backward(self):
+        _, vjp = linattn.linear_attention_vjp(self.q, self.k, self.v)
+        return vjp(self.dout)
+
+    def track_backward_over_forward(self, shape):
+        ratio = _interleaved_ratio(self.forward_backward, lambda: linattn.linear_attention(self.q, self.k, self.v),
+                                   3 if SMOKE else 9)
+        return ratio - 1
+
+    track_backward_over_forward.unit = "x forward"
+
 class TorchAutograd:
     """Forward + backward: PyTorch autograd through the chunked form over linattn (skipped without torch)."""
     params = Backward.params

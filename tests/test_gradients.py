@@ -200,11 +200,11 @@ def _noncausal_reference_grads(q, k, v, g, fm, scale, eps, normalize):
                                 dict(scale=0.125, eps=1e-3)])
 def test_noncausal_vjp_on_real_sizes(rng, dtype, kw):
     """Non-causal gradients at N = 1000 (D != Dv, and N = 1, 63, 65), of heads read as views of a fused
-    projection, against the formulas in float64."""
+    projection and a strided dout, against the formulas in float64."""
     for n, d, dv in ((1000, 16, 24), (1, 1, 1), (63, 5, 3), (65, 8, 8)):
         qkv = (rng.standard_normal((2, n, 3, 2, max(d, dv))) * 0.5).astype(dtype)
         q, k, v = (qkv[:, :, i, :, :w].transpose(0, 2, 1, 3) for i, w in ((0, d), (1, d), (2, dv)))
-        g = rng.standard_normal((2, 2, n, dv)).astype(dtype)
+        g = rng.standard_normal((2, 2, n, 2 * dv)).astype(dtype)[..., ::2]  # (a strided dout too)
         out, vjp = linattn.linear_attention_vjp(q, k, v, **kw)
         assert_close(out, linattn.linear_attention(q, k, v, **kw), dtype)
         full = dict(dict(feature_map="elu", scale=1.0, eps=1e-6, normalize=True), **kw)

@@ -16,7 +16,9 @@ Causal: the forward (run by the vjp's forward call, which keeps the denominators
 the start of every chunk) and the cpu/backward.py kernel, which does all three in one scan per head
 backwards in time, chunk by chunk, from those states (no O(N^2) memory; the adjoint in float64
 accumulators), applying phi' as it writes: dq = dQ_f phi'(q), dk = dK_f phi'(k). Non-causal: the
-three are three calls of ``linear_attention``.
+three are three calls of ``linear_attention`` (the same sums over all positions); phi, [a, b], [v, 1]
+and phi' around them are cpu/noncausal_grad.py's passes (elu+1, relu, identity) or NumPy's (the
+other maps, through their ``vjp``).
 
 With decay and gates (log factor lam_t of the state before t, per position or per position and key
 dimension), the kernel decays the adjoint as the forward decays the state, and d lam_t = sum_{i >= t}
@@ -32,7 +34,7 @@ from . import checks
 from . import gates as gates_mod
 from . import workspace
 from .attention import _fast, _full_lengths, _seq4, causal_with_denominators, linear_attention
-from .cpu import backward
+from .cpu import backward, noncausal_grad
 from .cpu.elementwise import ELU, IDENTITY, RELU
 from .cpu.runtime import kernel_section, plan
 from .feature_maps import FeatureMap, as_map
@@ -350,13 +352,22 @@ def linear_attention_vjp(q, k, v, *, feature_map="elu", eps=1e-6, normalize=True
 
     def vjp(dout):
         g = _check_grad(dout, "dout", lead + (n, dv), comp)
-        qf, kf = _mapped(fmap, q, comp), _mapped(fmap, k, comp)
-        den = None
-        if normalize:  # (as the forward computed them: s phi(q) . Z + eps)
-            Z = kf.sum(-2, dtype=np.float64).astype(comp)
-            den = np.matmul(qf, Z[..., None])[..., 0] * comp.type(s) + comp.type(eps)
-        ab = _output_adjoints(g, out, den, normalize)  # [a | b]
-        v1 = _ones_column(v)
+        bh = math.prod(lead)
+        if code is not None and bh and n:  # phi, [a | b] and [v, 1] in one pass (cpu/noncausal_grad.py)
+            qf, kf = workspace.take_views([lead + (n, d)] * 2, comp)
+            ab, v1 = workspace.take_views([lead + (n, dv + 1)] * 2, comp)
+            with kernel_section():
+                noncausal_grad.adjoints.get(comp, None)(
+                    *(_unit_rows(x).reshape(bh, n, x.shape[-1]) for x in (q, k, v, g, out)), code, comp.type(s),
+                    comp.type(eps), normalize, *(x.reshape(bh, n, x.shape[-1]) for x in (qf, kf, ab, v1)))
+        else:
+            qf, kf = _mapped(fmap, q, comp), _mapped(fmap, k, comp)
+            den = None
+            if normalize:  # (as the forward computed them: s phi(q) . Z + eps)
+                Z = kf.sum(-2, dtype=np.float64).astype(comp)
+                den = np.matmul(qf, Z[..., None])[..., 0] * comp.type(s) + comp.type(eps)
+            ab = _output_adjoints(g, out, den, normalize)  # [a | b]
+            v1 = _ones_column(v)
         sq = qf * comp.type(s) if s != 1.0 else qf
         # three products of the kernel's form phi(q') (phi(k')^T v'), each a linear_attention call on
         # C-contiguous arrays (its short path)
@@ -367,21 +378,15 @@ def linear_attention_vjp(q, k, v, *, feature_map="elu", eps=1e-6, normalize=True
         dvv = workspace.empty(lead + (n, dv), comp)  # G^T kf (pooled: no fresh pages)
         dvv[...] = gkf[..., :dv]
         if code is not None:  # elu + 1 (phi' = min(phi, 1)), relu, identity: in place
-            grads = (_times_derivative(dqf, qf, code), _times_derivative(dkf, kf, code), dvv)
+            if bh and n and code != IDENTITY:
+                with kernel_section():
+                    for dx, y in ((dqf, qf), (dkf, kf)):
+                        noncausal_grad.times_derivative.get(comp, None)(dx.reshape(bh, n, d), y.reshape(bh, n, d),
+                                                                        code)
+            grads = (dqf, dkf, dvv)
         else:
             grads = (_map_vjp(fmap, q, dqf, qf), _map_vjp(fmap, k, dkf, kf), dvv)
         dmap = _map_param_grads(fmap, (q, k), (dqf, dkf), (qf, kf))
         return tuple(x.astype(out_dt, copy=False) for x in grads) + ((dmap,) if dmap is not None else ())
 
     return out.astype(out_dt, copy=False), vjp
-
-
-def _times_derivative(dphi, y, code):
-    """dphi times phi'(x) from y = phi(x), for the maps the kernels differentiate (unscaled), written
-    into dphi: elu + 1's derivative is min(y, 1) (1 above 0, e^x = y below), relu's (y > 0)."""
-    if code == ELU:
-        np.minimum(y, y.dtype.type(1), out=y)
-        dphi *= y
-    elif code == RELU:
-        dphi *= y > 0
-    return dphi
