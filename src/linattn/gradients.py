@@ -16,9 +16,9 @@ Causal: the forward (run by the vjp's forward call, which keeps the denominators
 the start of every chunk) and the cpu/backward.py kernel, which does all three in one scan per head
 backwards in time, chunk by chunk, from those states (no O(N^2) memory; the adjoint in float64
 accumulators), applying phi' as it writes: dq = dQ_f phi'(q), dk = dK_f phi'(k). Non-causal: the
-three are three calls of ``linear_attention`` (the same sums over all positions); phi, [a, b], [v, 1]
-and phi' around them are cpu/noncausal_grad.py's passes (elu+1, relu, identity) or NumPy's (the
-other maps, through their ``vjp``).
+three are three calls of ``linear_attention`` (the same sums over all positions); phi, [a, b] and
+[v, 1] before them are one pass of cpu/noncausal_grad.py (which computes elu+1, relu and identity
+itself and copies the other maps' features), phi' after them its second pass (or the map's ``vjp``).
 
 With decay and gates (log factor lam_t of the state before t, per position or per position and key
 dimension), the kernel decays the adjoint as the forward decays the state, and d lam_t = sum_{i >= t}
@@ -84,35 +84,11 @@ def _map_param_grads(fmap, xs, dphis, ys):
     return total
 
 
-def _ones_column(x):
-    """[x, 1] (..., X + 1), a large one from the pool."""
-    x1 = workspace.empty(x.shape[:-1] + (x.shape[-1] + 1,), x.dtype)
-    x1[..., :-1] = x
-    x1[..., -1] = 1
-    return x1
-
-
 def _check_grad(value, name, shape, dtype):
     arr = checks.as_array(value, name, 0)
     if arr.shape != shape:
         raise ValueError(f"{name}: expected shape {shape} (that of the forward's result), got {arr.shape}")
     return arr.astype(dtype, copy=False)
-
-
-def _output_adjoints(g, out, den, normalize):
-    """[a, b] (..., N, Dv + 1): the gradients of the numerators (a = g / den) and of the denominators
-    (b = -(g . out) / den); without normalisation a = g, b = 0."""
-    dv = g.shape[-1]
-    ab = workspace.empty(g.shape[:-1] + (dv + 1,), g.dtype)
-    if normalize:
-        np.divide(g, den[..., None], out=ab[..., :dv])
-        # (negated before it is written: NumPy 2.4's in-place np.negative on a float32 view with a stride of
-        # 4 elements, ab[..., dv] at Dv = 3, writes wrong values)
-        np.divide(np.negative(np.einsum("...i,...i->...", g, out)), den, out=ab[..., dv])
-    else:
-        ab[..., :dv] = g
-        ab[..., dv] = 0
-    return ab
 
 
 def _gate_gradients(terms, scratch, dS, dZ, final, valid, gate, vector, decay, log_decay, lead, comp):
@@ -353,21 +329,15 @@ def linear_attention_vjp(q, k, v, *, feature_map="elu", eps=1e-6, normalize=True
     def vjp(dout):
         g = _check_grad(dout, "dout", lead + (n, dv), comp)
         bh = math.prod(lead)
-        if code is not None and bh and n:  # phi, [a | b] and [v, 1] in one pass (cpu/noncausal_grad.py)
-            qf, kf = workspace.take_views([lead + (n, d)] * 2, comp)
-            ab, v1 = workspace.take_views([lead + (n, dv + 1)] * 2, comp)
+        # phi(q), phi(k) computed by the pass for the maps it knows (code), else by the map, then copied
+        src, fm = ((q, k), code) if code is not None else ((_mapped(fmap, q, comp), _mapped(fmap, k, comp)), IDENTITY)
+        qf, kf = workspace.take_views([lead + (n, src[0].shape[-1])] * 2, comp)
+        ab, v1 = workspace.take_views([lead + (n, dv + 1)] * 2, comp)
+        if bh and n:  # phi, the denominators, [a | b] and [v, 1] in one pass (cpu/noncausal_grad.py)
             with kernel_section():
                 noncausal_grad.adjoints.get(comp, None)(
-                    *(_unit_rows(x).reshape(bh, n, x.shape[-1]) for x in (q, k, v, g, out)), code, comp.type(s),
+                    *(_unit_rows(x).reshape(bh, n, x.shape[-1]) for x in src + (v, g, out)), fm, comp.type(s),
                     comp.type(eps), normalize, *(x.reshape(bh, n, x.shape[-1]) for x in (qf, kf, ab, v1)))
-        else:
-            qf, kf = _mapped(fmap, q, comp), _mapped(fmap, k, comp)
-            den = None
-            if normalize:  # (as the forward computed them: s phi(q) . Z + eps)
-                Z = kf.sum(-2, dtype=np.float64).astype(comp)
-                den = np.matmul(qf, Z[..., None])[..., 0] * comp.type(s) + comp.type(eps)
-            ab = _output_adjoints(g, out, den, normalize)  # [a | b]
-            v1 = _ones_column(v)
         sq = qf * comp.type(s) if s != 1.0 else qf
         # three products of the kernel's form phi(q') (phi(k')^T v'), each a linear_attention call on
         # C-contiguous arrays (its short path)

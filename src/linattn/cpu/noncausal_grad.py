@@ -1,6 +1,7 @@
 """The elementwise work of the non-causal vjp, one pass per head (parallel over heads): phi(q), phi(k)
-(elu + 1, relu, identity), the denominators from phi(k)'s sum, the output adjoints [a | b] and the
-values with a ones column; then phi' applied to the gradients of phi(q), phi(k) in place. The
+(elu + 1, relu, identity; the other maps' features, computed before, are copied as by identity), the
+denominators from phi(k)'s sum, the output adjoints [a | b] and the values with a ones column; then
+phi' applied to the gradients of phi(q), phi(k) in place (elu + 1, relu). The
 products between them are linear_attention calls (gradients.linear_attention_vjp). In NumPy this
 was ~10 passes over (..., N, D) arrays and fresh temporaries; here q, k, v, dout and out are each read
 once (phi(k) twice), the results written once.
