@@ -322,6 +322,8 @@ def _segment_backward(q, k, v, g, out, den, fm, normalize, s, one, length, chunk
         own = ci < c1
         _chunk(q, k, v, g, out, den, fm, normalize, s, one, i0, c, states[ci], has_st, C, Z, has_c, own, gates, dq,
                dk, dv, rq, rk, has_r, QA, QA2, KT, KT2, V1, KF, KW, QE, R, CT, sums, G, Rg, F, X, W)
+        if ci == c0 and not (last and H_out.shape[0] > 0):
+            break  # no one reads the adjoint before the segment's first chunk
         beta = gate_pending(gates, P, Pz, lam, c, G, Rg, F, has_p)
         qe = QE if decayed else QA2  # ef qs in qe[:c, :D]
         small_gemm_tn(qe[:c, :d], QA[:c, :e - 1], P, beta if has_p else 0)  # the pending update: (ef qs)^T a

@@ -325,6 +325,8 @@ def _causal_forward(q, k, v, fm, fp, fa, eps, normalize, scale, lengths, chunk, 
                 _normalize_rows(oh, i0, c, QA, W, d_ + c, eps, scale, keep)
             elif scale != 1:
                 _scale_rows(oh, i0, c, scale)
+            if ci == c1 - 1 and not (last and S_out.shape[0] > 0):
+                break  # no one reads the state after the segment's last chunk (a tiny call: half its products)
             beta = gate_pending(gates, P, Pz, lam, c, G, R, F, has_p)
             gate_key_columns(gates, KT, Kf, c, F, Pz)
             small_gemm(KT[:, :c], SV[d_:d_ + c], P, beta if has_p else 0, -1, -1)  # pending state update
