@@ -1,7 +1,6 @@
 """The public attention functions: check the inputs, apply a callable feature map, run one kernel,
 reshape back."""
 import math
-from contextlib import nullcontext
 
 import numpy as np
 
@@ -24,10 +23,11 @@ _ZERO_DECAY = np.zeros(0)
 _NO_DEN = {dt: np.zeros((1, 1, 0), dt) for dt in _FLOATS}  # the causal kernel keeps no denominators
 _NO_STATES = {dt: np.zeros((1, 1, 0, 1, 1), dt) for dt in _FLOATS}  # ... and no chunk states
 _PLAIN = {dt: (_NO_GATES[dt], dt.type(1.0)) for dt in _FLOATS}  # the plain call's "no gates" and scale 1
-_NO_SECTION = nullcontext()
 for _x in list(_NO_GATES.values()) + list(_CONSTANT_ONLY.values()) + [_ZERO_DECAY]:
     _x.setflags(write=False)
-_constants = {}  # (bh, n) -> lengths all n; (dtype, D', Dv) -> state arrays with no rows
+# (bh, n) -> lengths all n; (dtype, D', Dv) -> state arrays with no rows; (causal, dtype, D, Dv) -> a plain call's
+# constants
+_constants = {}
 
 
 def _full_lengths(bh, n):
@@ -49,6 +49,24 @@ def _no_state(dt, dk, dv):
         for x in found[:2]:
             x.setflags(write=False)
         _constants[dt, dk, dv] = found
+    return found
+
+
+def _plain_constants(causal, dt, d, dv):
+    """(kernel, no gates, scale 1) and, causal, (S0, Z0, S_out, Z_out) with no rows and the "keep no
+    denominators / chunk states" arrays: what a plain call passes besides its own arrays, one lookup
+    per call (each of these was a dictionary lookup keyed by the dtype: ~1 us of a tiny call)."""
+    found = _constants.get((causal, dt, d, dv))
+    if found is None:
+        no_gates, one = _PLAIN[dt]
+        if causal:
+            found = ((chunked.causal_forward.get(dt, ("C", 0)), no_gates, one) + _no_state(dt, d, dv)
+                     + (_NO_DEN[dt], _NO_STATES[dt]))
+        else:
+            found = (chunked.noncausal_forward.get(dt, "C"), no_gates, one)
+        if len(_constants) > 256:
+            _constants.clear()
+        _constants[causal, dt, d, dv] = found
     return found
 
 
@@ -80,32 +98,31 @@ def _fast(causal, q, k, v, feature_map, eps, normalize, keep=False, return_state
         q4, k4, v4, o4 = q, k, v, out
     else:
         q4, k4, v4, o4 = (x.reshape(1, bh, n, x.shape[-1]) for x in (q, k, v, out))
-    no_gates, one = _PLAIN[dt]
-    section = kernel_section(nthreads) if nthreads > 1 else _NO_SECTION  # (one thread: no parallel region)
     if causal:
-        S0, Z0, S, Z = _no_state(dt, d, dv)
+        kernel, no_gates, one, S0, Z0, S, Z, den4, states4 = _plain_constants(True, dt, d, dv)
         if return_state:
             S, Z = np.empty((bh, d, dv), dt), np.empty((bh, d), dt)
-        kernel = chunked.causal_forward.get(dt, ("C", 0))
         status = np.zeros(3, np.int64)
         den = states = None
-        den4, states4 = _NO_DEN[dt], _NO_STATES[dt]
         if keep:  # the denominators and the chunk states for the backward (as causal_with_denominators')
             if normalize:
                 den = np.zeros(shape[:-1], dt)
                 den4 = den.reshape(q4.shape[:3])
             states = workspace.take(shape[:-2] + (-(-n // chunk), dv + 1, d), dt)  # (the caller releases it)
             states4 = states.reshape(q4.shape[:2] + states.shape[-3:])
-        with section:
-            kernel(nthreads, q4, k4, v4, code, no_gates, 0, dt.type(eps), normalize, one, _full_lengths(bh, n), chunk,
-                   frac, S0, Z0, o4, S, Z, no_gates, _ZERO_DECAY, status, den4, states4)
-        if keep:
-            state = State(S.reshape(shape[:-2] + (d, dv)), Z.reshape(shape[:-2] + (d,))) if return_state else None
-            return (out, state), (den, states, chunk)
+        args = (q4, k4, v4, code, no_gates, 0, dt.type(eps), normalize, one, _full_lengths(bh, n), chunk, frac, S0, Z0,
+                o4, S, Z, no_gates, _ZERO_DECAY, status, den4, states4)
     else:
-        kernel = chunked.noncausal_forward.get(dt, "C")
-        with section:
-            kernel(nthreads, q4, k4, v4, code, no_gates, 0, dt.type(eps), normalize, one, chunk, frac, o4)
+        kernel, no_gates, one = _plain_constants(False, dt, d, dv)
+        args = (q4, k4, v4, code, no_gates, 0, dt.type(eps), normalize, one, chunk, frac, o4)
+    if nthreads > 1:
+        with kernel_section(nthreads):
+            kernel(nthreads, *args)
+    else:  # the worker on this thread, as the kernel would call it (no parallel region, no section)
+        kernel.worker(*args, np.zeros(1, np.int64))
+    if causal and keep:
+        state = State(S.reshape(shape[:-2] + (d, dv)), Z.reshape(shape[:-2] + (d,))) if return_state else None
+        return (out, state), (den, states, chunk)
     return out
 
 
