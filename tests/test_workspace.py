@@ -33,8 +33,10 @@ def test_small_arrays_are_left_to_malloc():
     def owner():
         pass
 
-    workspace.release_with(owner, workspace.take((3, 5), np.float32))
-    del owner
+    small = workspace.take((3, 5), np.float32)
+    assert small.shape == (3, 5) and small.dtype == np.float32 and small.flags.owndata  # plain np.empty
+    workspace.release_with(owner, small)
+    del owner, small
     gc.collect()
     assert workspace._free_bytes == 0
     a, b = workspace.take_views([(3, 5), (7,)], np.float64)
