@@ -43,6 +43,19 @@ from .state import State
 
 #: The maps the backward kernel differentiates itself (unscaled), by their codes there.
 _CODES = {"elu": ELU, "relu": RELU, "identity": IDENTITY}
+_nothing = {}  # (dtype, D', Dv, heads) -> the backward kernel's "no state gradient", "no gates" arguments
+
+
+def _no_arguments(comp, d, dv, bh):
+    """(no final state's gradient (dS, dZ) with no rows, no per-position gate terms, zero log decay per
+    head): the same arrays for every vjp of these sizes (the kernel reads none of them)."""
+    found = _nothing.get((comp, d, dv, bh))
+    if found is None:
+        if len(_nothing) > 256:
+            _nothing.clear()
+        found = _nothing[comp, d, dv, bh] = ((np.zeros((0, d, dv), comp), np.zeros((0, d), comp)),
+                                             np.empty((1, 0, 1)), np.zeros(bh))
+    return found
 
 
 def _map_and_code(feature_map):
@@ -235,13 +248,13 @@ def _backward(q, k, v, fmap, code, lead, d, out_dt, normalize, s, initial_state,
     lens_all = _full_lengths(bh, n) if lens is None else np.ascontiguousarray(lens.reshape(bh), np.int64)
     gated = kind != gates_mod.NONE
     # what every call shares, made once (B1 H1 N16: vjp(dout) 24 -> 18.5 us)
-    no_grad = (np.zeros((0, d, dv), comp), np.zeros((0, d), comp))  # no final state's gradient
-    no_r = np.empty((1, 0, 1))  # no gates: no per-position terms
-    zero_decay = np.zeros(bh)
-    # the inputs as the kernel reads them, when they and every dout are C-contiguous (else per call)
+    no_grad, no_r, zero_decay = _no_arguments(comp, d, dv, bh)
+    # the inputs as the kernel reads them, when they and every dout are C-contiguous (else per call);
+    # (B, H, N, X) as they are (the kernel's (G1, G2, N, X), as the forward's short path passes them)
     c_inputs = None
-    if code is not None and all(x.flags.c_contiguous for x in (q, k, v, out)):
-        c_inputs = tuple(x.reshape((1, bh, n, x.shape[-1])) for x in (q, k, v, out))
+    if code is not None and q.flags.c_contiguous and k.flags.c_contiguous and v.flags.c_contiguous \
+            and out.flags.c_contiguous:
+        c_inputs = (q, k, v, out) if q.ndim == 4 else tuple(x.reshape((1, bh, n, x.shape[-1])) for x in (q, k, v, out))
 
     def vjp(dout, dstate=None):
         g = _unit_rows(_check_grad(dout, "dout", lead + (n, dv), comp))
@@ -262,7 +275,7 @@ def _backward(q, k, v, fmap, code, lead, d, out_dt, normalize, s, initial_state,
         if bh and n:
             if c_inputs is not None and g.flags.c_contiguous:
                 q4, k4, v4, o4 = c_inputs
-                g4 = g.reshape(o4.shape)
+                g4 = g if g.shape == o4.shape else g.reshape(o4.shape)
             else:
                 arrays = (q, k) if code is not None else (qf, kf)
                 (q4, k4, v4, g4, o4), _, _ = _seq4(tuple(_unit_rows(x) for x in arrays + (v, g, out)), lead)
