@@ -33,7 +33,7 @@ import numpy as np
 from . import checks
 from . import gates as gates_mod
 from . import workspace
-from .attention import _fast, _full_lengths, _seq4, causal_with_denominators, linear_attention
+from .attention import _fast, _full_lengths, _no_state, _seq4, causal_with_denominators, linear_attention
 from .cpu import backward, noncausal_grad
 from .cpu.elementwise import ELU, IDENTITY, RELU
 from .cpu.runtime import kernel_section, plan
@@ -43,19 +43,7 @@ from .state import State
 
 #: The maps the backward kernel differentiates itself (unscaled), by their codes there.
 _CODES = {"elu": ELU, "relu": RELU, "identity": IDENTITY}
-_nothing = {}  # (dtype, D', Dv, heads) -> the backward kernel's "no state gradient", "no gates" arguments
-
-
-def _no_arguments(comp, d, dv, bh):
-    """(no final state's gradient (dS, dZ) with no rows, no per-position gate terms, zero log decay per
-    head): the same arrays for every vjp of these sizes (the kernel reads none of them)."""
-    found = _nothing.get((comp, d, dv, bh))
-    if found is None:
-        if len(_nothing) > 256:
-            _nothing.clear()
-        found = _nothing[comp, d, dv, bh] = ((np.zeros((0, d, dv), comp), np.zeros((0, d), comp)),
-                                             np.empty((1, 0, 1)), np.zeros(bh))
-    return found
+_NO_R = np.empty((1, 0, 1))  # no gates: the backward kernel's per-position terms, none (it writes nothing there)
 
 
 def _map_and_code(feature_map):
@@ -248,7 +236,8 @@ def _backward(q, k, v, fmap, code, lead, d, out_dt, normalize, s, initial_state,
     lens_all = _full_lengths(bh, n) if lens is None else np.ascontiguousarray(lens.reshape(bh), np.int64)
     gated = kind != gates_mod.NONE
     # what every call shares, made once (B1 H1 N16: vjp(dout) 24 -> 18.5 us)
-    no_grad, no_r, zero_decay = _no_arguments(comp, d, dv, bh)
+    no_grad = _no_state(comp, d, dv)[:2]  # no final state's gradient (read-only arrays with no rows)
+    zero_decay = np.zeros(bh)
     # the inputs as the kernel reads them, when they and every dout are C-contiguous (else per call);
     # (B, H, N, X) as they are (the kernel's (G1, G2, N, X), as the forward's short path passes them)
     c_inputs = None
@@ -270,7 +259,7 @@ def _backward(q, k, v, fmap, code, lead, d, out_dt, normalize, s, initial_state,
         rows = bh if has_state else 0
         H_out, Z_out = np.empty((rows, d, dv), comp), np.empty((rows, d), comp)
         # (pooled: float64, (BH, N, D') each with a gate per key dimension)
-        rq, rk = workspace.take_views([(bh, n, width)] * 2, np.float64) if gated else (no_r, no_r)
+        rq, rk = workspace.take_views([(bh, n, width)] * 2, np.float64) if gated else (_NO_R, _NO_R)
         status = np.zeros(3, np.int64)
         if bh and n:
             if c_inputs is not None and g.flags.c_contiguous:
