@@ -97,8 +97,6 @@ class GatedBackward:
     track_backward_over_forward.unit = "x forward"
 
 
-
-
 class NoncausalBackward:
     """The same for non-causal attention (``linear_attention_vjp``): 15.6-16.3 when its backward was
     three linear_attention calls among NumPy passes and the maps' general vjp, 5.2-5.3 with
@@ -120,6 +118,7 @@ class NoncausalBackward:
         return ratio - 1
 
     track_backward_over_forward.unit = "x forward"
+
 
 class TorchAutograd:
     """Forward + backward: PyTorch autograd through the chunked form over linattn (skipped without torch)."""

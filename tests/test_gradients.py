@@ -174,7 +174,6 @@ def test_float32_follows_float64_for_every_dv(rng, dv, gated):
         assert np.abs(g32 - g64).max() <= 1e-4 * np.abs(g64).max()
 
 
-
 def _noncausal_reference_grads(q, k, v, g, fm, scale, eps, normalize):
     """The non-causal gradients written out in float64 NumPy (elu + 1 or relu)."""
     q, k, v, g = (x.astype(np.float64) for x in (q, k, v, g))
@@ -214,6 +213,7 @@ def test_noncausal_vjp_on_real_sizes(rng, dtype, kw):
             assert got.dtype == dtype and got.shape == w.shape
             tol = 2e-5 if dtype == np.float32 else 1e-11
             assert np.abs(got - w).max() <= tol * np.abs(w).max() + tol
+
 
 def test_float32_follows_float64(rng):
     q, k, v, state = _inputs(rng, (2, 3), 300, 16, 8)
@@ -381,7 +381,6 @@ def test_views_and_layouts(rng):
     _, vjp_c = linattn.causal_linear_attention_vjp(*(np.ascontiguousarray(x) for x in (q, k, v)))
     for got, want in zip(vjp(dout), vjp_c(np.ascontiguousarray(dout))):
         np.testing.assert_array_equal(got, want)
-
 
 
 @pytest.mark.parametrize("dtype", [np.float32, np.float64])
