@@ -29,7 +29,10 @@ def njit(*, parallel=False, helper=False, signature=None):
     """``numba.njit`` with linattn's options, caching on disk where a cache directory is writable.
 
     ``helper=True`` marks a function only called from other kernels (compiled into them, and cached
-    with them). Numba raises ``RuntimeError: cannot cache function`` at decoration time when neither
+    with them; no wrappers for calls from Python). Numba compiles a helper once per argument types,
+    and a constant argument (``False``, ``0``) is a type of its own (a literal): callers pass
+    ``bool(False)`` / ``int(0)`` so that one compiled helper serves every call (~0.3-0.6 s of a cold
+    first call each). Numba raises ``RuntimeError: cannot cache function`` at decoration time when neither
     the package directory nor ``NUMBA_CACHE_DIR``/``~/.cache`` is writable; the kernel then compiles
     in every process instead.
     """
@@ -38,7 +41,7 @@ def njit(*, parallel=False, helper=False, signature=None):
         global cache_problem
         args = () if signature is None else (signature,)
         if helper:
-            return numba.njit(*args, **OPTIONS)(fn)
+            return numba.njit(*args, no_cpython_wrapper=True, no_cfunc_wrapper=True, **OPTIONS)(fn)
         try:
             return numba.njit(*args, cache=True, parallel=parallel, **OPTIONS)(fn)
         except RuntimeError as exc:

@@ -270,7 +270,8 @@ def _chunk(q, k, v, g, out, den, fm, normalize, s, one, i0, c, St, has_st, C, Cz
             kw = KF
             if decayed:
                 for t in range(c):
-                    KW[t, :] = KF[t]
+                    for a in range(d):
+                        KW[t, a] = KF[t, a]
                 gate_key_rows(gates, KW, c, F, sums)  # (sums: a sink)
                 kw = KW
             small_gemm(kw[:c], C, dvc, False, -1, -1)
@@ -291,55 +292,9 @@ def _chunk(q, k, v, g, out, den, fm, normalize, s, one, i0, c, St, has_st, C, Cz
         _times_derivative(R, QA2, c, fm, s, dq, i0, rq, has_r)
     if decayed:
         for t in range(c):
-            QE[t, :] = QA2[t, :d]
-        gate_queries(gates, QE, d, c, F)
-
-
-@njit(helper=True)
-def _segment_backward(q, k, v, g, out, den, fm, normalize, s, one, length, chunk, c0, c1, nch, last, states, has_s0,
-                      H0, Z0, h, gates, ld, status, dq, dk, dv, H_out, Z_out, rq, rk, has_r, QA, QA2, KT, KT2, V1, KF,
-                      KW, QE, R, C, CT, sums, G, Rg, F, X, W):
-    """Chunks [c0, c1) of one head (views (N, X)) from the adjoint after them: the update alone of the
-    chunks [c1, nch) first, from H0[h], Z0[h] (the final state's gradient; none when H0 has no rows).
-    The adjoint [C | Cz] is kept as the forward keeps its state [S | Z]. The ``last`` segment (the one
-    with chunk 0) zeroes the rows past ``length`` and writes the adjoint before chunk 0, the initial
-    state's gradient, to H_out[h], Z_out[h] when they have rows."""
-    e, d = KT.shape[0], KT2.shape[0]
-    decayed = gates.ndim > 1
-    sbuf = (_state_buffers(d, e - 1, QA.dtype), np.empty(d if decayed else 0, QA.dtype))
-    (P, B, acc, Pz, Bz, Z, accz, lam), fb = unowned(sbuf)  # the adjoint [C | Cz] as a state
-    has_acc = _init_state(H0, Z0, h, acc, accz, B, Bz)
-    has_p = False
-    gate_state_factors(gates, lam, fb)
-    _current(B, Bz, P, Pz, C, Z, has_acc, has_p, fb, decayed)
-    for j in range(nch - c0):
-        ci = nch - 1 - j
-        i0 = ci * chunk
-        c = min(chunk, length - i0)
-        chunk_gates(gates, h, ld, i0, c, G, Rg, F, status)
-        has_st = ci > 0 or has_s0
-        has_c = has_acc or has_p
-        own = ci < c1
-        _chunk(q, k, v, g, out, den, fm, normalize, s, one, i0, c, states[ci], has_st, C, Z, has_c, own, gates, dq,
-               dk, dv, rq, rk, has_r, QA, QA2, KT, KT2, V1, KF, KW, QE, R, CT, sums, G, Rg, F, X, W)
-        if ci == c0 and not (last and H_out.shape[0] > 0):
-            break  # no one reads the adjoint before the segment's first chunk
-        beta = gate_pending(gates, P, Pz, lam, c, G, Rg, F, has_p)
-        qe = QE if decayed else QA2  # ef qs in qe[:c, :D]
-        small_gemm_tn(qe[:c, :d], QA[:c, :e - 1], P, beta if has_p else 0)  # the pending update: (ef qs)^T a
-        for t in range(c):  # and (ef qs)^T b
-            bt, qt = QA[t, e - 1], qe[t]  # (whole rows: the loop vectorises)
             for a in range(d):
-                Pz[a] += qt[a] * bt
-        has_acc, has_p = pending_added(j, acc, accz, B, Bz, P, Pz, has_acc, lam, decayed)
-        gate_state_factors(gates, lam, fb)
-        _current(B, Bz, P, Pz, C, Z, has_acc, has_p, fb, decayed)
-    if last:
-        for x in (dq, dk, dv):
-            _zero_rows(x, length, x.shape[0])
-        if H_out.shape[0] > 0:
-            _write_state(acc, accz, P, Pz, h, H_out, Z_out, has_acc, has_p, lam, decayed)
-    keep_alive(sbuf)
+                QE[t, a] = QA2[t, a]
+        gate_queries(gates, QE, d, c, F)
 
 
 def _causal_backward(q, k, v, g, out, den, fm, normalize, s, lengths, chunk, frac, states, has_s0, H0, Z0, gates, ld,
@@ -361,6 +316,7 @@ def _causal_backward(q, k, v, g, out, den, fm, normalize, s, lengths, chunk, fra
     g2, n, d = q.shape[1], q.shape[2], q.shape[3]
     e, dt = v.shape[3] + 1, dq.dtype
     has_r = rq.shape[1] > 0
+    decayed = bool(gates.ndim > 1)  # bool()/int(): run-time values, not literals (see _jit)
     one = np.ones(1, dt)[0]
     # views without reference counting (see chunked._causal_forward): the caller owns the arguments,
     # the buffers' owners are kept to the end
@@ -388,11 +344,52 @@ def _causal_backward(q, k, v, g, out, den, fm, normalize, s, lengths, chunk, fra
         h1, h2 = h // g2, h % g2
         last = sg == nseg - 1
         r = h if has_r else 0
-        if f0 < f1 or last:
-            _segment_backward(q[h1, h2], k[h1, h2], v[h1, h2], g[h1, h2], out[h1, h2], den[h1, h2], fm, normalize, s,
-                              one, length, chunk, nch - f1, nch - f0, nch, last, states[h1, h2], has_s0, H0, Z0, h,
-                              gates, ld, status, dq[h1, h2], dk[h1, h2], dv[h1, h2], H_out, Z_out, rq[r], rk[r], has_r,
-                              QA, QA2, KT, KT2, V1, KF, KW, QE, R, C, CT, sums, G, Rg, F, X, W)
+        if not (f0 < f1 or last):
+            item = take(counter)
+            continue
+        # the segment: chunks [c0, c1) of head h from the adjoint after them, the update alone of the
+        # chunks [c1, nch) first, from H0[h], Z0[h] (the final state's gradient; none when H0 has no
+        # rows). The adjoint [C | Cz] is kept as the forward keeps its state [S | Z]. The last segment
+        # (the one with chunk 0) zeroes the rows past ``length`` and writes the adjoint before chunk 0,
+        # the initial state's gradient, to H_out[h], Z_out[h] when they have rows. (Written here, not as
+        # a function: that would be compiled alone and again inside this one.)
+        c0, c1 = nch - f1, nch - f0
+        qh, kh, vh, gh, oh, denh = q[h1, h2], k[h1, h2], v[h1, h2], g[h1, h2], out[h1, h2], den[h1, h2]
+        dqh, dkh, dvh, kept = dq[h1, h2], dk[h1, h2], dv[h1, h2], states[h1, h2]
+        sbuf = (_state_buffers(d, e - 1, dt), np.empty(d if decayed else 0, dt))
+        (P, B, acc, Pz, Bz, Z, accz, lam), fb = unowned(sbuf)  # the adjoint [C | Cz] as a state
+        has_acc = _init_state(H0, Z0, h, acc, accz, B, Bz)
+        has_p = bool(False)
+        gate_state_factors(gates, lam, fb)
+        _current(B, Bz, P, Pz, C, Z, has_acc, has_p, fb, decayed)
+        for j in range(nch - c0):
+            ci = nch - 1 - j
+            i0 = ci * chunk
+            c = min(chunk, length - i0)
+            chunk_gates(gates, h, ld, i0, c, G, Rg, F, status)
+            has_st = ci > 0 or has_s0
+            has_c = has_acc or has_p
+            own = ci < c1
+            _chunk(qh, kh, vh, gh, oh, denh, fm, normalize, s, one, i0, c, kept[ci], has_st, C, Z, has_c, own, gates,
+                   dqh, dkh, dvh, rq[r], rk[r], has_r, QA, QA2, KT, KT2, V1, KF, KW, QE, R, CT, sums, G, Rg, F, X, W)
+            if ci == c0 and not (last and H_out.shape[0] > 0):
+                break  # no one reads the adjoint before the segment's first chunk
+            beta = gate_pending(gates, P, Pz, lam, c, G, Rg, F, has_p)
+            qe = QE if decayed else QA2  # ef qs in qe[:c, :D]
+            small_gemm_tn(qe[:c, :d], QA[:c, :e - 1], P, beta if has_p else 0)  # the pending update: (ef qs)^T a
+            for t in range(c):  # and (ef qs)^T b
+                bt, qt = QA[t, e - 1], qe[t]  # (whole rows: the loop vectorises)
+                for a in range(d):
+                    Pz[a] += qt[a] * bt
+            has_acc, has_p = pending_added(j, acc, accz, B, Bz, P, Pz, has_acc, lam, decayed)
+            gate_state_factors(gates, lam, fb)
+            _current(B, Bz, P, Pz, C, Z, has_acc, has_p, fb, decayed)
+        if last:
+            for x in (dqh, dkh, dvh):
+                _zero_rows(x, length, x.shape[0])
+            if H_out.shape[0] > 0:
+                _write_state(acc, accz, P, Pz, h, H_out, Z_out, has_acc, has_p, lam, decayed)
+        keep_alive(sbuf)
         item = take(counter)
     keep_alive((owners, gbuf, wbuf))
 

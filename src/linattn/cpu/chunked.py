@@ -74,7 +74,7 @@ def _add_prefix(k, v, i0, c, mp, Kf, V, P, Pz, beta, gates, F):
     if v.strides[1] == v.itemsize:  # rows of v serve as they are
         small_gemm_tn(Kf[:c], v[i0:i0 + c], P, beta)
     else:
-        _copy_rows(v, i0, c, V, 0)
+        _copy_rows(v, i0, c, V, int(0))  # bool()/int(): run-time values, not literals (see _jit)
         small_gemm_tn(Kf[:c], V[:c], P, beta)
 
 
@@ -257,7 +257,7 @@ def _causal_forward(q, k, v, fm, fp, fa, eps, normalize, scale, lengths, chunk, 
     mp = map_state(fm, fp, fa, q.shape[3], d_, dt)
     nseg = frac.shape[0] - 1
     items = q.shape[0] * g2 * nseg
-    decayed = gates.ndim > 1
+    decayed = bool(gates.ndim > 1)  # bool()/int(): run-time values, not literals (see _jit)
     # the arrays' views (rows of a chunk) without reference counting: the caller owns the arguments,
     # the buffers' owners are kept to the end
     q, k, v, out, den, states, gates = unowned((q, k, v, out, den, states, gates))
@@ -290,7 +290,7 @@ def _causal_forward(q, k, v, fm, fp, fa, eps, normalize, scale, lengths, chunk, 
         sbuf = (_state_buffers(d_, dv, dt), np.empty(d_ if decayed else 0, dt))  # (zeros where they must start so)
         (P, B, acc, Pz, Bz, Z, accz, lam), fb = unowned(sbuf)  # fb: B's factors (gate_state_factors)
         has_acc = _init_state(S0, Z0, h, acc, accz, B, Bz)
-        has_p = False
+        has_p = bool(False)
         for ci in range(c0):  # the state at the start of this segment
             i0 = ci * chunk
             c = min(chunk, length - i0)
@@ -321,7 +321,8 @@ def _causal_forward(q, k, v, fm, fp, fa, eps, normalize, scale, lengths, chunk, 
             else:  # a zero state: the chunk's own part only
                 small_gemm(QA[:c, d_:d_ + c], SV[d_:d_ + c], oh[i0:i0 + c], False, 0, -1)
             if normalize:
-                W[:d_] = Z
+                for a in range(d_):  # (a loop: a slice assignment compiles NumPy's shape-error message, ~2.5 s)
+                    W[a] = Z[a]
                 _normalize_rows(oh, i0, c, QA, W, d_ + c, eps, scale, keep)
             elif scale != 1:
                 _scale_rows(oh, i0, c, scale)
@@ -354,15 +355,15 @@ def _noncausal_segment(q, k, v, out, mp, eps, normalize, scale, chunk, c0, c1, Q
     P, B, acc, Pz, Bz, Z, accz, lam = _state_buffers(d_, dv, out.dtype)
     no_gates = np.empty(0, out.dtype)
     no_f = (no_gates, no_gates, no_gates, no_gates)
-    has_acc, has_p = False, False
+    has_acc, has_p = bool(False), bool(False)  # bool()/int(): run-time values, not literals (see _jit)
     for ci in range(nchunks):
         i0 = ci * chunk
-        _add_prefix(k, v, i0, min(chunk, n - i0), mp, Kf, V, P, Pz, has_p, no_gates, no_f)
+        _add_prefix(k, v, i0, min(chunk, n - i0), mp, Kf, V, P, Pz, 1.0 if has_p else 0.0, no_gates, no_f)
         has_p = True
         if (ci + 1) % FOLD_EVERY == 0 or ci == nchunks - 1:
-            _fold(acc, accz, B, Bz, P, Pz, has_acc, lam, False)
+            _fold(acc, accz, B, Bz, P, Pz, has_acc, lam, bool(False))
             has_acc, has_p = True, False
-    _current(B, Bz, P, Pz, S, Z, has_acc, has_p, no_gates, False)
+    _current(B, Bz, P, Pz, S, Z, has_acc, has_p, no_gates, bool(False))
     for ci in range(c0, c1):
         i0 = ci * chunk
         c = min(chunk, n - i0)

@@ -38,7 +38,7 @@ def _adjoints(q, k, v, g, out, fm, s, eps, normalize, qf, kf, ab, v1):
                     acc += qrow[a] * zc[a]
                 den[t] = s * acc + eps
         _load_adjoints(g[h], out[h], den, 0, n, normalize, ab[h])
-        _load_values(v[h], 0, n, v1[h])
+        _load_values(v[h], int(0), n, v1[h])  # bool()/int(): run-time values, not literals (see _jit)
 
 
 def _adjoints_signature(dt, variant):
