@@ -1,5 +1,5 @@
-"""Compilation: kernels still work when no cache directory is writable, and the disk cache never
-serves a kernel compiled from other sources."""
+"""Compilation: kernels still work when no cache directory is writable, the disk cache never serves
+a kernel compiled from other sources, and helpers are compiled only into the kernels that call them."""
 import os
 import shutil
 import subprocess
@@ -75,3 +75,48 @@ def test_editing_a_helper_module_invalidates_the_cache(tmp_path):
     with open(pkg / "cpu" / "vector.py", "a") as f:
         f.write("\n# an edit\n")
     assert run() == ["hits", "0", "misses", "1"]  # compiled again
+
+
+def _scaled_sum(x, s):
+    acc = 0.0
+    for i in range(x.shape[0]):
+        acc += x[i]
+    return acc * s
+
+
+def test_helpers_are_linked_only_into_their_kernels():
+    # A helper's code is optimised and emitted inside the kernels that call it, never alone (most of
+    # a cold first call's LLVM time was helpers' code thrown away); kernels that call it work, a
+    # call from Python is refused with a TypeError.
+    from linattn._linkonly import PIPELINE
+
+    assert PIPELINE is not None, "this Numba lacks the internals the link-only helpers use"
+    helper = _jit.njit(helper=True)(_scaled_sum)
+
+    @numba.njit
+    def kernel(x):
+        return helper(x, 2.0) + helper(x[1:], 1.0)
+
+    x = np.arange(5.0)
+    assert kernel(x) == 2 * 10 + 10
+    library = helper.overloads[helper.signatures[0]].library
+    assert type(library).__name__ == "_LinkOnlyLibrary"
+    assert library.get_pointer_to_function(helper.overloads[helper.signatures[0]].fndesc.llvm_func_name) == 0
+    try:
+        helper(x, 2.0)
+    except TypeError as exc:
+        assert "jitted" in str(exc)
+    else:
+        raise AssertionError("expected TypeError")
+
+
+def test_helpers_compile_the_usual_way_without_the_pipeline(monkeypatch):
+    monkeypatch.setattr(_jit, "PIPELINE", None)
+    helper = _jit.njit(helper=True)(_scaled_sum)
+
+    @numba.njit
+    def kernel(x):
+        return helper(x, 3.0)
+
+    assert kernel(np.arange(4.0)) == 18.0
+    assert type(helper.overloads[helper.signatures[0]].library).__name__ != "_LinkOnlyLibrary"

@@ -10,6 +10,8 @@ import numba
 import numpy as np
 from numba.core import types
 
+from ._linkonly import PIPELINE
+
 # Reassociation and contraction let LLVM vectorise reductions and use FMA; "nnan"/"ninf" are left out
 # on purpose so that NaN and inf propagate exactly as in NumPy. error_model="numpy": x / 0 gives
 # inf or nan as in NumPy instead of raising.
@@ -41,7 +43,8 @@ def njit(*, parallel=False, helper=False, signature=None):
         global cache_problem
         args = () if signature is None else (signature,)
         if helper:
-            return numba.njit(*args, no_cpython_wrapper=True, no_cfunc_wrapper=True, **OPTIONS)(fn)
+            link_only = {} if PIPELINE is None else {"pipeline_class": PIPELINE}
+            return numba.njit(*args, no_cpython_wrapper=True, no_cfunc_wrapper=True, **link_only, **OPTIONS)(fn)
         try:
             return numba.njit(*args, cache=True, parallel=parallel, **OPTIONS)(fn)
         except RuntimeError as exc:
