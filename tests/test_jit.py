@@ -120,3 +120,37 @@ def test_helpers_compile_the_usual_way_without_the_pipeline(monkeypatch):
 
     assert kernel(np.arange(4.0)) == 18.0
     assert type(helper.overloads[helper.signatures[0]].library).__name__ != "_LinkOnlyLibrary"
+
+
+_LITERAL_PROBE = """
+import importlib, pkgutil
+import numpy as np, linattn, linattn.cpu
+from numba.core import types
+from numba.core.registry import CPUDispatcher
+rng = np.random.default_rng(0)
+q, k, v = (rng.standard_normal((2, 3, 50, 16)).astype(np.float32) for _ in range(3))
+out, vjp = linattn.causal_linear_attention_vjp(q, k, v)
+vjp(out)
+linattn.linear_attention(q, k, v)
+helpers, extra = set(), []
+for m in pkgutil.iter_modules(linattn.cpu.__path__):
+    for name, obj in vars(importlib.import_module("linattn.cpu." + m.name)).items():
+        if isinstance(obj, CPUDispatcher) and obj.targetoptions.get("no_cpython_wrapper") and obj.signatures:
+            helpers.add(name)
+            plain = [tuple(types.unliteral(a) for a in sig) for sig in obj.signatures]
+            extra += [name] * (len(plain) - len(set(plain)))
+print(len(helpers), sorted(set(extra)))
+"""
+
+
+def test_no_helper_compiles_again_for_a_constant_argument(tmp_path):
+    # Numba types a constant argument (False, 0) as a literal and compiles the helper once more for
+    # it (0.3-0.6 s each on a cold first call): kernels pass bool(False), int(0) (see _jit.njit). In a
+    # new process with an empty cache, so that the kernels compile rather than load.
+    env = dict(os.environ, NUMBA_CACHE_DIR=str(tmp_path))
+    res = subprocess.run([sys.executable, "-c", _LITERAL_PROBE], env=env, capture_output=True, text=True,
+                         timeout=600, check=False)
+    assert res.returncode == 0, res.stderr
+    count, extra = res.stdout.split(maxsplit=1)
+    assert int(count) > 20  # the helpers were compiled (not loaded with their kernels from a cache)
+    assert extra.strip() == "[]"
