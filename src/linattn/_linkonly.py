@@ -5,15 +5,18 @@ Numba compiles every jitted function it meets into a library of its own, runs LL
 optimisation on it and emits its machine code, then links its IR into each caller, where it is
 optimised and emitted again. For a helper no one calls from Python, the first optimisation and the
 machine code are thrown away: a fifth to a quarter of a cold first causal call (measured: 17.1-18.7
-s before, 13.5-13.9 s after, docs/performance.md). Helpers compiled with :data:`PIPELINE` stop after lowering to IR (function passes
-only); the kernel's own optimisation inlines and optimises them as before, so the kernels' code is
-what it was.
+s before, 13.5-13.9 s after, docs/performance.md). Helpers compiled with :data:`PIPELINE` stop after
+lowering to IR (function passes only); the kernel's own optimisation inlines and optimises them as
+before, so the kernels' code is what it was.
 
 This uses Numba's documented ``pipeline_class`` option, and three private methods of its code
 library (``_optimize_final_module``, ``_finalize_final_module``, ``_finalize_dynamic_globals``).
 Where a Numba version lacks them, :data:`PIPELINE` is None and helpers compile the usual way.
 """
+from functools import cache
+
 try:
+    import numba
     from numba import _dynfunc
     from numba.core import typed_passes
     from numba.core.codegen import JITCodeLibrary
@@ -38,26 +41,24 @@ if _usable:
             self._finalize_dynamic_globals()
             self._finalized = True  # (no machine code: nothing is added to the execution engine)
 
-    _refuser = []
+    @cache
+    def _refusing_code():
+        """(address, library): the CPython wrapper of a function raising TypeError, compiled once."""
+        def refuse():
+            raise TypeError("this linattn helper is compiled only for its kernels: call it from a "
+                            "jitted function")
+
+        # (the name Python's argument check reports when the call has arguments)
+        refuse.__name__ = refuse.__qualname__ = "linattn_helper_callable_only_from_jitted_code"
+        refuse = numba.njit(no_cfunc_wrapper=True)(refuse)
+        refuse.compile(())
+        compiled = refuse.overloads[()]
+        return compiled.library.get_pointer_to_function(compiled.fndesc.llvm_cpython_wrapper_name), compiled.library
 
     def _refused(lowered):
         """A new entry point for a helper's signature (Numba keys the helper's code by it) that raises
-        TypeError when Python calls it: the code of a function raising that, compiled once."""
-        if not _refuser:
-            import numba
-
-            def refuse():
-                raise TypeError("this linattn helper is compiled only for its kernels: call it from a "
-                                "jitted function")
-
-            # (the name Python's argument check reports when the call has arguments)
-            refuse.__name__ = refuse.__qualname__ = "linattn_helper_callable_only_from_jitted_code"
-            refuse = numba.njit(no_cfunc_wrapper=True)(refuse)
-            refuse.compile(())
-            compiled = refuse.overloads[()]
-            address = compiled.library.get_pointer_to_function(compiled.fndesc.llvm_cpython_wrapper_name)
-            _refuser.append((address, compiled.library))
-        address, library = _refuser[0]
+        TypeError when Python calls it."""
+        address, library = _refusing_code()
         fndesc = lowered.fndesc
         return _dynfunc.make_function(fndesc.lookup_module(), fndesc.qualname.split(".")[-1],
                                       "linattn helper (kernels only)", address, lowered.env, (library,))

@@ -32,7 +32,7 @@ from numba.extending import overload
 from numba.np.numpy_support import as_dtype
 
 from .._jit import array, njit
-from .chunked import _current, _init_state, _segment, _state_buffers, _write_state, pending_added
+from .chunked import _copy_row, _current, _init_state, _segment, _state_buffers, _write_state, pending_added
 from .elementwise import ELU, RELU, load_rows
 from .gating import (SUB, VECTOR, _OPTS, _kind, _stub, chunk_gates, gate_buffers, gate_key_rows, gate_pending,
                      gate_queries, gate_scores, gate_state_factors, masked_product, prepare_kernel)
@@ -270,8 +270,7 @@ def _chunk(q, k, v, g, out, den, fm, normalize, s, one, i0, c, St, has_st, C, Cz
             kw = KF
             if decayed:
                 for t in range(c):
-                    for a in range(d):
-                        KW[t, a] = KF[t, a]
+                    _copy_row(KF[t], KW[t])
                 gate_key_rows(gates, KW, c, F, sums)  # (sums: a sink)
                 kw = KW
             small_gemm(kw[:c], C, dvc, False, -1, -1)
@@ -292,8 +291,7 @@ def _chunk(q, k, v, g, out, den, fm, normalize, s, one, i0, c, St, has_st, C, Cz
         _times_derivative(R, QA2, c, fm, s, dq, i0, rq, has_r)
     if decayed:
         for t in range(c):
-            for a in range(d):
-                QE[t, a] = QA2[t, a]
+            _copy_row(QA2[t, :d], QE[t])
         gate_queries(gates, QE, d, c, F)
 
 

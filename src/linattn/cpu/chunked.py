@@ -80,6 +80,8 @@ def _add_prefix(k, v, i0, c, mp, Kf, V, P, Pz, beta, gates, F):
 
 @njit(helper=True)
 def _copy_row(src, dst):
+    """dst[:len(src)] = src, as a loop: a slice assignment from an array compiles NumPy's shape-error
+    message into the kernel (~2.5 s of a cold first call)."""
     for e in range(src.shape[0]):
         dst[e] = src[e]
 
@@ -321,8 +323,7 @@ def _causal_forward(q, k, v, fm, fp, fa, eps, normalize, scale, lengths, chunk, 
             else:  # a zero state: the chunk's own part only
                 small_gemm(QA[:c, d_:d_ + c], SV[d_:d_ + c], oh[i0:i0 + c], False, 0, -1)
             if normalize:
-                for a in range(d_):  # (a loop: a slice assignment compiles NumPy's shape-error message, ~2.5 s)
-                    W[a] = Z[a]
+                _copy_row(Z, W)  # W[:d_] = Z
                 _normalize_rows(oh, i0, c, QA, W, d_ + c, eps, scale, keep)
             elif scale != 1:
                 _scale_rows(oh, i0, c, scale)
