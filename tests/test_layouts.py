@@ -121,6 +121,38 @@ def test_fast_and_checked_paths_agree(rng):
 
 
 @pytest.mark.parametrize("dtype", [np.float32, np.float64])
+def test_fast_path_passes_the_workers_signature(rng, monkeypatch, dtype):
+    """The plain call runs the worker through its unchecked entry point (no type dispatch): wrong
+    argument types there would be read as the signature's. Here the entry points are the checked
+    dispatchers (explicit signatures: a mismatch raises TypeError) for every form of the short path."""
+    calls = []
+
+    def checked(worker):
+        def call(*args):
+            calls.append(len(args))
+            return worker(*args)
+        return call
+
+    for kernel, variant in ((chunked.causal_forward, ("C", 0)), (chunked.noncausal_forward, "C")):
+        run = kernel.get(np.dtype(dtype), variant)
+        monkeypatch.setattr(run, "unchecked", checked(run.worker))
+    for lead, n, d, dv in (((), 1, 1, 1), ((3,), 17, 7, 5), ((2, 2), 40, 4, 6), ((1, 2, 1, 2), 9, 3, 2)):
+        q, k, v = make_qkv(rng, lead, n, d, dv, dtype)
+        k.setflags(write=False)  # read-only inputs as well
+        for kw in ({}, dict(feature_map="relu", normalize=False, eps=0.0)):
+            before = len(calls)
+            out = linattn.causal_linear_attention(q, k, v, **kw)
+            (out2, state), _ = attention._fast(True, q, k, v, kw.get("feature_map", "elu"), kw.get("eps", 1e-6),
+                                               kw.get("normalize", True), keep=True, return_state=True)
+            out3 = linattn.linear_attention(q, k, v, **kw)
+            assert len(calls) == before + 3  # each one ran the worker on this thread
+            assert_close(out, reference.masked(q, k, v, **kw), dtype)
+            np.testing.assert_array_equal(out2, out)
+            assert_close(state.S, reference.loop(q, k, v, return_state=True, **kw)[1][0], dtype)
+            assert_close(out3, reference.masked(q, k, v, causal=False, **kw), dtype)
+
+
+@pytest.mark.parametrize("dtype", [np.float32, np.float64])
 def test_step_out(rng, dtype):
     q, k, v = make_qkv(rng, (2, 3), 4, 8, 5, dtype)
     st, st2 = linattn.State.zeros((2, 3), 8, 5, dtype), linattn.State.zeros((2, 3), 8, 5, dtype)

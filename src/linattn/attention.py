@@ -20,6 +20,7 @@ _FLOATS = (np.dtype(np.float32), np.dtype(np.float64))
 _NO_GATES = {dt: np.zeros(0, dt) for dt in _FLOATS}  # the kernels' "no gates" (and "no map parameters")
 _CONSTANT_ONLY = {dt: np.zeros((0, 0), dt) for dt in _FLOATS}  # their "a constant decay alone"
 _ZERO_DECAY = np.zeros(0)
+_NO_STATUS = np.zeros(3, np.int64)  # a kernel with no gates writes no status: one array for every call
 _NO_DEN = {dt: np.zeros((1, 1, 0), dt) for dt in _FLOATS}  # the causal kernel keeps no denominators
 _NO_STATES = {dt: np.zeros((1, 1, 0, 1, 1), dt) for dt in _FLOATS}  # ... and no chunk states
 _PLAIN = {dt: (_NO_GATES[dt], dt.type(1.0)) for dt in _FLOATS}  # the plain call's "no gates" and scale 1
@@ -102,7 +103,7 @@ def _fast(causal, q, k, v, feature_map, eps, normalize, keep=False, return_state
         kernel, no_gates, one, S0, Z0, S, Z, den4, states4 = _plain_constants(True, dt, d, dv)
         if return_state:
             S, Z = np.empty((bh, d, dv), dt), np.empty((bh, d), dt)
-        status = np.zeros(3, np.int64)
+        status = _NO_STATUS
         den = states = None
         if keep:  # the denominators and the chunk states for the backward (as causal_with_denominators')
             if normalize:
@@ -118,8 +119,9 @@ def _fast(causal, q, k, v, feature_map, eps, normalize, keep=False, return_state
     if nthreads > 1:
         with kernel_section(nthreads):
             kernel(nthreads, *args)
-    else:  # the worker on this thread, as the kernel would call it (no parallel region, no section)
-        kernel.worker(*args, np.zeros(1, np.int64))
+    else:  # the worker on this thread, as the kernel would call it (no parallel region, no section),
+        # through its unchecked entry point: the arguments built above have the signature's types
+        kernel.unchecked(*args, np.zeros(1, np.int64))
     if causal and keep:
         state = State(S.reshape(shape[:-2] + (d, dv)), Z.reshape(shape[:-2] + (d,))) if return_state else None
         return (out, state), (den, states, chunk)
