@@ -8,7 +8,7 @@ from . import checks
 from . import gates as gates_mod
 from . import workspace
 from .cpu import chunked
-from .cpu.runtime import kernel_section, plan
+from .cpu.runtime import kernel_section, num_threads, plan
 from .cpu import mapfns
 from .cpu.elementwise import IDENTITY
 from .feature_maps import NAMED, FeatureMap, as_map
@@ -53,21 +53,29 @@ def _no_state(dt, dk, dv):
     return found
 
 
-def _plain_constants(causal, dt, d, dv):
-    """(kernel, no gates, scale 1) and, causal, (S0, Z0, S_out, Z_out) with no rows and the "keep no
-    denominators / chunk states" arrays: what a plain call passes besides its own arrays, one lookup
-    per call (each of these was a dictionary lookup keyed by the dtype: ~1 us of a tiny call)."""
-    found = _constants.get((causal, dt, d, dv))
+def _fast_plan(causal, dt, shape, dv, threads):
+    """Everything a plain call of ``shape`` (q's) passes besides its own arrays, one lookup per call
+    (each part was a lookup of its own: ~1.5 us of a tiny call): ``plan``'s (chunk, frac, nthreads) for
+    ``threads``, whether the result comes from the workspace pool, the kernel, no gates, scale 1 and,
+    causal, the full lengths, (S0, Z0, S_out, Z_out) with no rows and the "keep no denominators /
+    chunk states" arrays."""
+    key = (causal, dt, shape, dv, threads)
+    found = _constants.get(key)
     if found is None:
+        n, d = shape[-2], shape[-1]
+        bh = math.prod(shape[:-2])
+        chunk, frac, nthreads = plan(bh, n, d, dv, causal)
+        pooled = bh * n * dv * dt.itemsize >= workspace.POOL_MIN_BYTES  # (workspace.empty's own test: ~1 us)
         no_gates, one = _PLAIN[dt]
         if causal:
-            found = ((chunked.causal_forward.get(dt, ("C", 0)), no_gates, one) + _no_state(dt, d, dv)
-                     + (_NO_DEN[dt], _NO_STATES[dt]))
+            kernel = chunked.causal_forward.get(dt, ("C", 0))
+            extra = (_full_lengths(bh, n),) + _no_state(dt, d, dv) + (_NO_DEN[dt], _NO_STATES[dt])
         else:
-            found = (chunked.noncausal_forward.get(dt, "C"), no_gates, one)
+            kernel, extra = chunked.noncausal_forward.get(dt, "C"), ()
+        found = (chunk, frac, nthreads, pooled, kernel, no_gates, one) + extra
         if len(_constants) > 256:
             _constants.clear()
-        _constants[causal, dt, d, dv] = found
+        _constants[key] = found
     return found
 
 
@@ -88,19 +96,23 @@ def _fast(causal, q, k, v, feature_map, eps, normalize, keep=False, return_state
     code = _CODES.get(feature_map)
     if code is None:
         return None
-    n, d, dv = shape[-2], shape[-1], v.shape[-1]
-    bh = q.size // (n * d)
-    chunk, frac, nthreads = plan(bh, n, d, dv, causal)
-    if bh * n * dv * dt.itemsize < workspace.POOL_MIN_BYTES:  # (workspace.empty's own test: ~1 us of a tiny call)
-        out = np.empty(shape[:-1] + (dv,), dt)
-    else:  # a large result the caller will drop: from the pool, reused without page faults
+    dv = v.shape[-1]
+    found = _constants.get((causal, dt, shape, dv, num_threads()))
+    if found is None:
+        found = _fast_plan(causal, dt, shape, dv, num_threads())
+    chunk, frac, nthreads, pooled, kernel, no_gates, one = found[:7]
+    if pooled:  # a large result the caller will drop: from the pool, reused without page faults
         out = workspace.empty(shape[:-1] + (dv,), dt)
+    else:
+        out = np.empty(shape[:-1] + (dv,), dt)
+    n, d = shape[-2], shape[-1]
+    bh = q.size // (n * d)
     if len(shape) == 4:  # (B, H, N, D) as the kernels' (G1, G2, N, D): no reshapes (~1 us of a tiny call)
         q4, k4, v4, o4 = q, k, v, out
     else:
         q4, k4, v4, o4 = (x.reshape(1, bh, n, x.shape[-1]) for x in (q, k, v, out))
     if causal:
-        kernel, no_gates, one, S0, Z0, S, Z, den4, states4 = _plain_constants(True, dt, d, dv)
+        lengths, S0, Z0, S, Z, den4, states4 = found[7:]
         if return_state:
             S, Z = np.empty((bh, d, dv), dt), np.empty((bh, d), dt)
         status = _NO_STATUS
@@ -111,10 +123,9 @@ def _fast(causal, q, k, v, feature_map, eps, normalize, keep=False, return_state
                 den4 = den.reshape(q4.shape[:3])
             states = workspace.take(shape[:-2] + (-(-n // chunk), dv + 1, d), dt)  # (the caller releases it)
             states4 = states.reshape(q4.shape[:2] + states.shape[-3:])
-        args = (q4, k4, v4, code, no_gates, 0, dt.type(eps), normalize, one, _full_lengths(bh, n), chunk, frac, S0, Z0,
+        args = (q4, k4, v4, code, no_gates, 0, dt.type(eps), normalize, one, lengths, chunk, frac, S0, Z0,
                 o4, S, Z, no_gates, _ZERO_DECAY, status, den4, states4)
     else:
-        kernel, no_gates, one = _plain_constants(False, dt, d, dv)
         args = (q4, k4, v4, code, no_gates, 0, dt.type(eps), normalize, one, chunk, frac, o4)
     if nthreads > 1:
         with kernel_section(nthreads):
