@@ -44,21 +44,40 @@ def test_every_item_taken_once(nthreads, dtype):
     assert TALLY.get(np.dtype(dtype), "C") is run  # compiled once per (dtype, variant)
 
 
-def test_the_workers_exception_reaches_the_caller():
-    seen = np.zeros(10)
-    with pytest.raises(ValueError, match="item failed"):
-        TALLY.get(np.dtype(np.float64), "C")(1, 10, 1.0, 3, seen)
-    np.testing.assert_array_equal(seen, [1, 1, 1] + [0] * 7)
+@pytest.mark.parametrize("nthreads", [1, 2])
+def test_the_workers_exception_reaches_the_caller(nthreads):
+    seen = np.zeros(1000)
+    with kernel_section(nthreads), pytest.raises(ValueError, match="item failed"):
+        TALLY.get(np.dtype(np.float64), "C")(nthreads, 1000, 1.0, 3, seen)
+    if nthreads == 1:
+        np.testing.assert_array_equal(seen, [1, 1, 1] + [0] * 997)
+    else:  # the other thread stops at the counter's end or at its own failure
+        assert seen[3] == 0 and set(np.unique(seen)) <= {0, 1}
+
+
+def test_arguments_reach_every_thread_and_stay_owned():
+    """The parallel path hands the worker's arguments to the threads through a pointer into the
+    launching frame: each thread sees the same arrays, and their reference counts come back even."""
+    import sys as _sys
+    seen = np.zeros(4000)
+    before = _sys.getrefcount(seen)
+    run = TALLY.get(np.dtype(np.float64), "C")
+    for _ in range(50):
+        with kernel_section(2):
+            run(2, 4000, 0.25, -1, seen)
+    np.testing.assert_array_equal(seen, 50 * 0.25)
+    assert _sys.getrefcount(seen) == before
 
 
 _CACHE_PROBE = """
 import numpy as np, linattn
-from linattn.cpu import chunked
+from linattn.cpu import chunked, threaded
 x = np.ones((1, 2, 40, 3), np.float32)
 out = linattn.causal_linear_attention(x, x, x)
 run = chunked.causal_forward.get(np.dtype(np.float32), ("C", 0))
-print(*(sum(getattr(f.stats, s).values()) for f in (run.worker, run.loop) for s in ("cache_hits", "cache_misses")),
-      bool(abs(out - 1).max() < 1e-6))
+loop = threaded._generic_loop()[0]
+print(*(sum(getattr(f.stats, s).values()) for f in (run.worker, run.launch, run.trampoline, loop)
+        for s in ("cache_hits", "cache_misses")), bool(abs(out - 1).max() < 1e-6))
 """
 
 
@@ -71,5 +90,5 @@ def test_worker_and_loop_load_from_the_disk_cache(tmp_path):
         assert res.returncode == 0, res.stderr
         return res.stdout.split()
 
-    assert run() == ["0", "1", "0", "1", "True"]  # compiled (and cached); v averaged: all ones
-    assert run() == ["1", "0", "1", "0", "True"]  # both loaded, and the worker's address still right
+    assert run() == ["0", "1"] * 4 + ["True"]  # compiled (and cached); v averaged: all ones
+    assert run() == ["1", "0"] * 4 + ["True"]  # all loaded, and the addresses still right

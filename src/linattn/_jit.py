@@ -27,7 +27,7 @@ before_kernels = []
 _before_done = False
 
 
-def njit(*, parallel=False, helper=False, signature=None):
+def njit(*, parallel=False, helper=False, signature=None, wrappers=True):
     """``numba.njit`` with linattn's options, caching on disk where a cache directory is writable.
 
     ``helper=True`` marks a function only called from other kernels (compiled into them, and cached
@@ -36,7 +36,8 @@ def njit(*, parallel=False, helper=False, signature=None):
     ``bool(False)`` / ``int(0)`` so that one compiled helper serves every call (~0.3-0.6 s of a cold
     first call each). Numba raises ``RuntimeError: cannot cache function`` at decoration time when neither
     the package directory nor ``NUMBA_CACHE_DIR``/``~/.cache`` is writable; the kernel then compiles
-    in every process instead.
+    in every process instead. ``wrappers=False``: a function only called by its address from compiled
+    code (compiled and cached as a kernel, without the wrappers for calls from Python or C).
     """
 
     def decorate(fn):
@@ -45,13 +46,14 @@ def njit(*, parallel=False, helper=False, signature=None):
         if helper:
             link_only = {} if PIPELINE is None else {"pipeline_class": PIPELINE}
             return numba.njit(*args, no_cpython_wrapper=True, no_cfunc_wrapper=True, **link_only, **OPTIONS)(fn)
+        bare = {} if wrappers else dict(no_cpython_wrapper=True, no_cfunc_wrapper=True)
         try:
-            return numba.njit(*args, cache=True, parallel=parallel, **OPTIONS)(fn)
+            return numba.njit(*args, cache=True, parallel=parallel, **bare, **OPTIONS)(fn)
         except RuntimeError as exc:
             if "cannot cache" not in str(exc):
                 raise
             cache_problem = str(exc)  # reported by `python -m linattn info`
-            return numba.njit(*args, cache=False, parallel=parallel, **OPTIONS)(fn)
+            return numba.njit(*args, cache=False, parallel=parallel, **bare, **OPTIONS)(fn)
 
     return decorate
 

@@ -5,8 +5,14 @@ A chunk kernel's parallel loop used to call its worker (one thread's share: work
 shared counter) directly. Numba links a callee's code into its caller and optimises and emits it again
 there; a ``prange`` adds four such levels (the loop's gufunc, two wrappers, the kernel), so the worker's
 code, the largest part of a kernel, was compiled six times: about 1.4 s each, measured (issue 11).
-Called by address, it is compiled once, as a kernel of its own (cached on disk like the others), and
-the loop around it compiles in a fraction of a second.
+Called by address, it is compiled once, as a kernel of its own (cached on disk like the others).
+
+The parallel loop itself is one compiled function for every kernel (``_run_generic``: three integers,
+compiled once and then loaded from the disk cache): a ``prange`` over a kernel's own tuple of
+arguments cost 1.1-1.5 s of compilation per kernel, most of it in passing the tuple through the
+loop's gufunc. Per kernel there are two small functions instead (~0.5 s together): ``_launch``, which
+takes the arguments from Python and leaves them in its frame, and ``_trampoline``, which each thread
+runs to read them from there and call the worker.
 """
 import numpy as np
 from numba import prange
@@ -18,6 +24,17 @@ from .._jit import Kernel, array, njit, renamed
 _COUNTER = array(types.int64, 1)
 
 
+def _emit_call(context, builder, address, argtys, values):
+    """Call the compiled function at ``address`` (Numba's calling convention, no result) with ``values``
+    of types ``argtys``; an exception it raises propagates to the caller."""
+    fnty = context.call_conv.get_function_type(types.void, argtys)
+    callee = builder.inttoptr(address, fnty.as_pointer())
+    status, _ = context.call_conv.call_function(builder, callee, types.void, argtys, values)
+    with cgutils.if_unlikely(builder, status.is_error):
+        context.call_conv.return_status_propagate(builder, status)
+    return context.get_dummy_value()
+
+
 @intrinsic
 def _call(typingctx, address, args, counter):
     """Call the compiled worker at ``address`` (an int64) with the elements of the tuple ``args`` and
@@ -27,30 +44,91 @@ def _call(typingctx, address, args, counter):
     def codegen(context, builder, sig, llargs):
         addr, tup, cnt = llargs
         values = [builder.extract_value(tup, i) for i in range(len(args.types))] + [cnt]
-        fnty = context.call_conv.get_function_type(types.void, argtys)
-        callee = builder.inttoptr(addr, fnty.as_pointer())
-        status, _ = context.call_conv.call_function(builder, callee, types.void, argtys, values)
-        with cgutils.if_unlikely(builder, status.is_error):
-            context.call_conv.return_status_propagate(builder, status)
-        return context.get_dummy_value()
+        return _emit_call(context, builder, addr, argtys, values)
 
     return types.void(address, args, counter), codegen
 
 
-def _run_threads(address, nthreads, args):
-    """Run the worker at ``address`` on ``nthreads`` threads (the caller sets Numba's number of threads
-    to it: one prange iteration per thread), all taking items from one counter; with one thread, the
-    calling thread runs it and wakes no other."""
+@intrinsic
+def _call_loop(typingctx, address, tramp, payload, nthreads):
+    """Call the compiled parallel loop ``_run_generic`` at ``address``."""
+    argtys = (types.int64,) * 3
+
+    def codegen(context, builder, sig, llargs):
+        return _emit_call(context, builder, llargs[0], argtys, list(llargs[1:]))
+
+    return types.void(address, tramp, payload, nthreads), codegen
+
+
+@intrinsic
+def _address_of(typingctx, value):
+    """The address (int64) of a copy of ``value`` in the calling function's stack frame: valid until
+    that function returns (it waits for the threads that read it)."""
+
+    def codegen(context, builder, sig, llargs):
+        slot = cgutils.alloca_once_value(builder, llargs[0])
+        return builder.ptrtoint(slot, context.get_value_type(types.int64))
+
+    return types.int64(value), codegen
+
+
+@intrinsic
+def _load(typingctx, pointer):
+    """The value at ``pointer`` (a CPointer), as ``_address_of`` stored it: a new reference (the caller
+    releases its arrays at its end, as for any value it makes)."""
+
+    def codegen(context, builder, sig, llargs):
+        ptr = builder.bitcast(llargs[0], context.get_value_type(pointer.dtype).as_pointer())
+        value = builder.load(ptr)
+        context.nrt.incref(builder, pointer.dtype, value)
+        return value
+
+    return pointer.dtype(pointer), codegen
+
+
+def _run_generic(tramp, payload, nthreads):
+    """Run ``tramp(payload, counter)`` (a compiled trampoline's address) on ``nthreads`` threads (the
+    caller sets Numba's number of threads to it: one prange iteration per thread), all taking items
+    from one counter. One compiled loop for every kernel: parallel loops over a kernel's own argument
+    types cost 1.1-1.5 s to compile per kernel (most of it in passing the tuple through the loop's
+    gufunc), this one is compiled once and loaded from the disk cache after."""
     counter = np.empty(1, np.int64)  # np.zeros would become a parallel loop (a parfor) of its own
     counter[0] = 0
-    if nthreads <= 1:
-        _call(address, args, counter)
-    else:
-        for _ in prange(nthreads):
-            _call(address, args, counter)
+    for _ in prange(nthreads):
+        _call(tramp, (payload,), counter)
 
 
-_RUN_THREADS = renamed(_run_threads, parallel=True)
+def _trampoline(payload, counter):
+    """One thread's share: the worker's address and arguments from ``payload`` (a pointer to them,
+    stored by ``_launch``), then the worker."""
+    address, args = _load(payload)
+    _call(address, args, counter)
+
+
+def _launch(address, nthreads, args, loop, tramp):
+    """Run the worker at ``address`` with ``args`` on ``nthreads`` threads: the arguments stay in this
+    frame, the generic loop (at ``loop``) runs the trampoline (at ``tramp``) on each thread."""
+    _call_loop(loop, tramp, _address_of((address, args)), nthreads)
+
+
+_RUN_GENERIC = renamed(_run_generic, parallel=True)
+_TRAMPOLINE = renamed(_trampoline, parallel=False)
+_LAUNCH = renamed(_launch, parallel=False)
+_generic = []  # the generic loop's compiled dispatcher and address, once compiled or loaded
+
+
+def _address(dispatcher):
+    """The address of the one compiled function of ``dispatcher`` (compiled with a signature)."""
+    compiled = dispatcher.overloads[dispatcher.signatures[0]]
+    return compiled, compiled.library.get_pointer_to_function(compiled.fndesc.llvm_func_name)
+
+
+def _generic_loop():
+    """(dispatcher, address) of ``_run_generic``."""
+    if not _generic:
+        loop = njit(parallel=True, signature=types.void(types.int64, types.int64, types.int64))(_RUN_GENERIC)
+        _generic.append((loop, _address(loop)[1]))
+    return _generic[0]
 
 
 class ThreadedKernel(Kernel):
@@ -60,18 +138,26 @@ class ThreadedKernel(Kernel):
 
     def _build(self, sig):
         worker = njit(signature=types.void(*sig.args, _COUNTER))(self.py_func)
-        compiled = worker.overloads[worker.signatures[0]]
-        address = compiled.library.get_pointer_to_function(compiled.fndesc.llvm_func_name)
-        loop = njit(parallel=True, signature=types.void(types.int64, types.int64, types.Tuple(sig.args)))(
-            _RUN_THREADS)
+        compiled, address = _address(worker)
+        args = types.Tuple(sig.args)
+        loop, loop_address = _generic_loop()
+        tramp = njit(signature=types.void(types.CPointer(types.Tuple((types.int64, args))), _COUNTER),
+                     wrappers=False)(_TRAMPOLINE)
+        tramp_address = _address(tramp)[1]
+        launch = njit(signature=types.void(types.int64, types.int64, args, types.int64, types.int64))(_LAUNCH)
 
         def run(nthreads, *args):
             if nthreads <= 1:  # the worker itself: the loop's tuple of arguments is typed in Python (~1 us)
                 worker(*args, np.zeros(1, np.int64))
             else:
-                loop(address, nthreads, args)
+                try:
+                    launch(address, nthreads, args, loop_address, tramp_address)
+                except SystemError as exc:  # a worker's exception in the parallel region: Numba returns
+                    if exc.__cause__ is None:  # with it set, and Python wraps it
+                        raise
+                    raise exc.__cause__ from None
 
-        run.worker, run.loop = worker, loop  # (the worker keeps its code alive)
+        run.worker, run.launch, run.trampoline = worker, launch, tramp  # (they keep their code alive)
         # the worker's compiled entry point: a call with no type dispatch (~1 us less); the caller must
         # pass exactly the signature's types (arrays of its dtypes and dimensions), unchecked
         run.unchecked = compiled.entry_point
