@@ -109,3 +109,33 @@ def test_small_gemm_does_not_read_c_without_beta():
             want = x.astype(np.float64) @ b.astype(np.float64)
             assert np.isfinite(c).all()
             assert np.abs(c - want).max() <= tol * max(1.0, float(np.abs(want).max())) * np.sqrt(13 + 1)
+
+
+_ONE_DTYPE = """
+import numpy as np, linattn
+from linattn.cpu import smallgemm, symbols
+rng = np.random.default_rng(0)
+q, k, v, g = (rng.standard_normal((2, 3, 40, 8)).astype(np.float32) * 0.5 for _ in range(4))
+gate_pos, gate_dim = -rng.random((2, 3, 40)).astype(np.float32), -rng.random((2, 3, 40, 8)).astype(np.float32)
+outs = [linattn.causal_linear_attention(q, k, v), linattn.causal_linear_attention(q, k, v, decay=0.9),
+        linattn.causal_linear_attention(q, k, v, gate=gate_pos), linattn.linear_attention(q, k, v),
+        linattn.causal_linear_attention(q, k, v, feature_map=linattn.feature_maps.Taylor())]
+for kw in ({}, dict(gate=gate_dim)):
+    out, vjp = linattn.causal_linear_attention_vjp(q, k, v, **kw)
+    outs += [out, *vjp(g)]
+out, vjp = linattn.linear_attention_vjp(q, k, v)
+outs += [out, *vjp(g)]
+outs.append(linattn.step(q[:, :, 0], k[:, :, 0], v[:, :, 0], linattn.State.zeros((2, 3), 8, 8)))
+assert all(np.isfinite(np.asarray(x)).all() for x in outs)
+print(sorted(str(dt) for (dt, _), symbol in smallgemm._SYMBOLS.items() if symbol in symbols._registered))
+"""
+
+
+def test_float32_kernels_need_only_the_float32_products():
+    """The products are registered per dtype before a kernel of that dtype is compiled or loaded
+    from the disk cache: every float32 kernel (compiled here, or loaded, when earlier tests cached
+    it) runs with the float32 products alone."""
+    res = subprocess.run([sys.executable, "-c", _ONE_DTYPE], capture_output=True, text=True, timeout=900,
+                         check=False)
+    assert res.returncode == 0, res.stderr
+    assert res.stdout.split("\n")[-2] == "['float32', 'float32']"

@@ -21,10 +21,10 @@ FASTMATH = OPTIONS["fastmath"]
 #: Set to the reason when compiled code cannot be cached on disk (nothing writable), else None.
 cache_problem = None
 
-#: Callables run once before the first kernel is compiled or loaded (modules whose compiled code kernels
-#: call by symbol name register their symbols there).
+#: Callables run with a NumPy dtype once before the first kernel of that dtype is compiled or loaded
+#: (modules whose compiled code kernels call by symbol name register that dtype's symbols there).
 before_kernels = []
-_before_done = False
+_before_done = set()
 
 
 def njit(*, parallel=False, helper=False, signature=None, wrappers=True):
@@ -76,12 +76,11 @@ def array(dtype, ndim, layout="C", readonly=False):
     return types.Array(dtype, ndim, layout, readonly=readonly)
 
 
-def _run_before_kernels():
-    global _before_done
-    if not _before_done:
+def _run_before_kernels(dtype):
+    if dtype not in _before_done:
         for hook in before_kernels:
-            hook()
-        _before_done = True
+            hook(dtype)
+        _before_done.add(dtype)
 
 
 def renamed(py_func, parallel):
@@ -126,7 +125,7 @@ class Kernel:
             key = (np.dtype(dtype), variant)
             fn = self._compiled.get(key)
             if fn is None:
-                _run_before_kernels()
+                _run_before_kernels(key[0])
                 if self._prepare is not None:
                     self._prepare(key[0], variant)
                 if self._parallel:
