@@ -32,6 +32,7 @@ from numba.extending import overload
 from numba.np.numpy_support import as_dtype
 
 from .._jit import array, njit
+from .buffers import empty, zeros
 from .chunked import _copy_row, _current, _init_state, _segment, _state_buffers, _write_state, pending_added
 from .elementwise import ELU, RELU, load_rows
 from .gating import (SUB, VECTOR, _OPTS, _kind, _stub, chunk_gates, gate_buffers, gate_key_rows, gate_pending,
@@ -321,15 +322,15 @@ def _causal_backward(q, k, v, g, out, den, fm, normalize, s, lengths, chunk, fra
     q, k, v, g, out, den, gates = unowned((q, k, v, g, out, den, gates))
     dq, dk, dv, rq, rk, states = unowned((dq, dk, dv, rq, rk, states))
     H0, Z0, H_out, Z_out = unowned((H0, Z0, H_out, Z_out))
-    owners = (np.empty((chunk, e + chunk), dt), np.empty((chunk, d + chunk), dt), np.empty((e, chunk), dt),
-              np.empty((d, chunk), dt), np.empty((chunk, e), dt), np.empty((chunk, d), dt), np.empty((chunk, d), dt),
-              np.empty((chunk, d), dt), np.empty((chunk, d), dt), np.empty((d, e - 1), dt), np.empty((e, d), dt))
+    owners = (empty((chunk, e + chunk), dt), empty((chunk, d + chunk), dt), empty((e, chunk), dt),
+              empty((d, chunk), dt), empty((chunk, e), dt), empty((chunk, d), dt), empty((chunk, d), dt),
+              empty((chunk, d), dt), empty((chunk, d), dt), empty((d, e - 1), dt), empty((e, d), dt))
     # [ab | M], [qs | A], v1^T, kf^T, v1, kf, kf times the factors at the chunk's end, qs times those from
     # its start, R, the adjoint's value columns C (its Z: the state helpers' Z) and C transposed
     QA, QA2, KT, KT2, V1, KF, KW, QE, R, C, CT = unowned(owners)
-    sums = np.zeros(max(d, e), dt)
+    sums = zeros(max(d, e), dt)
     gbuf = gate_buffers(gates, chunk, dt)
-    wbuf = (np.empty((chunk, d), dt), np.empty((SUB, d), dt), np.empty(d, dt))  # per key dimension: scratch
+    wbuf = (empty((chunk, d), dt), empty((SUB, d), dt), empty(d, dt))  # per key dimension: scratch
     G, Rg, F, X = unowned(gbuf)
     W = unowned(wbuf)
     nseg = frac.shape[0] - 1
@@ -354,7 +355,7 @@ def _causal_backward(q, k, v, g, out, den, fm, normalize, s, lengths, chunk, fra
         c0, c1 = nch - f1, nch - f0
         qh, kh, vh, gh, oh, denh = q[h1, h2], k[h1, h2], v[h1, h2], g[h1, h2], out[h1, h2], den[h1, h2]
         dqh, dkh, dvh, kept = dq[h1, h2], dk[h1, h2], dv[h1, h2], states[h1, h2]
-        sbuf = (_state_buffers(d, e - 1, dt), np.empty(d if decayed else 0, dt))
+        sbuf = (_state_buffers(d, e - 1, dt), empty(d if decayed else 0, dt))
         (P, B, acc, Pz, Bz, Z, accz, lam), fb = unowned(sbuf)  # the adjoint [C | Cz] as a state
         has_acc = _init_state(H0, Z0, h, acc, accz, B, Bz)
         has_p = bool(False)

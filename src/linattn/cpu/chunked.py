@@ -23,6 +23,7 @@ import numpy as np
 from numba import types
 
 from .._jit import array, njit
+from .buffers import empty, zeros
 from . import gating
 from .elementwise import exp_le0
 from .gating import (chunk_gates, gate_buffers, gate_key_columns, gate_key_rows, gate_pending, gate_queries,
@@ -93,9 +94,9 @@ def _state_buffers(d_, dv, dt):
     dimension since the last fold (float64). The Z parts and lam start at zero; P, B and acc are not
     initialised (zeroing them cost a tiny call more than its arithmetic): the caller's flags
     ``has_acc`` and ``has_p`` say whether they hold values."""
-    return (np.empty((d_, dv), dt), np.empty((d_, dv), dt), np.empty((d_, dv), np.float64),
-            np.zeros(d_, dt), np.zeros(d_, dt), np.zeros(d_, dt), np.zeros(d_, np.float64),
-            np.zeros(d_, np.float64))
+    return (empty((d_, dv), dt), empty((d_, dv), dt), empty((d_, dv), np.float64),
+            zeros(d_, dt), zeros(d_, dt), zeros(d_, dt), zeros(d_, np.float64),
+            zeros(d_, np.float64))
 
 
 @njit(helper=True)
@@ -264,12 +265,14 @@ def _causal_forward(q, k, v, fm, fp, fa, eps, normalize, scale, lengths, chunk, 
     # the buffers' owners are kept to the end
     q, k, v, out, den, states, gates = unowned((q, k, v, out, den, states, gates))
     S0, Z0, S_out, Z_out = unowned((S0, Z0, S_out, Z_out))
-    owners = (np.empty((chunk, d_ + chunk), dt), np.empty((d_ + chunk, dv), dt), np.empty((chunk, d_), dt),
-              np.empty((d_, chunk), dt), np.empty(max(d_, dv), dt), np.empty((dv + 1, d_), dt),
-              np.ones(d_ + chunk, dt))
+    owners = (empty((chunk, d_ + chunk), dt), empty((d_ + chunk, dv), dt), empty((chunk, d_), dt),
+              empty((d_, chunk), dt), empty(max(d_, dv), dt), empty((dv + 1, d_), dt),
+              empty(d_ + chunk, dt))
     # [phi(Q) | A], [S ; V], phi(K), its transpose, sums, a chunk's state transposed on its way to
     # ``states``, [Z, 1, ..., 1] (the denominators' weights)
     QA, SV, Kf, KT, sums, ST, W = unowned(owners)
+    for j in range(W.shape[0]):
+        W[j] = 1
     gbuf = gate_buffers(gates, chunk, dt)
     G, R, F, X = unowned(gbuf)
     # rows far apart (head views of a fused projection) are fetched a chunk ahead: 0.93x the time
@@ -289,7 +292,7 @@ def _causal_forward(q, k, v, fm, fp, fa, eps, normalize, scale, lengths, chunk, 
         qh, kh, vh, oh = q[h // g2, h % g2], k[h // g2, h % g2], v[h // g2, h % g2], out[h // g2, h % g2]
         keep = den[h // g2, h % g2] if den.shape[2] > 0 else den[0, 0]
         kept = states[h // g2, h % g2] if states.shape[2] > 0 else states[0, 0]
-        sbuf = (_state_buffers(d_, dv, dt), np.empty(d_ if decayed else 0, dt))  # (zeros where they must start so)
+        sbuf = (_state_buffers(d_, dv, dt), empty(d_ if decayed else 0, dt))  # (zeros where they must start so)
         (P, B, acc, Pz, Bz, Z, accz, lam), fb = unowned(sbuf)  # fb: B's factors (gate_state_factors)
         has_acc = _init_state(S0, Z0, h, acc, accz, B, Bz)
         has_p = bool(False)
@@ -354,7 +357,7 @@ def _noncausal_segment(q, k, v, out, mp, eps, normalize, scale, chunk, c0, c1, Q
     dv = v.shape[1]
     nchunks = (n + chunk - 1) // chunk
     P, B, acc, Pz, Bz, Z, accz, lam = _state_buffers(d_, dv, out.dtype)
-    no_gates = np.empty(0, out.dtype)
+    no_gates = empty(0, out.dtype)
     no_f = (no_gates, no_gates, no_gates, no_gates)
     has_acc, has_p = bool(False), bool(False)  # bool()/int(): run-time values, not literals (see _jit)
     for ci in range(nchunks):
@@ -389,8 +392,8 @@ def _noncausal_forward(q, k, v, fm, fp, fa, eps, normalize, scale, chunk, frac, 
     nchunks = (n + chunk - 1) // chunk
     items = q.shape[0] * g2 * nseg
     q, k, v, out = unowned((q, k, v, out))  # (see _causal_forward)
-    owners = (np.empty((chunk, d_), dt), np.empty((chunk, d_), dt), np.empty((chunk, dv), dt),
-              np.empty((d_, dv), dt))
+    owners = (empty((chunk, d_), dt), empty((chunk, d_), dt), empty((chunk, dv), dt),
+              empty((d_, dv), dt))
     QA, Kf, V, S = unowned(owners)
     item = take(counter)
     while item < items:

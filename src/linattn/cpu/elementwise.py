@@ -7,6 +7,7 @@ from numba import types
 from numba.extending import overload
 
 from .._jit import FASTMATH, njit
+from .buffers import empty
 from .vector import wide_vectors
 from .views import as_contiguous, flat_rows
 
@@ -162,7 +163,7 @@ def load_rows(src, i0, c, fm, dst):
         # short rows: the vectorised loop over one row would leave them all to its scalar remainder,
         # so the block is mapped as one flat run (rows forward or backward in memory), then copied
         up = src.strides[0] > 0
-        flat = np.empty(c * d, dst.dtype)
+        flat = empty(c * d, dst.dtype)
         map_flat(flat_rows(src, i0 if up else i0 + c - 1, c), fm, flat)
         for t in range(c):
             row, off = dst[t], (t if up else c - 1 - t) * d

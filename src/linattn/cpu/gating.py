@@ -38,6 +38,7 @@ from numba.extending import intrinsic, overload
 from numba.np.numpy_support import as_dtype
 
 from .._jit import FASTMATH, njit
+from .buffers import empty
 from .elementwise import exp_le0
 from . import symbols
 from .smallgemm import small_gemm
@@ -517,21 +518,21 @@ def _gate_buffers(gates, chunk, dtype):
     """(G, R, F, X) for a chunk of ``chunk`` positions: see chunk_gates (G, R, F) and gate_scores (X)."""
     kind = _kind(gates)
     if kind == 0:
-        return lambda gates, chunk, dtype: (np.empty(0, np.float64), np.empty(0, np.int64),
-                                            (np.empty(0, dtype), np.empty(0, dtype), np.empty(0, dtype),
-                                             np.empty(0, dtype)),
-                                            (np.empty(0, dtype),))
+        return lambda gates, chunk, dtype: (empty(0, np.float64), empty(0, np.int64),
+                                            (empty(0, dtype), empty(0, dtype), empty(0, dtype),
+                                             empty(0, dtype)),
+                                            (empty(0, dtype),))
     if kind != VECTOR:
-        return lambda gates, chunk, dtype: (np.empty(chunk, np.float64), np.empty(chunk, np.int64),
-                                            (np.empty(chunk, dtype), np.empty(chunk, dtype), np.empty(1, dtype),
-                                             np.empty(0, dtype)),
-                                            (np.empty(chunk, dtype),))
+        return lambda gates, chunk, dtype: (empty(chunk, np.float64), empty(chunk, np.int64),
+                                            (empty(chunk, dtype), empty(chunk, dtype), empty(1, dtype),
+                                             empty(0, dtype)),
+                                            (empty(chunk, dtype),))
 
     def impl(gates, chunk, dtype):
         d = gates.shape[3]
-        return (np.empty((chunk, d), dtype), np.empty((1, d), np.float64),
-                (np.empty((chunk, d), dtype), np.empty((chunk, d), dtype), np.empty(d, dtype), np.empty(d, dtype)),
-                (np.empty(d, dtype), np.empty((SUB, d), dtype), np.empty((SUB, d), dtype), np.empty((d, SUB), dtype)))
+        return (empty((chunk, d), dtype), empty((1, d), np.float64),
+                (empty((chunk, d), dtype), empty((chunk, d), dtype), empty(d, dtype), empty(d, dtype)),
+                (empty(d, dtype), empty((SUB, d), dtype), empty((SUB, d), dtype), empty((d, SUB), dtype)))
     return impl
 
 

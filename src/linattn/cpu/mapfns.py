@@ -35,6 +35,7 @@ from numba.extending import intrinsic, overload
 
 from .._jit import FASTMATH, Kernel, array, njit
 from .. import workspace
+from .buffers import empty
 from . import symbols
 from .elementwise import exp_f32_parts, exp_le0, load_rows, map_row, relu
 from .gating import like
@@ -308,7 +309,7 @@ def _hedgehog_block(code, fp, X, Y, work):
     off += 2 * m * PAIR_ROWS
     top = work[off:off + PAIR_ROWS]
     colsum = work[off + PAIR_ROWS:off + 2 * PAIR_ROWS + m]  # transpose_rows' sums, unused
-    total = np.empty(PAIR_ROWS, np.float64)
+    total = empty(PAIR_ROWS, np.float64)
     _projection(fp, X, Z)
     b = fp[HEAD + d * m:HEAD + d * m + m]
     two, zero = like(2.0, Y), like(0.0, Y)
@@ -482,7 +483,7 @@ def mapped_dim(code, fp, d):
 @njit(helper=True)
 def map_state(code, fp, addr, d, dk, dtype):
     """The tuple load_features takes, with its work buffer."""
-    return (code, fp, addr, np.empty(work_size(d, dk) if code >= FIRST else 0, dtype))
+    return (code, fp, addr, empty(work_size(d, dk) if code >= FIRST else 0, dtype))
 
 
 def _apply(x, code, fp, addr, y):

@@ -16,6 +16,7 @@ from numba.extending import overload
 from numba.np.numpy_support import as_dtype
 
 from .._jit import FASTMATH, Kernel, array, njit
+from .buffers import empty
 from .elementwise import exp_le0, map_flat, map_row
 from .vector import state_pass
 from .views import as_contiguous, head_matrix, head_row, head_scalar, keep_alive, unowned
@@ -180,7 +181,7 @@ def _step(q, k, v, fm, eps, normalize, S, Z, out, gates, decay, qscale):
     value returns 2, touching nothing)."""
     bh, d_ = S.shape[0], S.shape[1]
     q, k, v, S, Z, out = unowned((q, k, v, S, Z, out))  # (see _step_nd)
-    owners = (np.empty((bh, d_), out.dtype), np.empty((bh, 2, d_), out.dtype), np.empty(bh, out.dtype))
+    owners = (empty((bh, d_), out.dtype), empty((bh, 2, d_), out.dtype), empty(bh, out.dtype))
     decs, maps, scratch = unowned(owners)
     if not head_factors(gates, decay, q, bh, decs):
         return 2
@@ -227,7 +228,7 @@ def _step_nd(q, k, v, fm, eps, normalize, S, Z, out, gates, decay, qscale):
     # views without reference counting (see cpu/views.unowned): the caller owns the arguments, the
     # buffers' owners are kept to the end
     q, k, v, S, Z, out = unowned((q, k, v, S, Z, out))
-    owners = (np.empty((bh, d_), out.dtype), np.empty(bh * d_, out.dtype), np.empty(bh * d_, out.dtype))
+    owners = (empty((bh, d_), out.dtype), empty(bh * d_, out.dtype), empty(bh * d_, out.dtype))
     decs, qf, kf = unowned(owners)
     if not head_factors(gates, decay, q, bh, decs):
         return 2

@@ -20,6 +20,7 @@ from numba.core import cgutils, types
 from numba.extending import intrinsic
 
 from .._jit import Kernel, array, njit, renamed
+from .buffers import empty
 
 _COUNTER = array(types.int64, 1)
 
@@ -92,7 +93,7 @@ def _run_generic(tramp, payload, nthreads):
     from one counter. One compiled loop for every kernel: parallel loops over a kernel's own argument
     types cost 1.1-1.5 s to compile per kernel (most of it in passing the tuple through the loop's
     gufunc), this one is compiled once and loaded from the disk cache after."""
-    counter = np.empty(1, np.int64)  # np.zeros would become a parallel loop (a parfor) of its own
+    counter = empty(1, np.int64)  # np.zeros would become a parallel loop (a parfor) of its own
     counter[0] = 0
     for _ in prange(nthreads):
         _call(tramp, (payload,), counter)
@@ -118,7 +119,7 @@ _generic = []  # the generic loop's compiled dispatcher and address, once compil
 
 
 def _address(dispatcher):
-    """The address of the one compiled function of ``dispatcher`` (compiled with a signature)."""
+    """(compiled result, address) of the one compiled function of ``dispatcher`` (given a signature)."""
     compiled = dispatcher.overloads[dispatcher.signatures[0]]
     return compiled, compiled.library.get_pointer_to_function(compiled.fndesc.llvm_func_name)
 
