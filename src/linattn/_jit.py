@@ -17,6 +17,11 @@ from ._linkonly import PIPELINE
 # inf or nan as in NumPy instead of raising.
 OPTIONS = dict(fastmath={"contract", "reassoc", "nsz", "arcp"}, error_model="numpy", nogil=True)
 FASTMATH = OPTIONS["fastmath"]
+#: ``jit_options`` of linattn's ``@overload`` implementations: its options, and compiled as helpers are
+#: (``njit(helper=True)``): only into the kernels that call them, no wrappers for Python or C. (Numba
+#: compiled each one as a library of its own, optimised and emitted: ~0.6 s of a gated first call.)
+OVERLOAD_OPTIONS = dict(fastmath=set(FASTMATH), error_model="numpy", no_cpython_wrapper=True, no_cfunc_wrapper=True,
+                        **({} if PIPELINE is None else {"pipeline_class": PIPELINE}))
 
 #: Set to the reason when compiled code cannot be cached on disk (nothing writable), else None.
 cache_problem = None

@@ -6,7 +6,7 @@ import numpy as np
 from numba import types
 from numba.extending import overload
 
-from .._jit import FASTMATH, njit
+from .._jit import OVERLOAD_OPTIONS, njit
 from .buffers import empty
 from .vector import wide_vectors
 from .views import as_contiguous, flat_rows
@@ -98,7 +98,7 @@ def exp_le0(x):
     raise NotImplementedError("runs inside Numba kernels only")
 
 
-@overload(exp_le0, jit_options={"fastmath": set(FASTMATH), "error_model": "numpy"})
+@overload(exp_le0, jit_options=OVERLOAD_OPTIONS)
 def _exp_le0_overload(x):
     if x == types.float32:
         def impl(x):
@@ -118,7 +118,7 @@ def _elu1_any(x):
     return x + 1 if x > 0 else math.exp(x)
 
 
-@overload(elu1, jit_options={"fastmath": set(FASTMATH), "error_model": "numpy"})
+@overload(elu1, jit_options=OVERLOAD_OPTIONS)
 def _elu1_overload(x):
     if x == types.float32:
         return lambda x: _elu1_f32(x)

@@ -37,14 +37,14 @@ from numba import carray, types
 from numba.extending import intrinsic, overload
 from numba.np.numpy_support import as_dtype
 
-from .._jit import FASTMATH, njit
+from .._jit import OVERLOAD_OPTIONS, njit
 from .buffers import empty
 from .elementwise import exp_le0
 from . import symbols
 from .smallgemm import small_gemm
 from .vector import transpose_rows, wide_vectors
 
-_OPTS = {"fastmath": set(FASTMATH), "error_model": "numpy"}
+_OPTS = OVERLOAD_OPTIONS
 
 #: status[0] after a kernel: 0, or the first bad gate's kind (1: positive, 2: NaN); status[1]: its
 #: head, status[2]: its position

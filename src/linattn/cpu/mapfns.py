@@ -33,7 +33,7 @@ from llvmlite import ir
 from numba import carray, types
 from numba.extending import intrinsic, overload
 
-from .._jit import FASTMATH, Kernel, array, njit
+from .._jit import OVERLOAD_OPTIONS, Kernel, array, njit
 from .. import workspace
 from .buffers import empty
 from . import symbols
@@ -43,7 +43,7 @@ from .smallgemm import noinline, small_gemm
 from .vector import transpose_rows, wide_vectors
 from .views import as_contiguous, unowned
 
-_OPTS = {"fastmath": set(FASTMATH), "error_model": "numpy"}
+_OPTS = OVERLOAD_OPTIONS
 
 # Codes 0-2 (elementwise.py: IDENTITY, ELU, RELU) are applied by the kernels themselves; these go
 # through map_rows. The first three are the same maps with an input scale.

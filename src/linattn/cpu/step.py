@@ -15,13 +15,13 @@ from numba import prange, types
 from numba.extending import overload
 from numba.np.numpy_support import as_dtype
 
-from .._jit import FASTMATH, Kernel, array, njit
+from .._jit import OVERLOAD_OPTIONS, Kernel, array, njit
 from .buffers import empty
 from .elementwise import exp_le0, map_flat, map_row
 from .vector import state_pass
 from .views import as_contiguous, head_matrix, head_row, head_scalar, keep_alive, unowned
 
-_OPTS = {"fastmath": set(FASTMATH), "error_model": "numpy"}
+_OPTS = OVERLOAD_OPTIONS
 
 
 def _head_ok(gates, decay, h, q):
