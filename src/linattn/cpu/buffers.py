@@ -43,19 +43,19 @@ def _allocate(context, builder, sig, args, zero):
     return impl_ret_new_ref(context, builder, arrty, ary._getvalue())
 
 
-@intrinsic
-def empty(typingctx, shape, dtype):
-    """np.empty(shape, dtype) in a kernel (see the module). Only callable from Numba code."""
-    arrty = _array_type(shape, dtype)
-    if arrty is None:
-        return None
-    return arrty(shape, dtype), lambda context, builder, sig, args: _allocate(context, builder, sig, args, False)
+def _allocator(name, zero, doc):
+    """The intrinsic ``name(shape, dtype)``: a new array, zeroed when ``zero``."""
+
+    def typer(typingctx, shape, dtype):
+        arrty = _array_type(shape, dtype)
+        if arrty is None:
+            return None
+        return arrty(shape, dtype), lambda context, builder, sig, args: _allocate(context, builder, sig, args, zero)
+
+    typer.__name__ = typer.__qualname__ = name
+    typer.__doc__ = doc
+    return intrinsic(typer)
 
 
-@intrinsic
-def zeros(typingctx, shape, dtype):
-    """np.zeros(shape, dtype) in a kernel (see the module). Only callable from Numba code."""
-    arrty = _array_type(shape, dtype)
-    if arrty is None:
-        return None
-    return arrty(shape, dtype), lambda context, builder, sig, args: _allocate(context, builder, sig, args, True)
+empty = _allocator("empty", False, "np.empty(shape, dtype) in a kernel (see the module). Only from Numba code.")
+zeros = _allocator("zeros", True, "np.zeros(shape, dtype) in a kernel (see the module). Only from Numba code.")
