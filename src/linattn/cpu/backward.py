@@ -31,11 +31,11 @@ from numba import types
 from numba.extending import overload
 from numba.np.numpy_support import as_dtype
 
-from .._jit import array, njit
+from .._jit import OVERLOAD_OPTIONS, array, njit
 from .buffers import empty, zeros
 from .chunked import _copy_row, _current, _init_state, _segment, _state_buffers, _write_state, pending_added
 from .elementwise import ELU, RELU, load_rows
-from .gating import (SUB, VECTOR, _OPTS, _kind, _stub, chunk_gates, gate_buffers, gate_key_rows, gate_pending,
+from .gating import (SUB, VECTOR, _kind, _stub, chunk_gates, gate_buffers, gate_key_rows, gate_pending,
                      gate_queries, gate_scores, gate_state_factors, masked_product, prepare_kernel)
 from .schedule import take
 from .smallgemm import small_gemm, small_gemm_tn, small_gemm_tn_lower
@@ -130,7 +130,7 @@ intra_queries = _stub("intra_queries")
 intra_keys = _stub("intra_keys")
 
 
-@overload(adjoint_scores, jit_options=_OPTS)
+@overload(adjoint_scores, jit_options=OVERLOAD_OPTIONS)
 def _adjoint_scores(gates, QA, KT, KF, e, c, G, Rg, F, X):
     """QA[:c, e:e + c] = M = tril(ab v1^T): decayed by the factors of (s, t] with one per position;
     per key dimension plain (the factors go with the features: intra_queries, intra_keys)."""
@@ -139,7 +139,7 @@ def _adjoint_scores(gates, QA, KT, KF, e, c, G, Rg, F, X):
     return lambda gates, QA, KT, KF, e, c, G, Rg, F, X: gate_scores(gates, QA, KT, KF, e, c, G, Rg, F, X)
 
 
-@overload(intra_queries, jit_options=_OPTS)
+@overload(intra_queries, jit_options=OVERLOAD_OPTIONS)
 def _intra_queries(gates, M, KF, R, c, G, beta, W):
     """R[t] = beta R[t] + sum_{s <= t} M[t, s] (the factors of (s, t]) kf_s (M decayed already
     unless per key dimension). W: scratch (see _vector_intra_queries)."""
@@ -154,7 +154,7 @@ def _intra_queries(gates, M, KF, R, c, G, beta, W):
     return lambda gates, M, KF, R, c, G, beta, W: small_gemm(M, KF[:c], R[:c], beta, 0, -1)
 
 
-@overload(intra_keys, jit_options=_OPTS)
+@overload(intra_keys, jit_options=OVERLOAD_OPTIONS)
 def _intra_keys(gates, M, QS, d, R, c, G, beta, W):
     """R[s] = beta R[s] + sum_{t >= s} M[t, s] (the factors of (s, t]) qs_t (QS[t, :d])."""
     if _kind(gates) == VECTOR:

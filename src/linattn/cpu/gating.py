@@ -44,7 +44,6 @@ from . import symbols
 from .smallgemm import small_gemm
 from .vector import transpose_rows, wide_vectors
 
-_OPTS = OVERLOAD_OPTIONS
 
 #: status[0] after a kernel: 0, or the first bad gate's kind (1: positive, 2: NaN); status[1]: its
 #: head, status[2]: its position
@@ -83,7 +82,7 @@ gate_pending = _stub("gate_pending")
 SUB = 8
 
 
-@overload(chunk_gates, jit_options=_OPTS)
+@overload(chunk_gates, jit_options=OVERLOAD_OPTIONS)
 def _chunk_gates(gates, h, ld, i0, c, G, R, F, status):
     """The chunk [i0, i0 + c) of head h: per position G, R (see the module docstring), per dimension
     G = a (the per-position factors, compute dtype) and R[0] = the chunk's sum of log gates per
@@ -244,7 +243,7 @@ def masked_product(QA, KT, d_, c):
             QA[t, d_ + u] = 0
 
 
-@overload(gate_scores, jit_options=_OPTS)
+@overload(gate_scores, jit_options=OVERLOAD_OPTIONS)
 def _gate_scores(gates, QA, KT, Kf, d_, c, G, R, F, X):
     """QA[:c, d_:d_+c] = the chunk's decayed scores, lower triangle (zero above); X: scratch (a row
     of exponents; per dimension, a factor row and a block's scaled queries and keys)."""
@@ -382,7 +381,7 @@ def prepare_kernel(dtype, kind):
         symbols.register(_VECTOR_SCORES[dt])
 
 
-@overload(gate_queries, jit_options=_OPTS)
+@overload(gate_queries, jit_options=OVERLOAD_OPTIONS)
 def _gate_queries(gates, QA, d_, c, F):
     """phi(q_t) times the factor of the state before the chunk at t (its part of the output)."""
     kind = _kind(gates)
@@ -404,7 +403,7 @@ def _gate_queries(gates, QA, d_, c, F):
     return impl
 
 
-@overload(gate_key_columns, jit_options=_OPTS)
+@overload(gate_key_columns, jit_options=OVERLOAD_OPTIONS)
 def _gate_key_columns(gates, KT, Kf, c, F, Pz):
     """phi(K)^T's column s times position s's factor at the chunk's end; Pz += its row sums (without
     gates the transpose added them). Per dimension the rows of phi(K) are scaled and transposed
@@ -436,7 +435,7 @@ def _gate_key_columns(gates, KT, Kf, c, F, Pz):
     return impl
 
 
-@overload(gate_key_rows, jit_options=_OPTS)
+@overload(gate_key_rows, jit_options=OVERLOAD_OPTIONS)
 def _gate_key_rows(gates, Kf, c, F, Pz):
     """The same for phi(K) as rows (a segment's prefix): row s times its factor; Pz += column sums."""
     kind = _kind(gates)
@@ -458,7 +457,7 @@ def _gate_key_rows(gates, Kf, c, F, Pz):
     return impl
 
 
-@overload(gate_pending, jit_options=_OPTS)
+@overload(gate_pending, jit_options=OVERLOAD_OPTIONS)
 def _gate_pending(gates, P, Pz, lam, c, G, R, F, has_p):
     """Decay the pending sums by the chunk's whole factor: Pz here, P (if it holds values) here per
     key dimension, else by the product that adds the chunk (the returned factor: 1 without gates);
@@ -490,7 +489,7 @@ def _gate_pending(gates, P, Pz, lam, c, G, R, F, has_p):
 gate_state_factors = _stub("gate_state_factors")
 
 
-@overload(gate_state_factors, jit_options=_OPTS)
+@overload(gate_state_factors, jit_options=OVERLOAD_OPTIONS)
 def _gate_state_factors(gates, lam, fb):
     """fb = exp(lam) in the compute dtype: the factor of each row of the rounded accumulator B (which
     stays as the last fold left it) in the current state. Nothing without gates."""
@@ -513,7 +512,7 @@ def _gate_state_factors(gates, lam, fb):
 gate_buffers = _stub("gate_buffers")
 
 
-@overload(gate_buffers, jit_options=_OPTS)
+@overload(gate_buffers, jit_options=OVERLOAD_OPTIONS)
 def _gate_buffers(gates, chunk, dtype):
     """(G, R, F, X) for a chunk of ``chunk`` positions: see chunk_gates (G, R, F) and gate_scores (X)."""
     kind = _kind(gates)
@@ -539,7 +538,7 @@ def _gate_buffers(gates, chunk, dtype):
 like = _stub("like")
 
 
-@overload(like, jit_options=_OPTS)
+@overload(like, jit_options=OVERLOAD_OPTIONS)
 def _like(x, arr):
     """x converted to arr's element type."""
     dt = as_dtype(arr.dtype).type

@@ -43,7 +43,6 @@ from .smallgemm import noinline, small_gemm
 from .vector import transpose_rows, wide_vectors
 from .views import as_contiguous, unowned
 
-_OPTS = OVERLOAD_OPTIONS
 
 # Codes 0-2 (elementwise.py: IDENTITY, ELU, RELU) are applied by the kernels themselves; these go
 # through map_rows. The first three are the same maps with an input scale.
@@ -62,7 +61,7 @@ def exp_any(x):
     raise NotImplementedError("runs inside Numba kernels only")
 
 
-@overload(exp_any, jit_options=_OPTS)
+@overload(exp_any, jit_options=OVERLOAD_OPTIONS)
 def _exp_any_overload(x):
     if x == types.float32:
         def impl(x):
@@ -111,7 +110,7 @@ def _series(dtype, terms):
     return impl
 
 
-@overload(_log1p_01, jit_options=_OPTS)
+@overload(_log1p_01, jit_options=OVERLOAD_OPTIONS)
 def _log1p_overload(e):
     if e == types.float32:
         return _log1p_f32
@@ -125,7 +124,7 @@ def gelu(x):
     raise NotImplementedError("runs inside Numba kernels only")
 
 
-@overload(gelu, jit_options=_OPTS)
+@overload(gelu, jit_options=OVERLOAD_OPTIONS)
 def _gelu_overload(x):
     if x == types.float32:
         def impl(x):
@@ -349,7 +348,7 @@ def _rows(src, rs, cs, c, d, dst, drs, code, fp, nfp, work, family):
     raise NotImplementedError("runs inside Numba kernels only")
 
 
-@overload(_rows, jit_options=_OPTS, prefer_literal=True)
+@overload(_rows, jit_options=OVERLOAD_OPTIONS, prefer_literal=True)
 def _rows_overload(src, rs, cs, c, d, dst, drs, code, fp, nfp, work, family):
     block = _BLOCKS[family.literal_value]
 

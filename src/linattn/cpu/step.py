@@ -21,8 +21,6 @@ from .elementwise import exp_le0, map_flat, map_row
 from .vector import state_pass
 from .views import as_contiguous, head_matrix, head_row, head_scalar, keep_alive, unowned
 
-_OPTS = OVERLOAD_OPTIONS
-
 
 def _head_ok(gates, decay, h, q):
     """Whether head h's gate and decay values are good (gates <= 0, not NaN; a decay in (0, 1]).
@@ -31,7 +29,7 @@ def _head_ok(gates, decay, h, q):
     raise NotImplementedError("runs inside Numba kernels only")
 
 
-@overload(_head_ok, jit_options=_OPTS)
+@overload(_head_ok, jit_options=OVERLOAD_OPTIONS)
 def _ol_head_ok(gates, decay, h, q):
     no_gate = isinstance(gates, types.NoneType)
     no_decay = isinstance(decay, types.NoneType)
@@ -64,7 +62,7 @@ def head_factors(gates, decay, q, bh, decs):
     raise NotImplementedError("runs inside Numba kernels only")
 
 
-@overload(head_factors, jit_options=_OPTS)
+@overload(head_factors, jit_options=OVERLOAD_OPTIONS)
 def _ol_head_factors(gates, decay, q, bh, decs):
     no_gate = isinstance(gates, types.NoneType)
     no_decay = isinstance(decay, types.NoneType)
@@ -94,7 +92,7 @@ def fill_decay(gates, decay, h, dec, q):
     raise NotImplementedError("runs inside Numba kernels only")
 
 
-@overload(fill_decay, jit_options=_OPTS)
+@overload(fill_decay, jit_options=OVERLOAD_OPTIONS)
 def _fill_decay(gates, decay, h, dec, q):
     if isinstance(gates, types.NoneType) or gates.ndim != q.ndim:
         return lambda gates, decay, h, dec, q: None
@@ -117,7 +115,7 @@ def head_decay(gates, decay, decs, h, q):
     raise NotImplementedError("runs inside Numba kernels only")
 
 
-@overload(head_decay, jit_options=_OPTS)
+@overload(head_decay, jit_options=OVERLOAD_OPTIONS)
 def _ol_head_decay(gates, decay, decs, h, q):
     if isinstance(gates, types.NoneType) and isinstance(decay, types.NoneType):
         return lambda gates, decay, decs, h, q: None
@@ -131,7 +129,7 @@ def _decayed(x, dec, a):
     raise NotImplementedError("runs inside Numba kernels only")
 
 
-@overload(_decayed, jit_options=_OPTS)
+@overload(_decayed, jit_options=OVERLOAD_OPTIONS)
 def _ol_decayed(x, dec, a):
     if isinstance(dec, types.NoneType):
         return lambda x, dec, a: x
@@ -248,7 +246,7 @@ def _gates_fit(gates, lead, d_):
     raise NotImplementedError
 
 
-@overload(_gates_fit, jit_options=_OPTS)
+@overload(_gates_fit, jit_options=OVERLOAD_OPTIONS)
 def _ol_gates_fit(gates, lead, d_):
     if isinstance(gates, types.NoneType):
         return lambda gates, lead, d_: True
@@ -263,7 +261,7 @@ def _decay_fits(decay, lead):
     raise NotImplementedError
 
 
-@overload(_decay_fits, jit_options=_OPTS)
+@overload(_decay_fits, jit_options=OVERLOAD_OPTIONS)
 def _ol_decay_fits(decay, lead):
     if isinstance(decay, types.NoneType):
         return lambda decay, lead: True
