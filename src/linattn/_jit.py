@@ -17,11 +17,18 @@ from ._linkonly import PIPELINE
 # inf or nan as in NumPy instead of raising.
 OPTIONS = dict(fastmath={"contract", "reassoc", "nsz", "arcp"}, error_model="numpy", nogil=True)
 FASTMATH = OPTIONS["fastmath"]
+_NO_WRAPPERS = dict(no_cpython_wrapper=True, no_cfunc_wrapper=True)
+
+
+def _link_only():
+    """A helper's options: no wrappers, and the link-only pipeline where this Numba allows it."""
+    return _NO_WRAPPERS if PIPELINE is None else dict(_NO_WRAPPERS, pipeline_class=PIPELINE)
+
+
 #: ``jit_options`` of linattn's ``@overload`` implementations: its options, and compiled as helpers are
 #: (``njit(helper=True)``): only into the kernels that call them, no wrappers for Python or C. (Numba
 #: compiled each one as a library of its own, optimised and emitted: ~0.6 s of a gated first call.)
-OVERLOAD_OPTIONS = dict(fastmath=set(FASTMATH), error_model="numpy", no_cpython_wrapper=True, no_cfunc_wrapper=True,
-                        **({} if PIPELINE is None else {"pipeline_class": PIPELINE}))
+OVERLOAD_OPTIONS = dict(fastmath=set(FASTMATH), error_model="numpy", **_link_only())
 
 #: Set to the reason when compiled code cannot be cached on disk (nothing writable), else None.
 cache_problem = None
@@ -49,9 +56,8 @@ def njit(*, parallel=False, helper=False, signature=None, wrappers=True):
         global cache_problem
         args = () if signature is None else (signature,)
         if helper:
-            link_only = {} if PIPELINE is None else {"pipeline_class": PIPELINE}
-            return numba.njit(*args, no_cpython_wrapper=True, no_cfunc_wrapper=True, **link_only, **OPTIONS)(fn)
-        bare = {} if wrappers else dict(no_cpython_wrapper=True, no_cfunc_wrapper=True)
+            return numba.njit(*args, **_link_only(), **OPTIONS)(fn)
+        bare = {} if wrappers else _NO_WRAPPERS
         try:
             return numba.njit(*args, cache=True, parallel=parallel, **bare, **OPTIONS)(fn)
         except RuntimeError as exc:

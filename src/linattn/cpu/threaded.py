@@ -148,7 +148,7 @@ class ThreadedKernel(Kernel):
         launch = njit(signature=types.void(types.int64, types.int64, args, types.int64, types.int64))(_LAUNCH)
 
         def run(nthreads, *args):
-            if nthreads <= 1:  # the worker itself: the loop's tuple of arguments is typed in Python (~1 us)
+            if nthreads <= 1:  # the worker itself: the launcher's tuple of arguments is typed in Python (~1 us)
                 worker(*args, np.zeros(1, np.int64))
             else:
                 try:
