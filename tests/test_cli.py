@@ -71,3 +71,20 @@ def test_bench_model_logits_agree_with_pytorch():
     for r in rows:  # the PyTorch chunked model computes the same function
         assert r["logits_max_rel_diff"] < 1e-5
         assert r["torch_chunked_prefill_tok_s"] > 0 and r["torch_sdpa_decode_tok_s"] > 0
+
+
+def test_model_gelu_is_the_tanh_form():
+    import warnings
+
+    import numpy as np
+
+    from linattn.benchmarks.transformer import gelu_
+
+    x = np.concatenate([np.linspace(-12, 12, 4801), [-200.0, -60.0, 0.0, 60.0, 200.0]])
+    ref = 0.5 * x * (1 + np.tanh(np.sqrt(2 / np.pi) * (x + 0.044715 * x ** 3)))
+    u = x.astype(np.float32)
+    with warnings.catch_warnings():  # no warning (exp overflows for u < -10), in place
+        warnings.simplefilter("error")
+        got = gelu_(u)
+    assert got is u and got.dtype == np.float32
+    np.testing.assert_allclose(got, ref, rtol=2e-6, atol=1e-6 * np.abs(ref).max())

@@ -48,8 +48,8 @@ class Weights:
         return cls(w(vocab, d_model, scale=0.5), blocks, ones(), zeros(), heads)
 
 
-_C0 = np.float32(0.7978845608028654)  # sqrt(2 / pi)
-_C1 = np.float32(0.044715 * 0.7978845608028654)
+_C0 = np.float32(-2 * 0.7978845608028654)  # -2 sqrt(2 / pi)
+_C1 = np.float32(-2 * 0.044715 * 0.7978845608028654)
 
 #: Rows (positions) per block of the MLP: its (rows, 4 d) intermediate stays in the cache.
 BLOCK_ROWS = 512
@@ -69,15 +69,21 @@ def layer_norm(x, g, b, eps=1e-5):
 
 
 def gelu_(u):
-    """GELU, tanh form (PyTorch's ``approximate="tanh"``), of u in place."""
+    """GELU, tanh form (PyTorch's ``approximate="tanh"``), of u in place.
+
+    Written as u sigmoid(2 t) = u / (1 + exp(-2 t)), t = sqrt(2/pi) (u + 0.044715 u^3), which is
+    0.5 u (1 + tanh t): NumPy's float32 ``exp`` runs in SIMD on AVX2 and AVX-512 CPUs, its ``tanh``
+    only with AVX-512 (on an AVX2 CPU 3.6 ms against 2.1 ms per 512 x 2048 block). exp(-2 t)
+    overflows to inf for u < -10 or so, where the quotient is the right -0.
+    """
     t = u * u
     t *= _C1
     t += _C0
     t *= u
-    np.tanh(t, out=t)
+    with np.errstate(over="ignore"):
+        np.exp(t, out=t)
     t += 1
-    u *= t
-    u *= np.float32(0.5)
+    u /= t
     return u
 
 
