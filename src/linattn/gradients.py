@@ -34,7 +34,7 @@ from . import checks
 from . import gates as gates_mod
 from . import workspace
 from .attention import _fast, _full_lengths, _no_state, _seq4, causal_with_denominators, linear_attention
-from .cpu import backward, noncausal_grad
+from .cpu import backward, gate_sums, noncausal_grad
 from .cpu.elementwise import ELU, IDENTITY, RELU
 from .cpu.runtime import kernel_section, plan
 from .feature_maps import FeatureMap, as_map
@@ -92,30 +92,24 @@ def _check_grad(value, name, shape, dtype):
     return arr.astype(dtype, copy=False)
 
 
-def _gate_gradients(terms, scratch, dS, dZ, final, valid, gate, vector, decay, log_decay, lead, comp):
-    """[dgate] and/or [ddecay] from the per-position terms qf_t . dqf_t - kf_t . dkf_t (..., N, 1), or
-    per key dimension qf_t[j] dqf_t[j] - kf_t[j] dkf_t[j] (..., N, D') with a gate per key dimension
-    (float64; ``terms`` is overwritten, ``scratch``, of its shape, holds the sums: no fresh arrays).
+def _gate_gradients(rq, rk, lens_all, dS, dZ, final, gate, vector, decay, log_decay, lead, comp):
+    """[dgate] and/or [ddecay] from the backward kernel's per-position terms rq - rk = qf_t . dqf_t -
+    kf_t . dkf_t (BH, N, 1), or per key dimension qf_t[j] dqf_t[j] - kf_t[j] dkf_t[j] (BH, N, D') with a
+    gate per key dimension (float64; not written past a length).
 
     With lam_t the log factor of position t (of dimension j) and R_end = <dS_end, S_end> + <dZ_end,
     Z_end> (of row j), d lam_t = sum_{i >= t} terms_i + R_end (the identity flash-linear-attention
-    uses for its gates' gradients, with Z as one more value column)."""
-    if valid is not None:  # (not written past a length)
-        np.copyto(terms, 0.0, where=~valid)
-    dlam = scratch
-    np.cumsum(np.flip(terms, -2), -2, out=np.flip(dlam, -2))
+    uses for its gates' gradients, with Z as one more value column): cpu/gate_sums.py's running sums."""
+    bh, n, width = rq.shape
     rows = (dS.astype(np.float64) * final.S).sum(-1) + dZ.astype(np.float64) * final.Z  # (..., D')
-    dlam += (rows if vector else rows.sum(-1, keepdims=True))[..., None, :]
-    if valid is not None:
-        np.copyto(dlam, 0.0, where=~valid)
-    out = []
-    if gate is not None:
-        src = dlam if vector else dlam[..., 0]
-        dgate = workspace.empty(src.shape, comp)
-        np.copyto(dgate, src, casting="unsafe")
-        out.append(dgate)
+    rows = np.ascontiguousarray(rows if vector else rows.sum(-1, keepdims=True)).reshape(bh, width)
+    dlam = workspace.empty(lead + (n,) + ((width,) if vector else ()), comp)
+    totals = np.zeros(bh)
+    if bh and n:
+        gate_sums.reverse_sums.get(comp, "C")(rq, rk, rows, lens_all, dlam.reshape(bh, n, width), totals)
+    out = [] if gate is None else [dlam]
     if decay is not None:  # d log decay / decay
-        out.append(_decay_gradient(dlam.sum((-1, -2)) / np.exp(log_decay.reshape(lead)), decay))
+        out.append(_decay_gradient(totals.reshape(lead) / np.exp(log_decay.reshape(lead)), decay))
     return out
 
 
@@ -153,8 +147,8 @@ def causal_linear_attention_vjp(q, k, v, *, feature_map="elu", eps=1e-6, normali
     into pieces is differentiated piece by piece through the state: truncated backpropagation, or
     exactly), then ``dgate`` (the gate's shape) when ``gate`` was given and ``ddecay`` (the decay's
     shape, float64) when ``decay`` was given. Positions at or past ``lengths`` get zero gradients.
-    The backward takes 2.5-3x the forward (with a gate per key dimension about 5.5x), see the
-    README's performance section.
+    The backward takes 2.2-3x the forward (with a gate per key dimension 2.3-5.7x, depending on the
+    machine), see the README's performance section.
 
     Every feature map of :mod:`linattn.feature_maps` is differentiated: "elu", "relu" and "identity"
     inside the backward kernel, the others through their ``vjp`` (phi(q), phi(k) are then computed
@@ -285,9 +279,7 @@ def _backward(q, k, v, fmap, code, lead, d, out_dt, normalize, s, initial_state,
         if gated:
             if dS is None:
                 dS, dZ = np.zeros(lead + (d, dv), comp), np.zeros(lead + (d,), comp)
-            np.subtract(rq, rk, out=rq)
-            extra = _gate_gradients(rq.reshape(lead + (n, width)), rk.reshape(lead + (n, width)), dS, dZ, final,
-                                    valid, gate, vector, decay_arr, log_decay, lead, comp)
+            extra = _gate_gradients(rq, rk, lens_all, dS, dZ, final, gate, vector, decay_arr, log_decay, lead, comp)
         dmap = None
         if code is None:  # dq, dk: the gradients of phi(q), phi(k) so far
             dqf, dkf = dq, dk
