@@ -157,6 +157,26 @@ def test_gates_and_decay_against_finite_differences(rng, option):
         assert np.max(np.abs(got - want)) <= 1e-6 * np.max(np.abs(want)) + 1e-8, (key, rel_err(got, want))
 
 
+@pytest.mark.parametrize("per_dim", [False, True])
+def test_gate_padding_past_lengths_is_not_read(rng, per_dim):
+    """Gate values past a sequence's length are padding: the forward does not read them, nor does the
+    vjp (it raised for a positive or NaN value there); a bad value before the length still raises."""
+    q, k, v, _ = _inputs(rng, (2,), 13, 3, 2)
+    lengths = np.array([13, 6])
+    gate = -rng.random((2, 13) + ((3,) if per_dim else ()))
+    padded = gate.copy()
+    padded[1, 8], padded[1, 11] = 2.0, np.nan
+    W = rng.standard_normal((2, 13, 2))
+    clean = linattn.causal_linear_attention_vjp(q, k, v, gate=gate, lengths=lengths)
+    got = linattn.causal_linear_attention_vjp(q, k, v, gate=padded, lengths=lengths)
+    np.testing.assert_array_equal(got[0], clean[0])
+    for a, b in zip(got[1](W), clean[1](W)):
+        np.testing.assert_array_equal(a, b)
+    padded[1, 4] = 2.0
+    with pytest.raises(ValueError, match="gate: expected log gates <= 0.*sequence \\(1,\\), position 4"):
+        linattn.causal_linear_attention_vjp(q, k, v, gate=padded, lengths=lengths)
+
+
 @pytest.mark.parametrize("dv", [1, 3, 4, 7])
 @pytest.mark.parametrize("gated", [False, True])
 def test_float32_follows_float64_for_every_dv(rng, dv, gated):

@@ -206,8 +206,6 @@ def _backward(q, k, v, fmap, code, lead, d, out_dt, normalize, s, initial_state,
     per key dimension (``kind``, ``gates``, ``log_decay``: gates.prepare's)."""
     n, dv, comp = v.shape[-2], v.shape[-1], q.dtype
     den, states, chunk = kept
-    if gates is not None:
-        gates_mod.check_gate_values(gates)  # (the kernels would find them too, later)
     decay_arr = None if decay is None else np.asarray(decay, np.float64)
     has_state = initial_state is not None  # (the forward checked it; it is in states[..., 0, :, :])
     if den is None:  # (not read without normalisation)
@@ -218,11 +216,13 @@ def _backward(q, k, v, fmap, code, lead, d, out_dt, normalize, s, initial_state,
     vector = kind == gates_mod.VECTOR
     width = d if vector else 1
     lam = None
-    if kind != gates_mod.NONE:
+    if kind != gates_mod.NONE and gate is not None and log_decay is None and valid is None:
+        lam = gates.reshape(lead + (n, width))  # (checked by the forward kernel, which read them)
+    elif kind != gates_mod.NONE:
         lam = np.zeros(lead + (n, 1)) if gate is None else gates.astype(np.float64).reshape(lead + (n, width))
         if log_decay is not None:
             lam = lam + log_decay.reshape(lead + (1, 1))
-        if valid is not None:
+        if valid is not None:  # (past a length: anything, the forward did not read it)
             lam = np.where(valid, lam, 0.0)
         lam = lam.astype(comp)
 
