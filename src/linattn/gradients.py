@@ -33,7 +33,8 @@ import numpy as np
 from . import checks
 from . import gates as gates_mod
 from . import workspace
-from .attention import _fast, _full_lengths, _no_state, _seq4, causal_with_denominators, linear_attention
+from .attention import (_fast, _full_lengths, _no_state, _seq4, _unit_rows, causal_with_denominators,
+                        linear_attention)
 from .cpu import backward, gate_sums, noncausal_grad
 from .cpu.elementwise import ELU, IDENTITY, RELU
 from .cpu.runtime import kernel_section, plan
@@ -130,11 +131,6 @@ def _decay_gradient(per_seq, decay):
     per_seq = per_seq.sum(tuple(range(extra))) if extra > 0 else per_seq
     axes = tuple(i for i, s in enumerate(decay.shape) if s == 1 and per_seq.shape[i] != 1)
     return per_seq.sum(axes, keepdims=True).reshape(decay.shape)
-
-
-def _unit_rows(x):
-    """x with unit stride along its last axis (the backward kernel reads rows as vectors)."""
-    return x if x.strides[-1] == x.itemsize or x.shape[-1] <= 1 else np.ascontiguousarray(x)
 
 
 def causal_linear_attention_vjp(q, k, v, *, feature_map="elu", eps=1e-6, normalize=True, initial_state=None,
