@@ -1,6 +1,7 @@
 """Gradients: every option against central finite differences in float64 on small odd shapes, float32
 against float64, split/resume of gradients through the state, zero gradients past lengths, bad input."""
 import copy
+import math
 
 import numpy as np
 import pytest
@@ -467,6 +468,39 @@ def test_feature_map_vjps(rng):
         assert rel_err(got, want) < 1e-7, fmap
         got32 = fmap.vjp(x.astype(np.float32), dphi.astype(np.float32))
         assert got32.dtype == np.float32 and rel_err(got32, got) < 1e-5, fmap
+
+
+def _elementwise_derivative(name, u):
+    """phi'(u) of the elementwise maps, written out in float64 NumPy (math.erf for gelu's Phi)."""
+    sig = 1 / (1 + np.exp(-u))
+    cdf = 0.5 * (1 + np.vectorize(math.erf)(u / math.sqrt(2)))
+    return {"elu": np.where(u > 0, 1.0, np.exp(np.minimum(u, 0))), "relu": (u > 0) * 1.0,
+            "identity": np.ones_like(u), "squared_relu": 2 * np.maximum(u, 0),
+            "gelu": cdf + u * np.exp(-0.5 * u * u) / math.sqrt(2 * math.pi), "silu": sig * (1 + u * (1 - sig)),
+            "swish": sig * (1 + u * (1 - sig)), "sigmoid": sig * (1 - sig), "softplus": sig}[name]
+
+
+@pytest.mark.parametrize("dtype", [np.float32, np.float64])
+def test_elementwise_vjps_against_their_formulas(rng, dtype):
+    """The compiled vjps of the elementwise maps (cpu/map_grad.py) against their derivatives written
+    out, on wide and edge values, with a scale, on views (strided, reversed rows, D = 1); NaN stays NaN
+    (relu's derivative [u > 0] is 0 there, identity's 1)."""
+    fm = linattn.feature_maps
+    x = np.concatenate([rng.standard_normal(300) * 4, [0.0, -0.0, 1e-30, -1e-30, 30.0, -30.0, 100.0, -100.0,
+                                                      700.0, -700.0]])
+    x = np.concatenate([x, np.zeros(6 - len(x) % 6)]).reshape(-1, 6)
+    g = rng.standard_normal(x.shape)
+    tol = 1e-5 if dtype == np.float32 else 1e-12
+    for name in fm.NAMES:
+        for scale in (1.0, 0.6):
+            fmap = fm.Elementwise(name).scaled(scale) if scale != 1.0 else fm.Elementwise(name)
+            want = g * _elementwise_derivative(name, scale * x) * scale
+            for xv, gv, sl in [(x, g, np.s_[:]), (x[:, ::-2], g[:, ::-2], np.s_[:, ::-2]), (x[:, 2:3], g[:, 2:3], np.s_[:, 2:3])]:
+                got = fmap.vjp(xv.astype(dtype), gv.astype(dtype))
+                assert got.dtype == dtype and got.shape == xv.shape
+                np.testing.assert_allclose(got, want[sl], rtol=tol, atol=tol * np.abs(want).max(), err_msg=f"{name} {scale}")
+        nan = fm.Elementwise(name).vjp(np.array([[np.nan, 1.0]], dtype), np.ones((1, 2), dtype))
+        assert nan[0, 0] == 0 if name == "relu" else nan[0, 0] == 1 if name == "identity" else np.isnan(nan[0, 0]), name
 
 
 def test_feature_map_vjp_bad_input(rng):

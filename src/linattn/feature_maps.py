@@ -30,7 +30,8 @@ import numbers
 
 import numpy as np
 
-from .cpu import mapfns
+from . import workspace
+from .cpu import map_grad, mapfns
 from .cpu.elementwise import ELU, IDENTITY, RELU
 
 
@@ -104,11 +105,6 @@ def _pairs_vjp(u, g, table):
 def _rows(x):
     """x as (rows, last dim)."""
     return x.reshape(-1, x.shape[-1])
-
-
-def _sigmoid(u):
-    e = np.exp(-np.abs(u))
-    return np.where(u >= 0, 1 / (1 + e), e / (1 + e))
 
 
 class FeatureMap:
@@ -191,9 +187,8 @@ class FeatureMap:
         for a map without parameters."""
         return {}
 
-    def _prepared(self, x, dphi, y=None, need_y=True):
-        """(u = scale x, dphi, y = phi(x)), checked, in dphi's float dtype (float64 for integers); y
-        computed when needed and not given."""
+    def _checked(self, x, dphi):
+        """(x, dphi) checked, both in dphi's float dtype (float64 for integers)."""
         x, dphi = np.asarray(x), np.asarray(dphi)
         for name, arr in (("x", x), ("dphi", dphi)):
             if arr.dtype.kind not in "fiub":
@@ -204,8 +199,14 @@ class FeatureMap:
         if dphi.shape != want:
             raise ValueError(f"dphi: expected shape {want} (that of phi(x)), got {dphi.shape}")
         dt = dphi.dtype if dphi.dtype.kind == "f" else np.dtype(np.float64)
-        dphi = dphi.astype(dt, copy=False)
-        u = x.astype(dt, copy=False) * dt.type(self.input_scale)
+        return x.astype(dt, copy=False), dphi.astype(dt, copy=False)
+
+    def _prepared(self, x, dphi, y=None, need_y=True):
+        """(u = scale x, dphi, y = phi(x)), checked, in dphi's float dtype (float64 for integers); y
+        computed when needed and not given."""
+        x, dphi = self._checked(x, dphi)
+        dt = dphi.dtype
+        u = x * dt.type(self.input_scale)
         if need_y and y is None:
             y = self(x).astype(dt, copy=False)
         return u, dphi, y
@@ -253,29 +254,8 @@ class Elementwise(FeatureMap):
         return d
 
     def vjp(self, x, dphi, y=None):
-        u, dphi, y = self._prepared(x, dphi, y, need_y=self.name in ("elu", "gelu", "sigmoid", "softplus"))
-        one = u.dtype.type(1)
-        name = self.name
-        if name == "elu":
-            f = np.where(u > 0, one, y)  # e^u below 0
-        elif name == "relu":
-            f = (u > 0).astype(u.dtype)
-        elif name == "identity":
-            f = np.ones_like(u)
-        elif name == "squared_relu":
-            f = 2 * np.maximum(u, 0)
-        elif name == "gelu":  # Phi(u) + u pdf(u), Phi(u) = gelu(u) / u
-            with np.errstate(divide="ignore", invalid="ignore"):
-                cdf = np.where(u != 0, y / u, u.dtype.type(0.5))
-            f = cdf + u * np.exp(-0.5 * u * u) * u.dtype.type(1 / math.sqrt(2 * math.pi))
-        elif name in ("silu", "swish"):
-            sig = _sigmoid(u)
-            f = sig * (1 + u * (1 - sig))
-        elif name == "sigmoid":
-            f = y * (1 - y)
-        else:  # softplus: sigmoid(u) = 1 - exp(-softplus(u))
-            f = -np.expm1(-y)
-        return dphi * f * u.dtype.type(self.input_scale)
+        x, dphi = self._checked(x, dphi)  # (y: not needed, the derivative is computed from x)
+        return map_grad.times_derivative(x, dphi, self.code, self.input_scale, workspace.empty(dphi.shape, dphi.dtype))
 
     def _args(self):
         return repr(self.name)

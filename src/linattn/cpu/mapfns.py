@@ -118,14 +118,19 @@ def _log1p_overload(e):
 
 
 def gelu(x):
-    """x Phi(x) = x (1 + erf(x / sqrt(2))) / 2: in float32 with Eigen's rational erf (absolute error
-    < 2e-7; relative accuracy is lost far left, where 1 + erf cancels, as in PyTorch's float32 gelu),
-    in float64 as x erfc(-x / sqrt(2)) / 2 with libm's erfc (no cancellation). Numba code only."""
+    """x Phi(x) = x (1 + erf(x / sqrt(2))) / 2 (see ``normal_cdf``). Numba code only."""
     raise NotImplementedError("runs inside Numba kernels only")
 
 
-@overload(gelu, jit_options=OVERLOAD_OPTIONS)
-def _gelu_overload(x):
+def normal_cdf(x):
+    """Phi(x) = (1 + erf(x / sqrt(2))) / 2: in float32 with Eigen's rational erf (absolute error
+    < 2e-7; relative accuracy is lost far left, where 1 + erf cancels, as in PyTorch's float32 gelu),
+    in float64 as erfc(-x / sqrt(2)) / 2 with libm's erfc (no cancellation). Numba code only."""
+    raise NotImplementedError("runs inside Numba kernels only")
+
+
+@overload(normal_cdf, jit_options=OVERLOAD_OPTIONS)
+def _normal_cdf_overload(x):
     if x == types.float32:
         def impl(x):
             c = min(max(x * np.float32(0.7071067811865476), np.float32(-4.0)), np.float32(4.0))
@@ -140,9 +145,14 @@ def _gelu_overload(x):
             q = x2 * q + np.float32(-1.68282697438203e-03)
             q = x2 * q + np.float32(-7.37332916720468e-03)
             q = x2 * q + np.float32(-1.42647390514189e-02)
-            return x * (np.float32(1.0) + c * p / q) * np.float32(0.5)
+            return (np.float32(1.0) + c * p / q) * np.float32(0.5)
         return impl
-    return lambda x: x * math.erfc(-x * 0.7071067811865476) * 0.5
+    return lambda x: math.erfc(-x * 0.7071067811865476) * 0.5
+
+
+@overload(gelu, jit_options=OVERLOAD_OPTIONS)
+def _gelu_overload(x):
+    return lambda x: x * normal_cdf(x)  # (the same rounding as x (1 + erf) / 2: halving is exact)
 
 
 @njit(helper=True)
