@@ -144,7 +144,8 @@ def causal_linear_attention_vjp(q, k, v, *, feature_map="elu", eps=1e-6, normali
     exactly), then ``dgate`` (the gate's shape) when ``gate`` was given and ``ddecay`` (the decay's
     shape, float64) when ``decay`` was given. Positions at or past ``lengths`` get zero gradients.
     The backward takes 2.2-3x the forward (with a gate per key dimension 2.3-5.7x, depending on the
-    machine), see the README's performance section.
+    machine), see the README's performance section. ``vjp`` reads q, k, v and the gate when it is
+    called, not copies made by the forward: do not overwrite their arrays in between.
 
     Every feature map of :mod:`linattn.feature_maps` is differentiated: "elu", "relu" and "identity"
     inside the backward kernel, the others through their ``vjp`` (phi(q), phi(k) are then computed
@@ -297,7 +298,7 @@ def _backward(q, k, v, fmap, code, lead, d, out_dt, normalize, s, initial_state,
 def linear_attention_vjp(q, k, v, *, feature_map="elu", eps=1e-6, normalize=True, scale=None):
     """:func:`linattn.linear_attention` and its vector-Jacobian product: ``(out, vjp)``, ``vjp(dout)``
     returns ``(dq, dk, dv)`` (and a dict of the map's parameters' gradients for a map with parameters).
-    Feature maps as for :func:`causal_linear_attention_vjp`.
+    Feature maps, and the inputs read when ``vjp`` is called, as for :func:`causal_linear_attention_vjp`.
 
     Examples
     --------
