@@ -7,7 +7,7 @@ import numpy as np
 from . import checks
 from . import gates as gates_mod
 from . import workspace
-from .cpu import chunked
+from .cpu import chunked, half
 from .cpu.runtime import kernel_section, num_threads, plan
 from .cpu import mapfns
 from .cpu.elementwise import IDENTITY
@@ -143,7 +143,7 @@ def _features(q, k, feature_map, lead, n, comp):
     """(q', k', (kernel code, parameters, address), D'): inputs in the compute dtype, mapped already if
     the map is a user's callable; the kernels compute every FeatureMap themselves."""
     fmap = as_map(feature_map)
-    q, k = q.astype(comp, copy=False), k.astype(comp, copy=False)
+    q, k = half.astype(q, comp), half.astype(k, comp)
     if not isinstance(fmap, FeatureMap):
         q = checks.check_mapped(fmap(q), "q", lead, n).astype(comp, copy=False)
         k = checks.check_mapped(fmap(k), "k", lead, n, q.shape[-1]).astype(comp, copy=False)
@@ -246,7 +246,7 @@ def _deliver(res, out, out_dt, where):
         if res is not out:
             out[...] = res
         return out
-    return res if where == "device" else res.astype(out_dt, copy=False)
+    return res if where == "device" else half.astype(res, out_dt)
 
 
 def _prepare(q, k, v, feature_map, eps, normalize, where="cpu"):
@@ -272,7 +272,7 @@ def _prepare(q, k, v, feature_map, eps, normalize, where="cpu"):
         code = device_map(feature_map, d if where == "device" else q.shape[-1])
         return q, k, v, lead, n, code[2], dv, comp, out_dt, eps, normalize, code
     q, k, code, dk = _features(q, k, feature_map, lead, n, comp)
-    v = v.astype(comp, copy=False)
+    v = half.astype(v, comp)
     return q, k, v, lead, n, dk, dv, comp, out_dt, eps, normalize, code
 
 

@@ -35,7 +35,7 @@ from . import gates as gates_mod
 from . import workspace
 from .attention import (_fast, _full_lengths, _no_state, _seq4, _unit_rows, causal_with_denominators,
                         linear_attention)
-from .cpu import backward, gate_sums, noncausal_grad
+from .cpu import backward, gate_sums, half, noncausal_grad
 from .cpu.elementwise import ELU, IDENTITY, RELU
 from .cpu.runtime import kernel_section, plan
 from .feature_maps import FeatureMap, as_map
@@ -90,7 +90,7 @@ def _check_grad(value, name, shape, dtype):
     arr = checks.as_array(value, name, 0)
     if arr.shape != shape:
         raise ValueError(f"{name}: expected shape {shape} (that of the forward's result), got {arr.shape}")
-    return arr.astype(dtype, copy=False)
+    return half.astype(arr, dtype)
 
 
 def _gate_gradients(rq, rk, lens_all, dS, dZ, final, gate, vector, decay, log_decay, lead, comp):
@@ -181,7 +181,7 @@ def causal_linear_attention_vjp(q, k, v, *, feature_map="elu", eps=1e-6, normali
     normalize = checks.check_flag(normalize, "normalize")
     return_state = checks.check_flag(return_state, "return_state")
     s = gates_mod.check_scale(scale)
-    q, k, v = (x.astype(comp, copy=False) for x in (q, k, v))
+    q, k, v = (half.astype(x, comp) for x in (q, k, v))
     lens = None if lengths is None else checks.check_lengths(lengths, lead, n).reshape(lead)
     (out, final), kept = causal_with_denominators(
         q, k, v, fmap, eps, normalize, initial_state, True, lens, decay, gate, s, keep=True)
@@ -191,7 +191,7 @@ def causal_linear_attention_vjp(q, k, v, *, feature_map="elu", eps=1e-6, normali
                     gate, kind, gates, log_decay, out, final, kept)
     if kept[1] is not None:  # the chunk states go back to the pool with the closure
         workspace.release_with(vjp, kept[1])
-    result = out.astype(out_dt, copy=False)  # (vjp reads ``out`` itself, in the computation's dtype)
+    result = half.astype(out, out_dt)  # (vjp reads ``out`` itself, in the computation's dtype)
     return (result, final, vjp) if return_state else (result, vjp)
 
 
@@ -287,7 +287,7 @@ def _backward(q, k, v, fmap, code, lead, d, out_dt, normalize, s, initial_state,
                 qv, kv = q, k
                 dq, dk = _map_vjp(fmap, q, dq, qf), _map_vjp(fmap, k, dk, kf)
             dmap = _map_param_grads(fmap, (qv, kv), (dqf, dkf), (qf, kf))
-        grads = [x.astype(out_dt, copy=False) for x in (dq, dk, dvv)]
+        grads = [half.astype(x, out_dt) for x in (dq, dk, dvv)]
         if has_state:
             grads.append(State(H_out.reshape(lead + (d, dv)), Z_out.reshape(lead + (d,))))
         return tuple(grads + extra + ([dmap] if dmap is not None else []))
@@ -314,7 +314,7 @@ def linear_attention_vjp(q, k, v, *, feature_map="elu", eps=1e-6, normalize=True
     eps = checks.check_eps(eps)
     normalize = checks.check_flag(normalize, "normalize")
     s = gates_mod.check_scale(scale)
-    q, k, v = (x.astype(comp, copy=False) for x in (q, k, v))
+    q, k, v = (half.astype(x, comp) for x in (q, k, v))
     out = linear_attention(q, k, v, feature_map=fmap, eps=eps, normalize=normalize, scale=s)
 
     def vjp(dout):
@@ -348,6 +348,6 @@ def linear_attention_vjp(q, k, v, *, feature_map="elu", eps=1e-6, normalize=True
         else:
             grads = (_map_vjp(fmap, q, dqf, qf), _map_vjp(fmap, k, dkf, kf), dvv)
         dmap = _map_param_grads(fmap, (q, k), (dqf, dkf), (qf, kf))
-        return tuple(x.astype(out_dt, copy=False) for x in grads) + ((dmap,) if dmap is not None else ())
+        return tuple(half.astype(x, out_dt) for x in grads) + ((dmap,) if dmap is not None else ())
 
-    return out.astype(out_dt, copy=False), vjp
+    return half.astype(out, out_dt), vjp
