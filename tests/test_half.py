@@ -35,7 +35,8 @@ def test_float32_to_float16_rounds_as_numpy(rng):
 
 def test_other_conversions_are_numpys(rng):
     x = rng.standard_normal((3, 5000)).astype(np.float16)
-    for src, dt in ((x, np.float64), (x[:, ::2], np.float32), (x[:, :10], np.float32), (x.astype(np.float32), np.float32)):
+    cases = ((x, np.float64), (x[:, ::2], np.float32), (x[:, :10], np.float32), (x.astype(np.float32), np.float32))
+    for src, dt in cases:
         got = half.astype(src, dt)
         assert got.dtype == dt
         np.testing.assert_array_equal(got, src.astype(dt))
