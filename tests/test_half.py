@@ -13,6 +13,7 @@ def test_every_float16_to_float32():
     got = half.astype(h, np.float32)
     assert got.dtype == np.float32
     np.testing.assert_array_equal(_bits(got), _bits(h.astype(np.float32)))
+    assert half._to_single_kernel._compiled  # (the compiled loop ran, not NumPy's astype)
 
 
 def test_float32_to_float16_rounds_as_numpy(rng):
@@ -31,6 +32,7 @@ def test_float32_to_float16_rounds_as_numpy(rng):
             want = np.resize(x, max(x.size, half.MIN_VALUES)).astype(np.float16)
         assert got.dtype == np.float16
         np.testing.assert_array_equal(_bits(got), _bits(want))
+    assert half._to_half_kernel._compiled
 
 
 def test_other_conversions_are_numpys(rng):
