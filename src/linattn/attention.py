@@ -9,6 +9,7 @@ from . import gates as gates_mod
 from . import workspace
 from .cpu import chunked, half
 from .cpu.runtime import kernel_section, num_threads, plan
+from .cpu.views import unit_rows
 from .cpu import mapfns
 from .cpu.elementwise import IDENTITY
 from .feature_maps import NAMED, FeatureMap, as_map
@@ -172,18 +173,6 @@ def _view(x, shape):
     return view
 
 
-def _unit_rows(x):
-    """x, or a copy of it (pooled) where its rows are not unit-stride: the kernels read a row of such
-    an array element by element, each from a cache line (a page, for a Fortran-ordered array) of its
-    own: B1 H8 N2048 D64 float32 took 54 ms with rows N elements apart, 200 ms Fortran-ordered,
-    against 9.5 and 7.4 ms copied first (the plain call: 5 ms); every other element, 6.8 against 5.3."""
-    if x.strides[-1] == x.itemsize or x.shape[-1] <= 1:
-        return x
-    copy = workspace.empty(x.shape, x.dtype)
-    np.copyto(copy, x)
-    return copy
-
-
 def _seq4(arrays, lead, layout_of=4):
     """The (..., N, X) arrays as 4-D (G1, G2, N, X) arrays with their leading dims merged into two
     groups, the kernel layout ("C" when the first ``layout_of`` are C-contiguous, else "A"), and
@@ -195,7 +184,7 @@ def _seq4(arrays, lead, layout_of=4):
     """
     if all(x.flags.c_contiguous for x in arrays):
         return tuple(x.reshape((1, -1) + x.shape[-2:]) for x in arrays), "C", (False,) * len(arrays)
-    rows = tuple(_unit_rows(x) for x in arrays)
+    rows = tuple(unit_rows(x) for x in arrays)
     if any(r is not x for r, x in zip(rows, arrays)):
         out, layout, copied = _seq4(rows, lead, layout_of)
         return out, layout, tuple(c or r is not x for c, r, x in zip(copied, rows, arrays))

@@ -33,11 +33,11 @@ import numpy as np
 from . import checks
 from . import gates as gates_mod
 from . import workspace
-from .attention import (_fast, _full_lengths, _no_state, _seq4, _unit_rows, causal_with_denominators,
-                        linear_attention)
+from .attention import _fast, _full_lengths, _no_state, _seq4, causal_with_denominators, linear_attention
 from .cpu import backward, gate_sums, half, noncausal_grad
 from .cpu.elementwise import ELU, IDENTITY, RELU
 from .cpu.runtime import kernel_section, plan
+from .cpu.views import unit_rows
 from .feature_maps import FeatureMap, as_map
 from .state import State
 
@@ -62,7 +62,7 @@ def _map_and_code(feature_map):
 
 def _mapped(fmap, x, comp):
     """phi(x) in the computation's dtype with unit stride along its rows."""
-    return _unit_rows(np.asarray(fmap(x)).astype(comp, copy=False))
+    return unit_rows(np.asarray(fmap(x)).astype(comp, copy=False))
 
 
 def _map_vjp(fmap, x, dphi, y):
@@ -237,7 +237,7 @@ def _backward(q, k, v, fmap, code, lead, d, out_dt, normalize, s, initial_state,
         c_inputs = (q, k, v, out) if q.ndim == 4 else tuple(x.reshape((1, bh, n, x.shape[-1])) for x in (q, k, v, out))
 
     def vjp(dout, dstate=None):
-        g = _unit_rows(_check_grad(dout, "dout", lead + (n, dv), comp))
+        g = unit_rows(_check_grad(dout, "dout", lead + (n, dv), comp))
         dS, dZ = _final_state_gradient(dstate, return_state, lead, d, dv, comp)
         if dS is None:
             H0, Z0 = no_grad
@@ -258,7 +258,7 @@ def _backward(q, k, v, fmap, code, lead, d, out_dt, normalize, s, initial_state,
                 g4 = g if g.shape == o4.shape else g.reshape(o4.shape)
             else:
                 arrays = (q, k) if code is not None else (qf, kf)
-                (q4, k4, v4, g4, o4), _, _ = _seq4(tuple(_unit_rows(x) for x in arrays + (v, g, out)), lead)
+                (q4, k4, v4, g4, o4), _, _ = _seq4(arrays + (v, g, out), lead)  # (rows made unit-stride there)
             g12 = q4.shape[:2]
             _, frac, nthreads = plan(bh, n, d, dv, causal=True)  # (the forward's segments, mirrored)
             nthreads = min(nthreads, bh * (len(frac) - 1))
@@ -327,7 +327,7 @@ def linear_attention_vjp(q, k, v, *, feature_map="elu", eps=1e-6, normalize=True
         if bh and n:  # phi, the denominators, [a | b] and [v, 1] in one pass (cpu/noncausal_grad.py)
             with kernel_section():
                 noncausal_grad.adjoints.get(comp, None)(
-                    *(_unit_rows(x).reshape(bh, n, x.shape[-1]) for x in src + (v, g, out)), fm, comp.type(s),
+                    *(unit_rows(x).reshape(bh, n, x.shape[-1]) for x in src + (v, g, out)), fm, comp.type(s),
                     comp.type(eps), normalize, *(x.reshape(bh, n, x.shape[-1]) for x in (qf, kf, ab, v1)))
         sq = qf * comp.type(s) if s != 1.0 else qf
         # three products of the kernel's form phi(q') (phi(k')^T v'), each a linear_attention call on

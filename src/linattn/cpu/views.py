@@ -2,7 +2,8 @@
 so that loops over it vectorise), ``unowned`` (an array whose views are not reference counted) with
 ``keep_alive`` (for its owner), ``flat_rows`` (adjacent rows as one such view),
 ``head_row``/``head_matrix`` (the row or matrix of one head of an array with any number of leading
-dims, by its flat index) and ``prefetch_rows`` (the next rows into the cache ahead of use).
+dims, by its flat index) and ``prefetch_rows`` (the next rows into the cache ahead of use); on the
+Python side ``unit_rows``, which gives the kernels arrays whose rows are unit-stride.
 
 Kernels on strided inputs (the heads of a fused QKV projection) get arrays of Numba's "A" layout,
 whose every stride is known only at run time: LLVM then reads them an element at a time. A row
@@ -15,6 +16,20 @@ from numba.core import cgutils, types
 from numba.core.imputils import impl_ret_borrowed
 from numba.extending import intrinsic, overload
 from numba.np.unsafe.ndarray import to_fixed_tuple
+
+from .. import workspace
+
+
+def unit_rows(x):
+    """x, or a copy of it (pooled) where its rows are not unit-stride: the kernels read a row of such
+    an array element by element, each from a cache line (a page, for a Fortran-ordered array) of its
+    own: B1 H8 N2048 D64 float32 took 54 ms with rows N elements apart, 200 ms Fortran-ordered,
+    against 9.5 and 7.4 ms copied first (the plain call: 5 ms); every other element, 6.8 against 5.3."""
+    if x.strides[-1] == x.itemsize or x.shape[-1] <= 1:
+        return x
+    copy = workspace.empty(x.shape, x.dtype)
+    np.copyto(copy, x)
+    return copy
 
 
 @intrinsic
