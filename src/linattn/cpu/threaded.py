@@ -15,6 +15,7 @@ takes the arguments from Python and leaves them in its frame, and ``_trampoline`
 runs to read them from there and call the worker.
 """
 import numpy as np
+from llvmlite import ir
 from numba import prange
 from numba.core import cgutils, types
 from numba.extending import intrinsic
@@ -48,6 +49,54 @@ def _call(typingctx, address, args, counter):
         return _emit_call(context, builder, addr, argtys, values)
 
     return types.void(address, args, counter), codegen
+
+
+@intrinsic
+def _call_recorded(typingctx, address, args, counter):
+    """``_call``, and where the worker fails, its return code and exception recorded in counter[1],
+    counter[2] (the first failure's): a failure on any thread but the calling one would be lost, as
+    Numba's parallel loop propagates only the calling thread's (see ``_raise_recorded``)."""
+    argtys = tuple(args.types) + (counter,)
+
+    def codegen(context, builder, sig, llargs):
+        addr, tup, cnt = llargs
+        values = [builder.extract_value(tup, i) for i in range(len(args.types))] + [cnt]
+        fnty = context.call_conv.get_function_type(types.void, argtys)
+        callee = builder.inttoptr(addr, fnty.as_pointer())
+        status, _ = context.call_conv.call_function(builder, callee, types.void, argtys, values)
+        with cgutils.if_unlikely(builder, status.is_error):
+            arr = context.make_array(counter)(context, builder, cnt)
+            i64 = ir.IntType(64)
+            slot = cgutils.get_item_pointer(context, builder, counter, arr, [context.get_constant(types.intp, 1)])
+            first = builder.cmpxchg(slot, ir.Constant(i64, 0), builder.sext(status.code, i64), "monotonic",
+                                    "monotonic")
+            with builder.if_then(builder.extract_value(first, 1)):
+                where = cgutils.get_item_pointer(context, builder, counter, arr, [context.get_constant(types.intp, 2)])
+                builder.store(builder.ptrtoint(status.excinfoptr, i64), where)
+            context.call_conv.return_status_propagate(builder, status)
+        return context.get_dummy_value()
+
+    return types.void(address, args, counter), codegen
+
+
+@intrinsic
+def _raise_recorded(typingctx, counter):
+    """Return with the failure recorded in counter[1], counter[2] by ``_call_recorded``, if any."""
+
+    def codegen(context, builder, sig, llargs):
+        arr = context.make_array(counter)(context, builder, llargs[0])
+        code = builder.load(cgutils.get_item_pointer(context, builder, counter, arr,
+                                                     [context.get_constant(types.intp, 1)]))
+        with cgutils.if_unlikely(builder, builder.icmp_signed("!=", code, ir.Constant(code.type, 0))):
+            exc = builder.load(cgutils.get_item_pointer(context, builder, counter, arr,
+                                                        [context.get_constant(types.intp, 2)]))
+            cc = context.call_conv
+            builder.store(builder.inttoptr(exc, cc._get_excinfo_argument(builder.function).type.pointee),
+                          cc._get_excinfo_argument(builder.function))
+            cc._return_errcode_raw(builder, builder.trunc(code, ir.IntType(32)))
+        return context.get_dummy_value()
+
+    return types.void(counter), codegen
 
 
 @intrinsic
@@ -93,17 +142,18 @@ def _run_generic(tramp, payload, nthreads):
     from one counter. One compiled loop for every kernel: parallel loops over a kernel's own argument
     types cost 1.1-1.5 s to compile per kernel (most of it in passing the tuple through the loop's
     gufunc), this one is compiled once and loaded from the disk cache after."""
-    counter = empty(1, np.int64)  # np.zeros would become a parallel loop (a parfor) of its own
-    counter[0] = 0
+    counter = empty(3, np.int64)  # np.zeros would become a parallel loop (a parfor) of its own
+    counter[0] = counter[1] = counter[2] = 0  # the next item; a failed worker's code and exception
     for _ in prange(nthreads):
         _call(tramp, (payload,), counter)
+    _raise_recorded(counter)  # (a failure on another thread than this one)
 
 
 def _trampoline(payload, counter):
     """One thread's share: the worker's address and arguments from ``payload`` (a pointer to them,
     stored by ``_launch``), then the worker."""
     address, args = _load(payload)
-    _call(address, args, counter)
+    _call_recorded(address, args, counter)
 
 
 def _launch(address, nthreads, args, loop, tramp):
