@@ -278,6 +278,44 @@ def test_split_resume_and_step(rng, name):
     assert_close(np.stack(steps, -2), full[..., 37:45, :], np.float64)
 
 
+@pytest.mark.parametrize("dtype", [np.float32, np.float64])
+@pytest.mark.parametrize("name", NAMES)
+def test_steps_on_fused_heads_with_gates(rng, name, dtype):
+    """step with every map (computed by the step kernel itself) on the heads of a fused QKV projection,
+    with a gate per mapped dimension, a decay, a scale and ``out=``, continues one call's sequence; by
+    name too for the elementwise maps; a gate or state of D columns instead of D' is a ValueError."""
+    b, h, n, d, dv = 2, 3, 12, 4, 4
+    mp, _ = _maps(d)[name]
+    dk = mp.out_dim(d)
+    qkv = (rng.standard_normal((b, n, 3, h, d)) * 0.5).astype(dtype)  # (B, N, 3, H, D)
+    q, k, v = (qkv[:, :, i].transpose(0, 2, 1, 3) for i in range(3))  # strided (B, H, N, D) views
+    gate = (-rng.random((b, h, n, dk)) * 0.3).astype(dtype)
+    normalize = name in POSITIVE
+    kw = dict(feature_map=mp, normalize=normalize, decay=0.9, scale=0.5)
+    full = linattn.causal_linear_attention(q, k, v, gate=gate, **kw)
+    _, st = linattn.causal_linear_attention(q[..., :5, :], k[..., :5, :], v[..., :5, :], gate=gate[..., :5, :],
+                                            return_state=True, **kw)
+    out = np.empty((b, h, dv), dtype)
+    steps = []
+    for t in range(5, n):
+        got = linattn.step(q[..., t, :], k[..., t, :], v[..., t, :], st, gate=gate[..., t, :], out=out, **kw)
+        assert got is out and got.dtype == dtype
+        steps.append(got.copy())
+    assert_close(np.stack(steps, -2), full[..., 5:, :], dtype)
+    if name in ELEMENTWISE:
+        st2 = linattn.State.zeros((b, h), d, dv, dtype=dtype)
+        by_name = [linattn.step(q[..., t, :], k[..., t, :], v[..., t, :], st2, feature_map=name, normalize=normalize)
+                   for t in range(n)]
+        assert_close(np.stack(by_name, -2), linattn.causal_linear_attention(q, k, v, feature_map=name,
+                                                                            normalize=normalize), dtype)
+    if dk != d:
+        with pytest.raises(ValueError, match="gate"):
+            linattn.step(q[..., 0, :], k[..., 0, :], v[..., 0, :], st, gate=gate[..., 0, :d], **kw)
+        with pytest.raises(ValueError, match="state"):
+            linattn.step(q[..., 0, :], k[..., 0, :], v[..., 0, :], linattn.State.zeros((b, h), d, dv, dtype=dtype),
+                         **kw)
+
+
 @pytest.mark.parametrize("name", ["taylor", "hedgehog", "dpfp"])
 def test_with_gates_and_weights(rng, name):
     """Gates per key dimension have D' columns; attention_weights @ v equals the output."""

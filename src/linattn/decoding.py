@@ -7,13 +7,14 @@ import numpy as np
 
 from . import checks, reference
 from . import gates as gates_mod
-from .cpu import step as step_kernels
+from .cpu import mapfns, step as step_kernels
 from .cpu.runtime import kernel_section
-from .feature_maps import NAMED, resolve
+from .feature_maps import FeatureMap, as_map, resolve
 from .state import State
 
-_NAMED_CODES = {name: code for name, (_, code) in NAMED.items()}
-_FAST = {}  # (feature map name, dtype, ndim, gate kind, has decay) -> (map code, serial kernel, variant)
+# (feature map: a name or a map object, dtype, q's shape, gate kind, has decay)
+#   -> (map code, parameters, map_rows's address, serial kernel, variant)
+_FAST = {}
 _DECAYS = {}  # (float decay or id of a float64 array, leading dims) -> (the decay, its shape, its broadcast view)
 _LAST_DECAY = [None, None, None, None]  # the last step's decay, leading dims, the decay's shape, its view
 _ndarray, _empty, _INF = np.ndarray, np.empty, math.inf  # module globals: cheaper to look up per step
@@ -34,14 +35,26 @@ def _flat_view(x, shape):
     return view
 
 
-def _fast_entry(feature_map, dtype, ndim, gate_kind, has_decay):
-    """The fast-path entry for a named map and a float32/float64 dtype (compiled once), else None."""
-    code = _NAMED_CODES.get(feature_map)
-    if code is None or dtype not in (np.float32, np.float64) or ndim < 1:
+def _fast_entry(feature_map, dtype, shape, gate_kind, has_decay):
+    """The fast-path entry for a built-in map (a name or a FeatureMap) and a float32/float64 dtype
+    (compiled once), else None."""
+    if dtype not in (np.float32, np.float64) or not shape or not shape[-1]:
         return None
-    variant = (ndim - 1, gate_kind, has_decay)
-    entry = _FAST[feature_map, dtype, ndim, gate_kind, has_decay] = (
-        code, step_kernels.step_nd_serial.get(dtype, variant), variant)
+    if type(feature_map) is not str and not isinstance(feature_map, FeatureMap):
+        return None  # a callable: mapped in NumPy by the checked path
+    try:
+        fmap = as_map(feature_map)
+        fmap.out_dim(shape[-1])
+    except (ValueError, TypeError):  # the checked path says why
+        return None
+    code, d = fmap.kernel_code(), shape[-1]
+    mapped = code >= mapfns.FIRST
+    fp, addr = (fmap.params(d, dtype), mapfns.address(dtype, code)) if mapped else (None, 0)
+    variant = (len(shape) - 1, gate_kind, has_decay, mapped)
+    if len(_FAST) > 256:
+        _FAST.clear()
+    entry = _FAST[feature_map, dtype, shape, gate_kind, has_decay] = (
+        code, fp, addr, step_kernels.step_nd_serial.get(dtype, variant), variant)
     return entry
 
 
@@ -128,16 +141,21 @@ def step(q, k, v, state, *, feature_map="elu", eps=1e-6, normalize=True, decay=N
     True
     """
     # Fast path for the common call (float32/float64 NumPy arrays with rows of adjacent elements, a
-    # named feature map): the compiled kernel checks dtypes and layouts by its signature and shapes
+    # built-in feature map, by name or as a map object): the compiled kernel checks dtypes and layouts by its signature and shapes
     # and values itself, so a decoding step costs little more than the arithmetic. Anything else
     # takes the validating path below.
     if (device is None and type(state) is State and type(q) is _ndarray and type(v) is _ndarray
-            and type(feature_map) is str and type(eps) is float):
+            and type(eps) is float):
         dt = q.dtype
         kind = 0 if gate is None else (1 if gate.ndim == q.ndim - 1 else 2) if type(gate) is _ndarray else -1
         decay_arr = None if decay is None else _decay_view(decay, q.shape[:-1])
-        key = (feature_map, dt, q.ndim, kind, decay is not None)
-        fast = _FAST.get(key) or (kind >= 0 and _fast_entry(*key))
+        key = (feature_map, dt, q.shape, kind, decay is not None)
+        try:
+            fast = _FAST.get(key)
+        except TypeError:  # an unhashable callable
+            fast = None
+        if fast is None and kind >= 0:
+            fast = _fast_entry(feature_map, *key[1:])
         if (fast and (normalize is True or normalize is False) and 0.0 <= eps < _INF
                 and (out is None or (type(out) is _ndarray and out.dtype is dt))
                 and (decay is None or decay_arr is not None) and (gate is None or gate.dtype is dt)
@@ -148,11 +166,13 @@ def step(q, k, v, state, *, feature_map="elu", eps=1e-6, normalize=True, decay=N
             res = _empty(v.shape, dt) if out is None else out
             try:
                 if type(S) is not _ndarray or S.size < _PARALLEL_MIN:
-                    status = fast[1](q, k, v, fast[0], eps, normalize, S, Z, res, gate, decay_arr, qscale)
+                    status = fast[3](q, k, v, fast[0], fast[1], fast[2], eps, normalize, S, Z, res, gate, decay_arr,
+                                     qscale)
                 else:
-                    kernel = step_kernels.step_nd_parallel.get(dt, fast[2])
+                    kernel = step_kernels.step_nd_parallel.get(dt, fast[4])
                     with kernel_section():
-                        status = kernel(q, k, v, fast[0], eps, normalize, S, Z, res, gate, decay_arr, qscale)
+                        status = kernel(q, k, v, fast[0], fast[1], fast[2], eps, normalize, S, Z, res, gate,
+                                        decay_arr, qscale)
                 if status == 0:
                     return res
             except TypeError:  # no compiled signature fits: let the checks below say why

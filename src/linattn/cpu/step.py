@@ -18,6 +18,7 @@ from numba.np.numpy_support import as_dtype
 from .._jit import OVERLOAD_OPTIONS, Kernel, array, njit
 from .buffers import empty
 from .elementwise import exp_le0, map_flat, map_row
+from .mapfns import load_features, map_state, mapped_dim
 from .vector import state_pass
 from .views import as_contiguous, head_matrix, head_row, head_scalar, keep_alive, unowned
 
@@ -202,37 +203,39 @@ def _step(q, k, v, fm, eps, normalize, S, Z, out, gates, decay, qscale):
     return 0
 
 
-def _step_nd(q, k, v, fm, eps, normalize, S, Z, out, gates, decay, qscale):
+def _step_nd(q, k, v, fm, fp, fa, eps, normalize, S, Z, out, gates, decay, qscale):
     """The same on arrays with any number of leading dims and any strides along them (the heads of
-    a fused QKV projection, say), each row of adjacent elements; heads are indexed in place.
+    a fused QKV projection, say), each row of adjacent elements; heads are indexed in place. The
+    feature map is any of the kernels' (cpu/mapfns.py: code ``fm``, parameters ``fp``, map_rows's
+    address ``fa``, 0 for the codes applied inline), so S and Z have D' rows.
 
     Checks the shapes, strides and gate or decay values itself and returns 1 (shapes, strides) or 2
     (a bad value), touching nothing, when they do not fit (the caller then takes the validating
     path, which raises the error or copies); 0 on success.
     """
     lead = q.shape[:-1]
-    if (k.shape != q.shape or v.shape[:-1] != lead or S.shape[:-1] != q.shape
-            or S.shape[-1] != v.shape[-1] or Z.shape != q.shape or out.shape != v.shape):
+    d_in = q.shape[-1]
+    d_ = _features_dim(fm, fp, d_in)  # D'
+    if (k.shape != q.shape or v.shape[:-1] != lead or S.shape[:-2] != lead or S.shape[-2] != d_
+            or S.shape[-1] != v.shape[-1] or Z.shape[:-1] != lead or Z.shape[-1] != d_ or out.shape != v.shape):
         return 1
-    if not _gates_fit(gates, lead, q.shape[-1]) or not _decay_fits(decay, lead):
+    if not _gates_fit(gates, lead, d_) or not _decay_fits(decay, lead):
         return 1
-    d_, dv = S.shape[S.ndim - 2], S.shape[S.ndim - 1]
     isz = S.itemsize
-    if d_ == 0 or q.strides[-1] != isz or k.strides[-1] != isz or v.strides[-1] != isz or S.strides[-1] != isz:
+    if d_in == 0 or q.strides[-1] != isz or k.strides[-1] != isz or v.strides[-1] != isz or S.strides[-1] != isz:
         return 1
     if out.strides[-1] != isz or Z.strides[-1] != isz:
         return 1
-    bh = q.size // d_
+    bh = q.size // d_in
     # views without reference counting (see cpu/views.unowned): the caller owns the arguments, the
     # buffers' owners are kept to the end
     q, k, v, S, Z, out = unowned((q, k, v, S, Z, out))
-    owners = (empty((bh, d_), out.dtype), empty(bh * d_, out.dtype), empty(bh * d_, out.dtype))
-    decs, qf, kf = unowned(owners)
+    owners = (empty((bh, d_), out.dtype), empty(2 * bh * d_, out.dtype))
+    decs, feats = unowned(owners)
+    qf, kf = feats[:bh * d_], feats[bh * d_:]
     if not head_factors(gates, decay, q, bh, decs):
         return 2
-    for h in range(bh):
-        map_row(as_contiguous(head_row(q, h)), fm, qf[h * d_:(h + 1) * d_])
-        map_row(as_contiguous(head_row(k, h)), fm, kf[h * d_:(h + 1) * d_])
+    _map_heads(q, k, fm, fp, fa, bh, d_, feats)
     for h in prange(bh):
         fill_decay(gates, decay, h, decs[h], q)
         Sh = head_matrix(S, h)
@@ -240,6 +243,48 @@ def _step_nd(q, k, v, fm, eps, normalize, S, Z, out, gates, decay, qscale):
                    head_row(out, h), Sh.strides[0] // isz, eps, normalize, head_decay(gates, decay, decs, h, q), qscale)
     keep_alive(owners)
     return 0
+
+
+def _features_dim(fm, fp, d):
+    """D' for map code ``fm`` (fp None: a map the kernels apply inline, D' = D). Numba code only."""
+    raise NotImplementedError("runs inside Numba kernels only")
+
+
+@overload(_features_dim, jit_options=OVERLOAD_OPTIONS)
+def _ol_features_dim(fm, fp, d):
+    if isinstance(fp, types.NoneType):
+        return lambda fm, fp, d: d
+    return lambda fm, fp, d: mapped_dim(fm, fp, d)
+
+
+def _map_heads(q, k, fm, fp, fa, bh, d_, feats):
+    """feats[:bh D'] = phi(q) and feats[bh D':] = phi(k), head after head: the inline maps (fp None)
+    row by row, the others (cpu/mapfns.py) gathered as rows and mapped by one call. Numba code only."""
+    raise NotImplementedError("runs inside Numba kernels only")
+
+
+@overload(_map_heads, jit_options=OVERLOAD_OPTIONS)
+def _ol_map_heads(q, k, fm, fp, fa, bh, d_, feats):
+    if isinstance(fp, types.NoneType):
+        def inline(q, k, fm, fp, fa, bh, d_, feats):
+            for h in range(bh):
+                map_row(as_contiguous(head_row(q, h)), fm, feats[h * d_:(h + 1) * d_])
+                map_row(as_contiguous(head_row(k, h)), fm, feats[(bh + h) * d_:(bh + h + 1) * d_])
+        return inline
+
+    def mapped(q, k, fm, fp, fa, bh, d_, feats):
+        d_in = q.shape[-1]
+        owner = empty(2 * bh * d_in, feats.dtype)
+        rows = unowned(owner)
+        for h in range(bh):
+            qh, kh = as_contiguous(head_row(q, h)), as_contiguous(head_row(k, h))
+            for a in range(d_in):
+                rows[h * d_in + a] = qh[a]
+                rows[(bh + h) * d_in + a] = kh[a]
+        mp = map_state(fm, fp, fa, d_in, d_, feats.dtype)
+        load_features(rows.reshape((2 * bh, d_in)), 0, 2 * bh, mp, feats.reshape((2 * bh, d_)))
+        keep_alive(owner)
+    return mapped
 
 
 def _gates_fit(gates, lead, d_):
@@ -282,17 +327,20 @@ def _strided_signature(dt, variant):
 
 
 def _nd_signature(dt, variant):
-    lead_ndim, gate_kind, has_decay = variant
+    lead_ndim, gate_kind, has_decay, mapped = variant
     vec, i64 = array(dt, lead_ndim + 1, "A", readonly=True), types.int64
     gates = {0: None, 1: array(dt, lead_ndim, "A", readonly=True),
              2: array(dt, lead_ndim + 1, "A", readonly=True)}[gate_kind]
     decay = array(types.float64, lead_ndim, "A", readonly=True) if has_decay else None
-    return types.int64(vec, vec, vec, i64, types.float64, types.boolean, array(dt, lead_ndim + 2, "A"),
-                       array(dt, lead_ndim + 1, "A"), array(dt, lead_ndim + 1, "A"), _optional(gates),
+    fp = array(dt, 1, readonly=True) if mapped else types.none
+    return types.int64(vec, vec, vec, i64, fp, i64, types.float64, types.boolean,
+                       array(dt, lead_ndim + 2, "A"), array(dt, lead_ndim + 1, "A"), array(dt, lead_ndim + 1, "A"),
+                       _optional(gates),
                        _optional(decay), types.float64)
 
 
-#: variant: (number of leading dims, gate kind, has decay); any strides along the leading dims
+#: variant: (number of leading dims, gate kind, has decay, whether the map is one of cpu/mapfns.py's (its
+#: parameters an array; None for the maps applied inline)); any strides along the leading dims
 step_nd_serial = Kernel(_step_nd, _nd_signature, parallel=False)
 step_nd_parallel = Kernel(_step_nd, _nd_signature, parallel=True)
 #: any strides, already flattened to (BH, ...); variant: (gate kind, has decay)
