@@ -94,3 +94,43 @@ class MapOverIdentity:
                                   3 if SMOKE else 9)
 
     track_over_identity_premapped.unit = "x identity"
+
+
+class StepMapOverIdentity:
+    """One decoding step (``step``) at B1 H8, Dv = 64, float32, with each built-in map, over the step
+    with the identity map on q and k already mapped to the same D' (the kernel computes the map for
+    every head of the step itself)."""
+    params = list(builtin_maps(64))
+    param_names = ["map"]
+    timeout = 300
+
+    def setup(self, name):
+        self.fmap, d = builtin_maps(64)[name]
+        rng = np.random.default_rng(3)
+        self.q, self.k = ((rng.standard_normal((1, 8, d)) * 0.5).astype(np.float32) for _ in range(2))
+        self.v = rng.standard_normal((1, 8, 64)).astype(np.float32)
+        self.qm, self.km = self.fmap(self.q), self.fmap(self.k)
+        dk = self.qm.shape[-1]
+        self.state, self.state_id = linattn.State.zeros((1, 8), dk, 64), linattn.State.zeros((1, 8), dk, 64)
+
+    def _mapped(self):
+        linattn.step(self.q, self.k, self.v, self.state, feature_map=self.fmap)
+
+    def _identity(self):
+        linattn.step(self.qm, self.km, self.v, self.state_id, feature_map="identity")
+
+    def time_step(self, name):
+        self._mapped()
+
+    def track_over_identity_premapped(self, name):
+        calls = 20 if SMOKE else 200
+
+        def block(f):
+            def run():
+                for _ in range(calls):
+                    f()
+            return run
+
+        return _interleaved_ratio(block(self._mapped), block(self._identity), 3 if SMOKE else 9)
+
+    track_over_identity_premapped.unit = "x identity"
