@@ -154,3 +154,24 @@ def test_no_helper_compiles_again_for_a_constant_argument(tmp_path):
     count, extra = res.stdout.split(maxsplit=1)
     assert int(count) > 20  # the helpers were compiled (not loaded with their kernels from a cache)
     assert extra.strip() == "[]"
+
+
+_MAP_PROBE = """
+import numba, numpy as np
+from linattn.cpu import mapfns
+print(mapfns.address(np.float32, mapfns.T2R) != 0)
+print(numba.njit(lambda x: x + 1)(1))  # (LLVM links what is pending when the next code is finalised)
+"""
+
+
+def test_a_cached_map_function_finds_the_products_it_calls(tmp_path):
+    # The learned maps' C function calls small_gemm's products by symbol. Compiled, it registers
+    # them in its typing; loaded from the disk cache it only names them: the first call of a new
+    # process that took its address before any kernel (the forward or step with a T2R, Hedgehog or
+    # Performer map) aborted the process ("LLVM ERROR: Symbol not found").
+    env = dict(os.environ, NUMBA_CACHE_DIR=str(tmp_path))
+    for _ in range(2):  # compiled and cached, then loaded from the cache
+        res = subprocess.run([sys.executable, "-c", _MAP_PROBE], env=env, capture_output=True, text=True,
+                             timeout=600, check=False)
+        assert res.returncode == 0, res.stderr
+        assert res.stdout.split() == ["True", "2"]

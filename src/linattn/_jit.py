@@ -87,7 +87,11 @@ def array(dtype, ndim, layout="C", readonly=False):
     return types.Array(dtype, ndim, layout, readonly=readonly)
 
 
-def _run_before_kernels(dtype):
+def run_before_kernels(dtype):
+    """Run the ``before_kernels`` hooks for ``dtype`` (a NumPy dtype), once per process: before a kernel
+    of that dtype, or a C function that calls registered symbols, is compiled or loaded from the cache
+    (compiling meets the symbols in typing; a cached one only names them, and LLVM aborts the
+    process on a symbol it does not know)."""
     if dtype not in _before_done:
         for hook in before_kernels:
             hook(dtype)
@@ -136,7 +140,7 @@ class Kernel:
             key = (np.dtype(dtype), variant)
             fn = self._compiled.get(key)
             if fn is None:
-                _run_before_kernels(key[0])
+                run_before_kernels(key[0])
                 if self._prepare is not None:
                     self._prepare(key[0], variant)
                 if self._parallel:

@@ -33,7 +33,7 @@ from llvmlite import ir
 from numba import carray, types
 from numba.extending import intrinsic, overload
 
-from .._jit import OVERLOAD_OPTIONS, Kernel, array, njit
+from .._jit import OVERLOAD_OPTIONS, Kernel, array, njit, run_before_kernels
 from .. import workspace
 from .buffers import empty
 from . import symbols
@@ -433,6 +433,7 @@ def address(dtype, code):
     first use): the kernels take it as an argument, so they need nothing registered and a family's
     code is compiled only once it is used."""
     family = _FAMILY_OF.get(code, "elementwise")
+    run_before_kernels(np.dtype(dtype))  # the learned maps' functions call small_gemm's by symbol
     return symbols.address(_SYMBOLS[numba.from_dtype(np.dtype(dtype)), family])
 
 
