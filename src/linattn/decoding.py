@@ -141,9 +141,9 @@ def step(q, k, v, state, *, feature_map="elu", eps=1e-6, normalize=True, decay=N
     True
     """
     # Fast path for the common call (float32/float64 NumPy arrays with rows of adjacent elements, a
-    # built-in feature map, by name or as a map object): the compiled kernel checks dtypes and layouts by its signature and shapes
-    # and values itself, so a decoding step costs little more than the arithmetic. Anything else
-    # takes the validating path below.
+    # built-in feature map, by name or as a map object): the compiled kernel checks dtypes and
+    # layouts by its signature and shapes and values itself, so a decoding step costs little more
+    # than the arithmetic. Anything else takes the validating path below.
     if (device is None and type(state) is State and type(q) is _ndarray and type(v) is _ndarray
             and type(eps) is float):
         dt = q.dtype

@@ -335,8 +335,7 @@ def _nd_signature(dt, variant):
     fp = array(dt, 1, readonly=True) if mapped else types.none
     return types.int64(vec, vec, vec, i64, fp, i64, types.float64, types.boolean,
                        array(dt, lead_ndim + 2, "A"), array(dt, lead_ndim + 1, "A"), array(dt, lead_ndim + 1, "A"),
-                       _optional(gates),
-                       _optional(decay), types.float64)
+                       _optional(gates), _optional(decay), types.float64)
 
 
 #: variant: (number of leading dims, gate kind, has decay, whether the map is one of cpu/mapfns.py's (its
