@@ -98,8 +98,10 @@ def step(q, k, v, state, *, feature_map="elu", eps=1e-6, normalize=True, decay=N
     r"""Advance causal linear attention by one position for every sequence of a batch.
 
     Updates ``state`` **in place** (:math:`S = a S + \phi(k) v^T`, :math:`Z = a Z + \phi(k)`, with
-    a = 1 unless ``decay`` or ``gate`` is given) and returns :math:`\phi(q)^T S / (\phi(q)^T Z + eps)`. The work is O(D'·Dv) per sequence; nothing
-    the size of the state is allocated (only the output, unless ``out`` is given, and phi(q), phi(k)).
+    a = 1 unless ``decay`` or ``gate`` is given) and returns
+    :math:`\phi(q)^T S / (\phi(q)^T Z + eps)`. The work is O(D'·Dv) per sequence; nothing the size of
+    the state is allocated (only the output, unless ``out`` is given, and phi(q), phi(k)). The
+    built-in maps are computed inside the kernel; a callable maps q and k first.
 
     Parameters
     ----------
