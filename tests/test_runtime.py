@@ -80,3 +80,60 @@ def test_linattn_num_threads_caps_the_kernels(value, shown):
     res = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300,
                          env=dict(os.environ, LINATTN_NUM_THREADS=value))
     assert shown in res.stdout, res.stdout + res.stderr
+
+
+_FORK_PROBE = """
+import multiprocessing as mp, numpy as np, numba, linattn
+from linattn.cpu import runtime
+
+rng = np.random.default_rng(0)
+q, k, v = (rng.standard_normal((1, 8, 1024, 32)).astype(np.float32) for _ in range(3))
+qs, ks, vs = (rng.standard_normal((8, 8, 64)).astype(np.float32) for _ in range(3))
+
+
+def work(_=None):
+    out = [linattn.causal_linear_attention(q, k, v)]
+    o, f = linattn.causal_linear_attention_vjp(q, k, v)
+    out += [o, *f(o)]
+    o, f = linattn.linear_attention_vjp(q, k, v)
+    out += [o, *f(o)]
+    st = linattn.State.zeros((8, 8), 64, 64)  # large enough for the parallel step
+    out += [linattn.step(qs, ks, vs, st), st.S]
+    return out, runtime.forked_from_openmp, runtime.num_threads()
+
+
+if __name__ == "__main__":
+    ref, forked, threads = work()
+    print("layer", numba.threading_layer(), "threads", threads, "forked", forked)
+    with mp.get_context("fork").Pool(1) as pool:
+        got, forked, threads = pool.map_async(work, [0]).get(timeout=300)[0]
+    print("child threads", threads, "forked", forked)
+    print("max rel diff", max(float(np.abs(a - b).max() / np.abs(b).max()) for a, b in zip(got, ref)))
+"""
+
+
+def _gnu_openmp():
+    try:
+        from numba.np.ufunc import omppool
+    except ImportError:
+        return False
+    return omppool.openmp_vendor == "GNU"
+
+
+@pytest.mark.skipif(not hasattr(os, "fork"), reason="needs fork()")
+def test_kernels_run_in_a_child_forked_after_the_pool_started(tmp_path):
+    # GNU OpenMP does not survive fork(): Numba terminates a forked child that enters a parallel region,
+    # so a multiprocessing pool (fork start method) or a pre-forking server whose parent had run linattn
+    # lost its workers (the pool then waited forever). Such a child runs every kernel on its calling
+    # thread; the results equal the parent's.
+    script = tmp_path / "fork_probe.py"
+    script.write_text(_FORK_PROBE)
+    res = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=600, check=False)
+    assert res.returncode == 0, res.stderr
+    assert "Terminating" not in res.stderr
+    lines = dict(line.split(" ", 1) for line in res.stdout.splitlines())
+    if lines["layer"].startswith("omp") and _gnu_openmp():
+        assert lines["child"] == "threads 1 forked True"
+    else:  # fork-safe layers keep their threads
+        assert lines["child"].endswith("forked False")
+    assert float(lines["max"].split()[-1]) < 1e-5

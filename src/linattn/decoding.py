@@ -8,7 +8,7 @@ import numpy as np
 from . import checks, reference
 from . import gates as gates_mod
 from .cpu import mapfns, step as step_kernels
-from .cpu.runtime import kernel_section
+from .cpu.runtime import kernel_section, num_threads
 from .feature_maps import FeatureMap, as_map, resolve
 from .state import State
 
@@ -167,7 +167,7 @@ def step(q, k, v, state, *, feature_map="elu", eps=1e-6, normalize=True, decay=N
             # the kernel checks out's shape and layout (rows of adjacent elements, writable) like the others'
             res = _empty(v.shape, dt) if out is None else out
             try:
-                if type(S) is not _ndarray or S.size < _PARALLEL_MIN:
+                if type(S) is not _ndarray or S.size < _PARALLEL_MIN or num_threads() == 1:
                     status = fast[3](q, k, v, fast[0], fast[1], fast[2], eps, normalize, S, Z, res, gate, decay_arr,
                                      qscale)
                 else:
@@ -233,7 +233,7 @@ def _step_checked(q, k, v, state, feature_map, eps, normalize, decay, gate, scal
         S3c[...] = S_dev.copy_to_host()
         Z2c[...] = Z_dev.copy_to_host()
     elif bh:
-        parallel = bh * dk * dv >= _PARALLEL_MIN
+        parallel = bh * dk * dv >= _PARALLEL_MIN and num_threads() > 1
         kernels = step_kernels.step_strided_parallel if parallel else step_kernels.step_strided_serial
         with kernel_section() if parallel else nullcontext():
             kernels.get(comp, (gate_kind, decay is not None))(

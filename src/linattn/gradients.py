@@ -36,7 +36,7 @@ from . import workspace
 from .attention import _fast, _full_lengths, _no_state, _seq4, causal_with_denominators, linear_attention
 from .cpu import backward, gate_sums, half, noncausal_grad
 from .cpu.elementwise import ELU, IDENTITY, RELU
-from .cpu.runtime import kernel_section, plan
+from .cpu.runtime import kernel_section, num_threads, plan
 from .cpu.views import unit_rows
 from .feature_maps import FeatureMap, as_map
 from .state import State
@@ -324,9 +324,10 @@ def linear_attention_vjp(q, k, v, *, feature_map="elu", eps=1e-6, normalize=True
         src, fm = ((q, k), code) if code is not None else ((_mapped(fmap, q, comp), _mapped(fmap, k, comp)), IDENTITY)
         qf, kf = workspace.take_views([lead + (n, src[0].shape[-1])] * 2, comp)
         ab, v1 = workspace.take_views([lead + (n, dv + 1)] * 2, comp)
+        parallel = num_threads() > 1
         if bh and n:  # phi, the denominators, [a | b] and [v, 1] in one pass (cpu/noncausal_grad.py)
             with kernel_section():
-                noncausal_grad.adjoints.get(comp, None)(
+                (noncausal_grad.adjoints if parallel else noncausal_grad.adjoints_serial).get(comp, None)(
                     *(unit_rows(x).reshape(bh, n, x.shape[-1]) for x in src + (v, g, out)), fm, comp.type(s),
                     comp.type(eps), normalize, *(x.reshape(bh, n, x.shape[-1]) for x in (qf, kf, ab, v1)))
         sq = qf * comp.type(s) if s != 1.0 else qf
@@ -340,10 +341,10 @@ def linear_attention_vjp(q, k, v, *, feature_map="elu", eps=1e-6, normalize=True
         dvv[...] = gkf[..., :dv]
         if code is not None:  # elu + 1 (phi' = min(phi, 1)), relu, identity: in place
             if bh and n and code != IDENTITY:
+                kernel = noncausal_grad.times_derivative if parallel else noncausal_grad.times_derivative_serial
                 with kernel_section():
                     for dx, y in ((dqf, qf), (dkf, kf)):
-                        noncausal_grad.times_derivative.get(comp, None)(dx.reshape(bh, n, d), y.reshape(bh, n, d),
-                                                                        code)
+                        kernel.get(comp, None)(dx.reshape(bh, n, d), y.reshape(bh, n, d), code)
             grads = (dqf, dkf, dvv)
         else:
             grads = (_map_vjp(fmap, q, dqf, qf), _map_vjp(fmap, k, dkf, kf), dvv)

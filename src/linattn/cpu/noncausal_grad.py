@@ -70,3 +70,7 @@ def _derivative_signature(dt, variant):
 
 adjoints = Kernel(_adjoints, _adjoints_signature)
 times_derivative = Kernel(_times_derivative, _derivative_signature)
+#: the same on the calling thread alone (runtime.num_threads() == 1: a forked child of a GNU OpenMP pool
+#: must not enter a parallel region)
+adjoints_serial = Kernel(_adjoints, _adjoints_signature, parallel=False)
+times_derivative_serial = Kernel(_times_derivative, _derivative_signature, parallel=False)

@@ -89,14 +89,47 @@ def _pool_threads():
     return _get_num_threads()
 
 
+def _gnu_openmp_pool():
+    """Whether Numba's thread pool runs, on GNU OpenMP."""
+    from numba.np.ufunc import parallel
+
+    if not getattr(parallel, "_is_initialized", False) or getattr(parallel, "_threading_layer", None) != "omp":
+        return False
+    try:
+        from numba.np.ufunc import omppool
+    except ImportError:
+        return False
+    return getattr(omppool, "openmp_vendor", "GNU") == "GNU"
+
+
+#: True in a process forked (multiprocessing's "fork" start method, a pre-forking server) from one whose
+#: thread pool ran on GNU OpenMP: GNU OpenMP does not survive fork(), and Numba terminates a forked
+#: child that enters a parallel region ("Terminating: fork() called from a process already using GNU
+#: OpenMP"). There every kernel runs on the calling thread: num_threads() is 1, and callers that
+#: have a parallel kernel take its serial twin when it is.
+forked_from_openmp = False
+
+
+def _after_fork_in_child():
+    global forked_from_openmp
+    if _gnu_openmp_pool():
+        forked_from_openmp = True
+
+
+os.register_at_fork(after_in_child=_after_fork_in_child)
+
+
 def num_threads():
-    """Threads a kernel may use: Numba's number for this thread, at most LINATTN_NUM_THREADS.
+    """Threads a kernel may use: Numba's number for this thread, at most LINATTN_NUM_THREADS (1 in a
+    child forked from a process whose GNU OpenMP pool ran: ``forked_from_openmp``).
 
     LINATTN_NUM_THREADS (read when the pool starts) caps linattn's threads without touching Numba's
     pool: where NUMBA_NUM_THREADS cannot be set before Numba is imported (a Dask worker's environment
     is set after its process imported the user's modules), it keeps several workers on one machine
     from running a thread per core each.
     """
+    if forked_from_openmp:
+        return 1
     n = _pool_threads()
     return n if _cap is None or n <= _cap else _cap
 
