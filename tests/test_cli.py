@@ -1,5 +1,6 @@
 """`python -m linattn info | bench` work and print what they promise."""
 import io
+import os
 import json
 import subprocess
 import sys
@@ -88,3 +89,51 @@ def test_model_gelu_is_the_tanh_form():
         got = gelu_(u)
     assert got is u and got.dtype == np.float32
     np.testing.assert_allclose(got, ref, rtol=2e-6, atol=1e-6 * np.abs(ref).max())
+
+
+def test_compile_lists_what_it_compiled(capsys):
+    assert cli.main(["compile", "--dtype", "float64", "--function", "step", "--gates"]) == 0
+    out = capsys.readouterr().out.splitlines()
+    assert [line.split(" s  ")[1] for line in out[:-1]] == [
+        "step float64", "step, decay float64", "step, gate per sequence float64", "step, gate per key dimension float64"]
+    assert out[-1].startswith("4 items in ")
+
+
+@pytest.mark.parametrize("args, message", [(["--dtype", "float16"], "invalid choice"),
+                                           (["--function", "all"], "invalid choice"),
+                                           (["--feature-map", "tanh"], "unknown name 'tanh'")])
+def test_compile_bad_arguments(capsys, args, message):
+    with pytest.raises(SystemExit):
+        cli.main(["compile", *args])
+    assert message in capsys.readouterr().err
+
+
+def test_precompile_bad_arguments():
+    import linattn
+
+    with pytest.raises(ValueError, match="dtypes: expected float32 or float64"):
+        linattn.precompile(["int8"])
+    with pytest.raises(ValueError, match="functions: expected some of"):
+        linattn.precompile(["float32"], ["backward"])
+
+
+_LOAD_PROBE = """
+import numpy as np, linattn
+from linattn.cpu import chunked
+x = np.random.default_rng(0).standard_normal((1, 4, 300, 16))  # another shape than precompile's
+linattn.linear_attention(x, x, x)
+stats = chunked.noncausal_forward.get(np.dtype(np.float64), "C").worker.stats
+print("hits", sum(stats.cache_hits.values()), "misses", sum(stats.cache_misses.values()))
+"""
+
+
+def test_compile_fills_the_cache_a_new_process_loads(tmp_path):
+    env = dict(os.environ, NUMBA_CACHE_DIR=str(tmp_path))
+    res = subprocess.run([sys.executable, "-m", "linattn", "compile", "--dtype", "float64", "--function",
+                          "noncausal"], env=env, capture_output=True, text=True, timeout=600, check=False)
+    assert res.returncode == 0, res.stderr
+    assert "linear_attention float64" in res.stdout and "in Numba's disk cache" in res.stdout
+    res = subprocess.run([sys.executable, "-c", _LOAD_PROBE], env=env, capture_output=True, text=True, timeout=600,
+                         check=False)
+    assert res.returncode == 0, res.stderr
+    assert res.stdout.split() == ["hits", "1", "misses", "0"]

@@ -1,4 +1,4 @@
-"""Command line: ``python -m linattn info`` and ``python -m linattn bench``."""
+"""Command line: ``python -m linattn info``, ``python -m linattn bench`` and ``python -m linattn compile``."""
 import argparse
 import json
 import os
@@ -176,6 +176,23 @@ def _print_table(rows, first_call, stream):
           f"(compile or cache load): {first_call:.2f} s.", file=stream)
 
 
+def _compile(args, parser):
+    from .precompile import FUNCTIONS, precompile
+
+    t = time.perf_counter()
+    try:
+        done = precompile(args.dtype or ["float32"], args.function or FUNCTIONS, gates=args.gates,
+                          gradients=args.gradients, feature_map=args.feature_map,
+                          progress=lambda name, secs: print(f"{secs:7.2f} s  {name}", flush=True))
+    except (ValueError, TypeError) as exc:
+        parser.error(str(exc))
+    from . import _jit
+
+    where = "not cached: " + _jit.cache_problem if _jit.cache_problem else "in Numba's disk cache"
+    print(f"{len(done)} items in {time.perf_counter() - t:.1f} s, {where}")
+    return 0
+
+
 def main(argv=None):
     parser = argparse.ArgumentParser(prog="python -m linattn", description=__doc__)
     sub = parser.add_subparsers(dest="command", required=True)
@@ -190,7 +207,17 @@ def main(argv=None):
     p_bench.add_argument("--model", action="store_true",
                          help="time a small transformer in NumPy with linattn (prefill and decoding), next to "
                               "the same model in PyTorch when torch is installed")
+    p_compile = sub.add_parser("compile", help="compile the kernels of the common calls into the disk cache now")
+    p_compile.add_argument("--dtype", action="append", choices=["float32", "float64"],
+                           help="a computation dtype (repeatable; default float32)")
+    p_compile.add_argument("--function", action="append", choices=["causal", "noncausal", "step"],
+                           help="what to compile (repeatable; default all three)")
+    p_compile.add_argument("--gates", action="store_true", help="also decay= and both kinds of gate")
+    p_compile.add_argument("--gradients", action="store_true", help="also the vjps and their backward")
+    p_compile.add_argument("--feature-map", default="elu", help="a feature map by name (default elu)")
     args = parser.parse_args(argv)
+    if args.command == "compile":
+        return _compile(args, p_compile)
     if args.command == "info":
         facts = info()
         if args.json:

@@ -1,0 +1,147 @@
+"""Compile kernels ahead of their first use, into Numba's disk cache (``python -m linattn compile``)."""
+import time
+
+import numpy as np
+
+from .attention import causal_linear_attention, linear_attention
+from .decoding import step
+from .feature_maps import as_map
+from .gradients import causal_linear_attention_vjp, linear_attention_vjp
+from .state import State
+
+#: What ``precompile`` can compile, in its order.
+FUNCTIONS = ("causal", "noncausal", "step")
+
+# Small inputs: (B, H, N, D) for the sequence calls; the step's state at (8, 8, 64, 64) is large
+# enough for its parallel kernel, which a step takes from 2**18 state elements.
+_SEQ, _STEP = (2, 2, 40, 8), (8, 8, 64)
+
+
+def _inputs(shape, dtype, seed=0):
+    rng = np.random.default_rng(seed)
+    return [(rng.standard_normal(shape) * 0.5).astype(dtype) for _ in range(3)]
+
+
+def _fused_heads(shape, dtype):
+    """q, k, v as the heads of one fused projection: strided views (the kernels' "any strides" variant)."""
+    b, h, n, d = shape
+    qkv = _inputs((b, n, 3, h, d), dtype)[0]
+    return [qkv[:, :, i].transpose(0, 2, 1, 3) for i in range(3)]
+
+
+def _jobs(dtype, functions, gates, gradients, feature_map):
+    """(name, call) pairs for one dtype."""
+    q, k, v = _inputs(_SEQ, dtype)
+    lead, n = _SEQ[:2], _SEQ[2]
+    dk = as_map(feature_map).out_dim(_SEQ[3])
+    fm = dict(feature_map=feature_map)
+    gate_pos = -np.full(lead + (n,), 0.1, dtype)
+    gate_dim = -np.full(lead + (n, dk), 0.1, dtype)
+    jobs = []
+    if "causal" in functions:
+        jobs.append(("causal_linear_attention", lambda: causal_linear_attention(q, k, v, **fm)))
+        jobs.append(("causal_linear_attention, strided views",
+                     lambda: causal_linear_attention(*_fused_heads(_SEQ, dtype), **fm)))
+        if dtype == np.float32:  # (float16 inputs: computed in float32 after a compiled conversion)
+            jobs.append(("causal_linear_attention, float16 inputs",
+                         lambda: causal_linear_attention(*(x.astype(np.float16) for x in (q, k, v)), **fm)))
+        if gates:
+            jobs.append(("causal_linear_attention, decay", lambda: causal_linear_attention(q, k, v, decay=0.9, **fm)))
+            jobs.append(("causal_linear_attention, gate per position",
+                         lambda: causal_linear_attention(q, k, v, gate=gate_pos, **fm)))
+            jobs.append(("causal_linear_attention, gate per key dimension",
+                         lambda: causal_linear_attention(q, k, v, gate=gate_dim, **fm)))
+        if gradients:
+            jobs.append(("causal_linear_attention_vjp and its vjp",
+                         lambda: (lambda o, f: f(o))(*causal_linear_attention_vjp(q, k, v, **fm))))
+    if "noncausal" in functions:
+        jobs.append(("linear_attention", lambda: linear_attention(q, k, v, **fm)))
+        if gradients:
+            jobs.append(("linear_attention_vjp and its vjp",
+                         lambda: (lambda o, f: f(o))(*linear_attention_vjp(q, k, v, **fm))))
+    if "step" in functions:
+        qs, ks, vs = _inputs(_STEP, dtype)
+        small = tuple(x[:1] for x in (qs, ks, vs))
+        dks = as_map(feature_map).out_dim(_STEP[-1])
+
+        def steps(gate=None, **kw):
+            """The step on one sequence (serial kernel) and on eight (parallel); ``gate(lead)`` gives the gate."""
+            def run():
+                for x, y, z in (small, (qs, ks, vs)):
+                    lead = x.shape[:-1]
+                    step(x, y, z, State.zeros(lead, dks, _STEP[2], dtype), gate=None if gate is None else gate(lead),
+                         **fm, **kw)
+            return run
+
+        jobs.append(("step", steps()))
+        if gates:
+            jobs.append(("step, decay", steps(decay=0.9)))
+            jobs.append(("step, gate per sequence", steps(gate=lambda lead: -np.full(lead, 0.1, dtype))))
+            jobs.append(("step, gate per key dimension", steps(gate=lambda lead: -np.full(lead + (dks,), 0.1, dtype))))
+    return jobs
+
+
+def precompile(dtypes=("float32",), functions=FUNCTIONS, *, gates=False, gradients=False, feature_map="elu",
+               progress=None):
+    """Compile the kernels of the common calls now, into Numba's disk cache, so that a later process
+    loads them (about 0.4 s) instead of compiling on its first call (10-15 s each).
+
+    For a service's image or start-up: the cache is kept per machine (Numba recompiles where the
+    CPU differs) in the package's ``__pycache__`` or ``NUMBA_CACHE_DIR``.
+
+    Parameters
+    ----------
+    dtypes : sequence of {"float32", "float64"}
+        The computation dtypes (float16 inputs compute in float32).
+    functions : sequence of {"causal", "noncausal", "step"}
+        ``causal_linear_attention`` (C-contiguous inputs, strided views such as the heads of a fused
+        projection, and with float32 float16 inputs), ``linear_attention`` and ``step`` (serial and
+        parallel kernels).
+    gates : bool
+        Also the variants with ``decay=``, a gate per position and a gate per key dimension.
+    gradients : bool
+        Also ``causal_linear_attention_vjp`` / ``linear_attention_vjp`` and their backward.
+    feature_map : str or FeatureMap
+        The map to compile for (a map of cpu/mapfns.py also compiles its family's function).
+    progress : callable, optional
+        Called as ``progress(name, seconds)`` after each item.
+
+    Returns
+    -------
+    list of (str, float)
+        What was compiled (or loaded from the cache) and the seconds it took.
+
+    Examples
+    --------
+    >>> import linattn
+    >>> done = linattn.precompile(["float64"], ["step"])
+    >>> [name for name, _ in done]
+    ['step float64']
+    """
+    if isinstance(dtypes, str):
+        dtypes = [dtypes]
+    if isinstance(functions, str):
+        functions = [functions]
+    kinds = []
+    for dt in dtypes:
+        try:
+            kind = np.dtype(dt)
+        except TypeError:
+            kind = None
+        if kind not in (np.float32, np.float64):
+            raise ValueError(f"dtypes: expected float32 or float64, got {dt!r}")
+        kinds.append(kind)
+    unknown = [f for f in functions if f not in FUNCTIONS]
+    if unknown or not functions:
+        raise ValueError(f"functions: expected some of {', '.join(map(repr, FUNCTIONS))}, got {list(functions)!r}")
+    as_map(feature_map)  # (a clear error for a bad one)
+    done = []
+    for kind in kinds:
+        for name, job in _jobs(kind.type, tuple(functions), bool(gates), bool(gradients), feature_map):
+            t = time.perf_counter()
+            job()
+            item = (f"{name} {kind.name}", time.perf_counter() - t)
+            done.append(item)
+            if progress is not None:
+                progress(*item)
+    return done
