@@ -95,7 +95,8 @@ def test_compile_lists_what_it_compiled(capsys):
     assert cli.main(["compile", "--dtype", "float64", "--function", "step", "--gates"]) == 0
     out = capsys.readouterr().out.splitlines()
     assert [line.split(" s  ")[1] for line in out[:-1]] == [
-        "step float64", "step, decay float64", "step, gate per sequence float64", "step, gate per key dimension float64"]
+        "step float64", "step, decay float64", "step, gate per sequence float64",
+        "step, gate per key dimension float64"]
     assert out[-1].startswith("4 items in ")
 
 
