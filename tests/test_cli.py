@@ -116,6 +116,10 @@ def test_precompile_bad_arguments():
         linattn.precompile(["int8"])
     with pytest.raises(ValueError, match="functions: expected some of"):
         linattn.precompile(["float32"], ["backward"])
+    with pytest.raises(TypeError, match="feature_map: expected a name or a linattn.feature_maps map"):
+        linattn.precompile(feature_map=lambda x: x)
+    with pytest.raises(ValueError, match="feature_map: unknown name"):
+        linattn.precompile(feature_map="tanh")
 
 
 _LOAD_PROBE = """
@@ -138,3 +142,12 @@ def test_compile_fills_the_cache_a_new_process_loads(tmp_path):
                          check=False)
     assert res.returncode == 0, res.stderr
     assert res.stdout.split() == ["hits", "1", "misses", "0"]
+
+
+def test_precompile_a_map_with_weights():
+    # the inputs take the D the map's weights were made for (here 5, not precompile's usual 8)
+    import linattn
+    from linattn import feature_maps as fm
+
+    done = linattn.precompile(["float64"], ["step", "noncausal"], feature_map=fm.T2R(np.ones((5, 3))))
+    assert [name for name, _ in done] == ["linear_attention float64", "step float64"]

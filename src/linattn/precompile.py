@@ -5,16 +5,16 @@ import numpy as np
 
 from .attention import causal_linear_attention, linear_attention
 from .decoding import step
-from .feature_maps import as_map
+from .feature_maps import FeatureMap, as_map
 from .gradients import causal_linear_attention_vjp, linear_attention_vjp
 from .state import State
 
 #: What ``precompile`` can compile, in its order.
 FUNCTIONS = ("causal", "noncausal", "step")
 
-# Small inputs: (B, H, N, D) for the sequence calls; the step's state at (8, 8, 64, 64) is large
-# enough for its parallel kernel, which a step takes from 2**18 state elements.
-_SEQ, _STEP = (2, 2, 40, 8), (8, 8, 64)
+# Small inputs: (B, H, N) for the sequence calls, H sequences of a step; Dv. A step's batch is made
+# large enough for its parallel kernel (decoding.py: from 2**18 state elements).
+_SEQ, _HEADS, _DV, _PARALLEL_STEP = (2, 2, 40), 8, 64, 1 << 18
 
 
 def _inputs(shape, dtype, seed=0):
@@ -29,11 +29,24 @@ def _fused_heads(shape, dtype):
     return [qkv[:, :, i].transpose(0, 2, 1, 3) for i in range(3)]
 
 
+def _input_dim(fmap):
+    """D for the inputs: 8, or the one a map with weights was made for."""
+    for d in (8, *range(1, 4097)):
+        try:
+            fmap.out_dim(d)
+            return d
+        except ValueError:
+            pass
+    raise ValueError(f"feature_map: no input dimension up to 4096 fits {fmap!r}")
+
+
 def _jobs(dtype, functions, gates, gradients, feature_map):
     """(name, call) pairs for one dtype."""
-    q, k, v = _inputs(_SEQ, dtype)
+    fmap = as_map(feature_map)
+    d = _input_dim(fmap)
+    dk = fmap.out_dim(d)
+    q, k, v = _inputs(_SEQ + (d,), dtype)
     lead, n = _SEQ[:2], _SEQ[2]
-    dk = as_map(feature_map).out_dim(_SEQ[3])
     fm = dict(feature_map=feature_map)
     gate_pos = -np.full(lead + (n,), 0.1, dtype)
     gate_dim = -np.full(lead + (n, dk), 0.1, dtype)
@@ -41,10 +54,10 @@ def _jobs(dtype, functions, gates, gradients, feature_map):
     if "causal" in functions:
         jobs.append(("causal_linear_attention", lambda: causal_linear_attention(q, k, v, **fm)))
         jobs.append(("causal_linear_attention, strided views",
-                     lambda: causal_linear_attention(*_fused_heads(_SEQ, dtype), **fm)))
+                     lambda: causal_linear_attention(*_fused_heads(_SEQ + (d,), dtype), **fm)))
         if dtype == np.float32:  # float16 inputs: computed in float32 after a compiled conversion (of
             # arrays of cpu/half.py's MIN_VALUES or more), the output converted back
-            q16, k16, v16 = _inputs((2, 2, 256, 8), np.float16)
+            q16, k16, v16 = _inputs((2, 2, 256, d), np.float16)
             jobs.append(("causal_linear_attention, float16 inputs",
                          lambda: causal_linear_attention(q16, k16, v16, **fm)))
         if gates:
@@ -62,16 +75,18 @@ def _jobs(dtype, functions, gates, gradients, feature_map):
             jobs.append(("linear_attention_vjp and its vjp",
                          lambda: (lambda o, f: f(o))(*linear_attention_vjp(q, k, v, **fm))))
     if "step" in functions:
-        qs, ks, vs = _inputs(_STEP, dtype)
+        batch = -(-_PARALLEL_STEP // (_HEADS * dk * _DV))
+        qs, ks, _ = _inputs((batch, _HEADS, d), dtype)
+        vs = _inputs((batch, _HEADS, _DV), dtype)[0]
         small = tuple(x[:1] for x in (qs, ks, vs))
-        dks = as_map(feature_map).out_dim(_STEP[-1])
 
         def steps(gate=None, **kw):
-            """The step on one sequence (serial kernel) and on eight (parallel); ``gate(lead)`` gives the gate."""
+            """The step on one sequence (serial kernel) and on a batch (parallel); ``gate(lead)`` gives the
+            gate."""
             def run():
                 for x, y, z in (small, (qs, ks, vs)):
                     lead = x.shape[:-1]
-                    step(x, y, z, State.zeros(lead, dks, _STEP[2], dtype), gate=None if gate is None else gate(lead),
+                    step(x, y, z, State.zeros(lead, dk, _DV, dtype), gate=None if gate is None else gate(lead),
                          **fm, **kw)
             return run
 
@@ -79,7 +94,7 @@ def _jobs(dtype, functions, gates, gradients, feature_map):
         if gates:
             jobs.append(("step, decay", steps(decay=0.9)))
             jobs.append(("step, gate per sequence", steps(gate=lambda lead: -np.full(lead, 0.1, dtype))))
-            jobs.append(("step, gate per key dimension", steps(gate=lambda lead: -np.full(lead + (dks,), 0.1, dtype))))
+            jobs.append(("step, gate per key dimension", steps(gate=lambda lead: -np.full(lead + (dk,), 0.1, dtype))))
     return jobs
 
 
@@ -136,7 +151,11 @@ def precompile(dtypes=("float32",), functions=FUNCTIONS, *, gates=False, gradien
     unknown = [f for f in functions if f not in FUNCTIONS]
     if unknown or not functions:
         raise ValueError(f"functions: expected some of {', '.join(map(repr, FUNCTIONS))}, got {list(functions)!r}")
-    as_map(feature_map)  # (a clear error for a bad one)
+    fmap = as_map(feature_map)  # (a clear error for a bad one)
+    if not isinstance(fmap, FeatureMap):
+        raise TypeError("feature_map: expected a name or a linattn.feature_maps map (a callable maps the inputs "
+                        "first: its calls use the identity map's kernels, feature_map='identity')")
+    _input_dim(fmap)
     done = []
     for kind in kinds:
         for name, job in _jobs(kind.type, tuple(functions), bool(gates), bool(gradients), feature_map):
