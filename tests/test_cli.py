@@ -1,10 +1,11 @@
-"""`python -m linattn info | bench` work and print what they promise."""
+"""`python -m linattn info | bench | compile` work and print what they promise."""
 import io
-import os
 import json
+import os
 import subprocess
 import sys
 
+import numpy as np
 import pytest
 
 from linattn import cli
