@@ -92,6 +92,27 @@ def test_step_float16_and_ints(rng):
     assert linattn.step(np.ones((2, 4), int), np.ones((2, 4), int), np.ones((2, 3), int), st64).dtype == np.float64
 
 
+@pytest.mark.parametrize("lead", [(2, 3), (4, 8)])  # 24 values (NumPy's conversions), 256 x 8 (compiled ones)
+def test_step_float16_equals_float32_rounded(rng, lead):
+    """float16 q, k, v (and gate) step as the same values in float32 would, the result rounded to
+    float16, with and without ``out``; the state is float32 and ends the same."""
+    d = 256 if lead == (4, 8) else 4
+    q, k, v = (x[..., 0, :].astype(np.float16) for x in make_qkv(rng, lead, 1, d, d, np.float32))
+    gate = (-rng.random(lead + (d,)) * 0.1).astype(np.float16)
+    st16, st32 = linattn.State.zeros(lead, d, d), linattn.State.zeros(lead, d, d)
+    out = np.empty(lead + (d,), np.float16)
+    for i in range(3):
+        got = linattn.step(q, k, v, st16, gate=gate, decay=0.9, out=out if i else None)
+        want = linattn.step(*(x.astype(np.float32) for x in (q, k, v)), st32, gate=gate.astype(np.float32), decay=0.9)
+        assert got.dtype == np.float16 and (got is out) == bool(i)
+        np.testing.assert_array_equal(got, want.astype(np.float16))
+        np.testing.assert_array_equal(st16.S, st32.S)
+    with pytest.raises(ValueError, match="out"):
+        linattn.step(q, k, v, st16, out=np.empty(lead + (d,), np.float32))
+    with pytest.raises(TypeError, match="state.S: expected dtype float32"):
+        linattn.step(q, k, v, linattn.State.zeros(lead, d, d, np.float64))
+
+
 def test_step_errors(rng):
     q, k, v = make_qkv(rng, (2,), 1, 4, 3)
     q, k, v = q[:, 0], k[:, 0], v[:, 0]

@@ -7,7 +7,7 @@ import numpy as np
 
 from . import checks, reference
 from . import gates as gates_mod
-from .cpu import mapfns, step as step_kernels
+from .cpu import half, mapfns, step as step_kernels
 from .cpu.runtime import kernel_section, num_threads
 from .feature_maps import FeatureMap, as_map, resolve
 from .state import State
@@ -17,7 +17,7 @@ from .state import State
 _FAST = {}
 _DECAYS = {}  # (float decay or id of a float64 array, leading dims) -> (the decay, its shape, its broadcast view)
 _LAST_DECAY = [None, None, None, None]  # the last step's decay, leading dims, the decay's shape, its view
-_ndarray, _empty, _INF = np.ndarray, np.empty, math.inf  # module globals: cheaper to look up per step
+_ndarray, _empty, _INF, _F16 = np.ndarray, np.empty, math.inf, np.dtype(np.float16)  # (globals: cheaper per step)
 
 # Batches with at least this many state elements (B*H*D*Dv) are stepped in parallel. Measured: from 8
 # heads of 64 x 64 threads win when steps come back to back, but in a decode loop the threads sleep
@@ -149,6 +149,10 @@ def step(q, k, v, state, *, feature_map="elu", eps=1e-6, normalize=True, decay=N
     if (device is None and type(state) is State and type(q) is _ndarray and type(v) is _ndarray
             and type(eps) is float):
         dt = q.dtype
+        if dt is _F16:
+            res = _step_half(q, k, v, state, feature_map, eps, normalize, decay, gate, scale, out)
+            if res is not None:
+                return res
         kind = 0 if gate is None else (1 if gate.ndim == q.ndim - 1 else 2) if type(gate) is _ndarray else -1
         decay_arr = None if decay is None else _decay_view(decay, q.shape[:-1])
         key = (feature_map, dt, q.shape, kind, decay is not None)
@@ -180,6 +184,26 @@ def step(q, k, v, state, *, feature_map="elu", eps=1e-6, normalize=True, decay=N
             except TypeError:  # no compiled signature fits: let the checks below say why
                 pass
     return _step_checked(q, k, v, state, feature_map, eps, normalize, decay, gate, scale, out, device)
+
+
+def _step_half(q, k, v, state, feature_map, eps, normalize, decay, gate, scale, out):
+    """step for float16 q, k and v, computed in float32 as the checked path does but through the fast
+    one (96 µs instead of 10 at B1 H8): the inputs (and a float16 gate) converted, the result converted
+    back (into ``out``). None when the arguments do not fit (the checked path then says why)."""
+    if k.dtype is not _F16 or v.dtype is not _F16 or type(k) is not _ndarray:
+        return None
+    if out is not None and (type(out) is not _ndarray or out.dtype is not _F16 or out.shape != v.shape
+                            or not out.flags.writeable):
+        return None
+    if type(gate) is _ndarray and gate.dtype is _F16:
+        gate = gate.astype(np.float32)
+    single = np.float32
+    res = step(half.astype(q, single), half.astype(k, single), half.astype(v, single), state, feature_map=feature_map,
+               eps=eps, normalize=normalize, decay=decay, gate=gate, scale=scale)
+    if out is None:
+        return half.astype(res, _F16)
+    out[...] = res
+    return out
 
 
 def _step_checked(q, k, v, state, feature_map, eps, normalize, decay, gate, scale, out, device):
