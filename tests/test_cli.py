@@ -117,6 +117,8 @@ def test_precompile_bad_arguments():
         linattn.precompile(["int8"])
     with pytest.raises(ValueError, match="functions: expected some of"):
         linattn.precompile(["float32"], ["backward"])
+    with pytest.raises(TypeError, match="dtypes: expected a name or a sequence of names, got NoneType"):
+        linattn.precompile(None)
     with pytest.raises(TypeError, match="feature_map: expected a name or a linattn.feature_maps map"):
         linattn.precompile(feature_map=lambda x: x)
     with pytest.raises(ValueError, match="feature_map: unknown name"):

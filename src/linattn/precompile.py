@@ -98,6 +98,16 @@ def _jobs(dtype, functions, gates, gradients, feature_map):
     return jobs
 
 
+def _names(x, name):
+    """One name (or dtype) or an iterable of them as a list (TypeError otherwise)."""
+    if isinstance(x, (str, np.dtype, type)):  # one name, dtype or scalar type (np.float32)
+        return [x]
+    try:
+        return list(x)
+    except TypeError:
+        raise TypeError(f"{name}: expected a name or a sequence of names, got {type(x).__name__}") from None
+
+
 def precompile(dtypes=("float32",), functions=FUNCTIONS, *, gates=False, gradients=False, feature_map="elu",
                progress=None):
     """Compile the kernels of the common calls now, into Numba's disk cache, so that a later process
@@ -135,10 +145,7 @@ def precompile(dtypes=("float32",), functions=FUNCTIONS, *, gates=False, gradien
     >>> [name for name, _ in done]
     ['step float64']
     """
-    if isinstance(dtypes, str):
-        dtypes = [dtypes]
-    if isinstance(functions, str):
-        functions = [functions]
+    dtypes, functions = (_names(x, name) for x, name in ((dtypes, "dtypes"), (functions, "functions")))
     kinds = []
     for dt in dtypes:
         try:
