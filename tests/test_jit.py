@@ -77,6 +77,56 @@ def test_editing_a_helper_module_invalidates_the_cache(tmp_path):
     assert run() == ["hits", "0", "misses", "1"]  # compiled again
 
 
+def _stamps(directory):
+    """The source stamps in the names of the cache files in ``directory``."""
+    return {m.group(1) for m in map(_jit._STAMPED.search, os.listdir(directory)) if m}
+
+
+def test_a_new_version_deletes_the_cache_files_of_the_previous_one(tmp_path):
+    # Each version of the sources compiles its kernels under names of its own (above); the files of
+    # the versions before are deleted when the new one first compiles, not left to pile up.
+    pkg = tmp_path / "linattn"
+    shutil.copytree(Path(linattn.__file__).parent, pkg, ignore=shutil.ignore_patterns("__pycache__"))
+    env = dict(os.environ, PYTHONPATH=str(tmp_path))
+    env.pop("NUMBA_CACHE_DIR", None)
+    cache = pkg / "cpu" / "__pycache__"
+
+    def run():
+        res = subprocess.run([sys.executable, "-c", _CACHE_PROBE], env=env, capture_output=True, text=True,
+                             cwd=tmp_path, timeout=600, check=False)
+        assert res.returncode == 0, res.stderr
+        return res.stdout.split()
+
+    assert run() == ["hits", "0", "misses", "1"]
+    (first,) = _stamps(cache)
+    unrelated = cache / "notes_0123456789ab.txt"
+    unrelated.write_text("not a cache file")
+    with open(pkg / "cpu" / "vector.py", "a") as f:
+        f.write("\n# an edit\n")
+    assert run() == ["hits", "0", "misses", "1"]
+    (second,) = _stamps(cache)
+    assert second != first
+    assert unrelated.exists()
+    assert run() == ["hits", "1", "misses", "0"]  # the new version's files stay
+
+
+def test_pruning_deletes_only_other_stamps(tmp_path):
+    other = "0123456789ab" if _jit.SOURCE_STAMP != "0123456789ab" else "ba9876543210"
+    keep = [f"chunked._causal_forward_{_jit.SOURCE_STAMP}-237.py311.nbi",
+            f"chunked._causal_forward_{_jit.SOURCE_STAMP}-237.py312.2.nbc",
+            "blas_pool._run_jobs-88.py311.nbi", "chunked.cpython-311.pyc", f"x_{other}.txt",
+            f"step_{other}-12.py311.nbi.tmp"]
+    stale = [f"chunked._causal_forward_{other}-237.py311.nbi", f"chunked._causal_forward_{other}-237.py311.1.nbc",
+             f"gating.linattn_vector_gate_scores_float32_{other}-338.py310.12.nbc"]
+    for name in keep + stale:
+        (tmp_path / name).write_text("")
+    assert _jit.prune_stale_cache(str(tmp_path)) == len(stale)
+    assert sorted(os.listdir(tmp_path)) == sorted(keep)
+    (tmp_path / stale[0]).write_text("")
+    assert _jit.prune_stale_cache(str(tmp_path)) == 0  # once per directory and process
+    assert _jit.prune_stale_cache(str(tmp_path / "missing")) == 0
+
+
 def _scaled_sum(x, s):
     acc = 0.0
     for i in range(x.shape[0]):

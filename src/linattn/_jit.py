@@ -2,6 +2,8 @@
 that each kernel compiles once per (dtype, memory layout) and never once per call pattern, cached on
 disk under a name that carries a hash of all of linattn's sources."""
 import hashlib
+import os
+import re
 import threading
 import types as pytypes
 from pathlib import Path
@@ -59,12 +61,16 @@ def njit(*, parallel=False, helper=False, signature=None, wrappers=True):
             return numba.njit(*args, **_link_only(), **OPTIONS)(fn)
         bare = {} if wrappers else _NO_WRAPPERS
         try:
-            return numba.njit(*args, cache=True, parallel=parallel, **bare, **OPTIONS)(fn)
+            compiled = numba.njit(*args, cache=True, parallel=parallel, **bare, **OPTIONS)(fn)
         except RuntimeError as exc:
             if "cannot cache" not in str(exc):
                 raise
             cache_problem = str(exc)  # reported by `python -m linattn info`
             return numba.njit(*args, cache=False, parallel=parallel, **bare, **OPTIONS)(fn)
+        stats = compiled.stats
+        if sum(stats.cache_misses.values()):  # compiled now (a signature compiles at once), not loaded
+            prune_stale_cache(stats.cache_path)
+        return compiled
 
     return decorate
 
@@ -80,6 +86,38 @@ def _source_stamp():
 
 
 SOURCE_STAMP = _source_stamp()
+
+# A cache file of a kernel or C function: its name ends in the stamp of the sources it was compiled from
+# (``renamed``, cpu/symbols.py), then Numba's "-<line>.py<version>.nbi" (index) or ".<n>.nbc" (code).
+_STAMPED = re.compile(r"_([0-9a-f]{12})-[0-9]+\.py[0-9]+\.(?:nbi|[0-9]+\.nbc)$")
+_pruned = set()
+
+
+def prune_stale_cache(path):
+    """Delete the cache files in ``path`` (a directory of linattn's disk cache) that other versions of
+    its sources left there: no process of this version can load them, and each version's compiled
+    kernels take up to ~25 MB, so upgrades (and edits of an editable install) would otherwise pile them up.
+    Called once per directory and process, when a kernel was compiled rather than loaded (a new
+    version compiles at least once). Files of this version (whatever Python or Numba wrote them) and
+    files of any other name are left alone; a file another process is loading may go (Numba then
+    compiles instead). Returns the number of files deleted."""
+    if not path or path in _pruned:
+        return 0
+    _pruned.add(path)
+    try:
+        names = os.listdir(path)
+    except OSError:
+        return 0
+    deleted = 0
+    for name in names:
+        found = _STAMPED.search(name)
+        if found and found.group(1) != SOURCE_STAMP:
+            try:
+                os.remove(os.path.join(path, name))
+                deleted += 1
+            except OSError:  # (gone already, or not ours to delete)
+                pass
+    return deleted
 
 
 def array(dtype, ndim, layout="C", readonly=False):
