@@ -99,8 +99,9 @@ class GatedBackward:
 
 class NoncausalBackward:
     """The same for non-causal attention (``linear_attention_vjp``): 15.6-16.3 when its backward was
-    three linear_attention calls among NumPy passes and the maps' general vjp, 5.2-5.3 with
-    cpu/noncausal_grad.py's one pass per head (B1 H8 N2048, three runs each)."""
+    three linear_attention calls among NumPy passes and the maps' general vjp, 5.2-5.3 with a compiled
+    pass per head before and after those calls (B1 H8 N2048, three runs each), 2.6-2.7 with
+    cpu/noncausal_grad.py's backward kernel (3.9-4.0 before it, alternating processes on the EPYC)."""
     params = ["B1 H8 N2048"]
     param_names = ["shape"]
     timeout = 600

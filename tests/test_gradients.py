@@ -7,6 +7,7 @@ import numpy as np
 import pytest
 
 import linattn
+from linattn.cpu import runtime
 
 from conftest import assert_close, rel_err
 
@@ -234,6 +235,23 @@ def test_noncausal_vjp_on_real_sizes(rng, dtype, kw):
             assert got.dtype == dtype and got.shape == w.shape
             tol = 2e-5 if dtype == np.float32 else 1e-11
             assert np.abs(got - w).max() <= tol * np.abs(w).max() + tol
+
+
+@pytest.mark.parametrize("kw", [{}, dict(feature_map="relu", scale=0.5, normalize=False)])
+def test_noncausal_vjp_of_one_long_head(rng, kw):
+    """One head long enough to be cut into segments (each sums the whole head, then writes its rows),
+    the last one shorter than a chunk."""
+    n, d, dv = 4001, 16, 24
+    q, k, v = ((rng.standard_normal((n, w)) * 0.5).astype(np.float32) for w in (d, d, dv))
+    g = rng.standard_normal((n, dv)).astype(np.float32)
+    if runtime.num_threads() > 1:
+        assert len(runtime.plan(1, n, d, dv, causal=False)[1]) > 2  # (more than one segment)
+    out, vjp = linattn.linear_attention_vjp(q, k, v, **kw)
+    full = dict(dict(feature_map="elu", scale=1.0, eps=1e-6, normalize=True), **kw)
+    want = _noncausal_reference_grads(q, k, v, g, full["feature_map"], full["scale"], full["eps"], full["normalize"])
+    for got, w in zip(vjp(g), want):
+        assert got.dtype == np.float32 and got.shape == w.shape
+        assert np.abs(got - w).max() <= 2e-5 * np.abs(w).max()
 
 
 def test_float32_follows_float64(rng):

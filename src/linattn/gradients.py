@@ -16,9 +16,9 @@ Causal: the forward (run by the vjp's forward call, which keeps the denominators
 the start of every chunk) and the cpu/backward.py kernel, which does all three in one scan per head
 backwards in time, chunk by chunk, from those states (no O(N^2) memory; the adjoint in float64
 accumulators), applying phi' as it writes: dq = dQ_f phi'(q), dk = dK_f phi'(k). Non-causal: the
-three are three calls of ``linear_attention`` (the same sums over all positions); phi, [a, b] and
-[v, 1] before them are one pass of cpu/noncausal_grad.py (which computes elu+1, relu and identity
-itself and copies the other maps' features), phi' after them its second pass (or the map's ``vjp``).
+same sums over all positions, G and H then constant: the cpu/noncausal_grad.py kernel sums [S | Z]
+and [G | H] over each head, then writes the three gradients row by row (phi and phi' of elu + 1, relu
+and identity inside it; other maps' features are its inputs, their ``vjp`` applied after).
 
 With decay and gates (log factor lam_t of the state before t, per position or per position and key
 dimension), the kernel decays the adjoint as the forward decays the state, and d lam_t = sum_{i >= t}
@@ -36,7 +36,7 @@ from . import workspace
 from .attention import _fast, _full_lengths, _no_state, _seq4, causal_with_denominators, linear_attention
 from .cpu import backward, gate_sums, half, noncausal_grad
 from .cpu.elementwise import ELU, IDENTITY, RELU
-from .cpu.runtime import kernel_section, num_threads, plan
+from .cpu.runtime import kernel_section, plan
 from .cpu.views import unit_rows
 from .feature_maps import FeatureMap, as_map
 from .state import State
@@ -319,36 +319,23 @@ def linear_attention_vjp(q, k, v, *, feature_map="elu", eps=1e-6, normalize=True
 
     def vjp(dout):
         g = _check_grad(dout, "dout", lead + (n, dv), comp)
-        bh = math.prod(lead)
-        # phi(q), phi(k) computed by the pass for the maps it knows (code), else by the map, then copied
+        # the kernel computes phi and phi' of the maps it knows (code); other maps' features are its inputs
+        # and their vjp is applied after it
         src, fm = ((q, k), code) if code is not None else ((_mapped(fmap, q, comp), _mapped(fmap, k, comp)), IDENTITY)
-        qf, kf = workspace.take_views([lead + (n, src[0].shape[-1])] * 2, comp)
-        ab, v1 = workspace.take_views([lead + (n, dv + 1)] * 2, comp)
-        parallel = num_threads() > 1
-        if bh and n:  # phi, the denominators, [a | b] and [v, 1] in one pass (cpu/noncausal_grad.py)
-            with kernel_section():
-                (noncausal_grad.adjoints if parallel else noncausal_grad.adjoints_serial).get(comp, None)(
-                    *(unit_rows(x).reshape(bh, n, x.shape[-1]) for x in src + (v, g, out)), fm, comp.type(s),
-                    comp.type(eps), normalize, *(x.reshape(bh, n, x.shape[-1]) for x in (qf, kf, ab, v1)))
-        sq = qf * comp.type(s) if s != 1.0 else qf
-        # three products of the kernel's form phi(q') (phi(k')^T v'), each a linear_attention call on
-        # C-contiguous arrays (its short path)
-        dqf = linear_attention(ab, v1, kf, feature_map="identity", normalize=False,
-                               scale=None if s == 1.0 else s)  # s [a | b] [S | Z]^T
-        dkf = linear_attention(v1, ab, sq, feature_map="identity", normalize=False)  # G v + H
-        gkf = linear_attention(kf, sq, ab, feature_map="identity", normalize=False)  # [G | H]^T kf
-        dvv = workspace.empty(lead + (n, dv), comp)  # G^T kf (pooled: no fresh pages)
-        dvv[...] = gkf[..., :dv]
-        if code is not None:  # elu + 1 (phi' = min(phi, 1)), relu, identity: in place
-            if bh and n and code != IDENTITY:
-                kernel = noncausal_grad.times_derivative if parallel else noncausal_grad.times_derivative_serial
-                with kernel_section():
-                    for dx, y in ((dqf, qf), (dkf, kf)):
-                        kernel.get(comp, None)(dx.reshape(bh, n, d), y.reshape(bh, n, d), code)
+        dk_ = src[0].shape[-1]
+        dqf, dkf = workspace.take_views([lead + (n, dk_)] * 2, comp)  # (pooled: no fresh pages)
+        dvv = workspace.empty(lead + (n, dv), comp)
+        if math.prod(lead) and n:  # (cpu/noncausal_grad.py)
+            arrays, _, _ = _seq4(src + (v, g, out, dqf, dkf, dvv), lead)
+            chunk, frac, nthreads = plan(math.prod(lead), n, dk_, dv, causal=False)
+            with kernel_section(nthreads):
+                noncausal_grad.noncausal_backward.get(comp, None)(
+                    nthreads, *arrays[:5], fm, comp.type(s), comp.type(eps), normalize, chunk, frac, *arrays[5:])
+        if code is not None:
             grads = (dqf, dkf, dvv)
         else:
-            grads = (_map_vjp(fmap, q, dqf, qf), _map_vjp(fmap, k, dkf, kf), dvv)
-        dmap = _map_param_grads(fmap, (q, k), (dqf, dkf), (qf, kf))
+            grads = (_map_vjp(fmap, q, dqf, src[0]), _map_vjp(fmap, k, dkf, src[1]), dvv)
+        dmap = _map_param_grads(fmap, (q, k), (dqf, dkf), src)
         return tuple(half.astype(x, out_dt) for x in grads) + ((dmap,) if dmap is not None else ())
 
     return half.astype(out, out_dt), vjp

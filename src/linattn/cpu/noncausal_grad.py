@@ -1,76 +1,137 @@
-"""The elementwise work of the non-causal vjp, one pass per head (parallel over heads): phi(q), phi(k)
-(elu + 1, relu, identity; the other maps' features, computed before, are copied as by identity), the
-denominators from phi(k)'s sum, the output adjoints [a | b] and the values with a ones column; then
-phi' applied to the gradients of phi(q), phi(k) in place (elu + 1, relu). The
-products between them are linear_attention calls (gradients.linear_attention_vjp). In NumPy this
-was ~10 passes over (..., N, D) arrays and fresh temporaries; here q, k, v, dout and out are each read
-once (phi(k) twice), the results written once.
+"""The backward pass of non-causal linear attention: dq, dk, dv in one kernel, two passes over each head.
+
+Per head, with v1 = [v, 1], the state [S | Z] = sum_s phi(k_s) v1_s^T (D x e, e = Dv + 1), qs = scale
+phi(q), den_t = qs_t . Z + eps, the output gradient g and the forward's output out: ab_t = [a_t, b_t] =
+[g_t / den_t, -(g_t . out_t) / den_t] (without normalisation [g_t, 0]) and G = sum_t qs_t ab_t^T
+(D x e, the state's gradient). Then
+
+- dq_t = scale phi'(q_t) (ab_t [S | Z]^T)
+- dk_s = phi'(k_s) (v1_s G^T)
+- dv_s = phi(k_s) G[:, :Dv]
+
+The first pass sums [S | Z] over the head's chunks (one product per chunk), the second G (den needs the
+whole Z first); a work item then writes the rows of its segment of the head (three products per chunk):
+four products per position against the forward's two. Both sums are kept as the forward kernel keeps
+its state (pending float32 sums folded into float64 every FOLD_EVERY chunks). When heads are few, a
+head is cut into segments (runtime.plan); each segment's item sums the whole head itself, as the
+forward's do. phi and phi' are elu + 1, relu or identity (other maps: their features are the inputs,
+their ``vjp`` is applied after). q, k, v, dout and out are read twice (k, v and q, dout, out for the
+sums, all five for the rows), dq, dk, dv written once; no array of the inputs' size is made.
 """
 import numpy as np
-from numba import prange, types
+from numba import types
 
-from .._jit import Kernel, array
-from .backward import _load_adjoints, _load_values
-from .elementwise import ELU, RELU, map_row
-from .views import as_contiguous
+from .._jit import array, njit
+from .backward import _load_adjoints, _load_values, _scale_columns, _times_derivative
+from .buffers import empty
+from .chunked import FOLD_EVERY, _current, _fold, _segment, _state_buffers
+from .elementwise import load_rows
+from .schedule import take
+from .smallgemm import small_gemm, small_gemm_tn
+from .threaded import ThreadedKernel
+from .vector import transpose_rows
+from .views import keep_alive, unowned
 
 
-def _adjoints(q, k, v, g, out, fm, s, eps, normalize, qf, kf, ab, v1):
-    """Per head h of (BH, N, X) arrays with unit-stride rows: qf = phi(q), kf = phi(k), v1 = [v, 1] and
-    ab = [g / den, -(g . out) / den] with den = s phi(q) . sum(phi(k)) + eps (the forward's
-    denominators; its sum in float64), or [g, 0] without normalisation."""
-    bh, n, d = q.shape
-    for h in prange(bh):
-        z = np.zeros(d)
-        for t in range(n):
-            row = kf[h, t]
-            map_row(as_contiguous(k[h, t]), fm, row)
+@njit(helper=True)
+def _queries_and_adjoints(q, g, out, i0, c, fm, s, eps, normalize, Z, QS, AB, DEN):
+    """QS[:c] = scale phi(q) and AB[:c] = [a, b] for positions [i0, i0 + c) of one head (Z: the state's
+    Z; DEN: scratch for the denominators)."""
+    load_rows(q, i0, c, fm, QS)
+    d = QS.shape[1]
+    if normalize:
+        for t in range(c):
+            row = QS[t]
+            acc = row[0] - row[0]
             for a in range(d):
-                z[a] += row[a]
-        zc = z.astype(qf.dtype)
-        den = np.ones(n, qf.dtype)  # (not read without normalisation)
-        for t in range(n):
-            qrow = qf[h, t]
-            map_row(as_contiguous(q[h, t]), fm, qrow)
-            if normalize:
-                acc = qrow[0] - qrow[0]
-                for a in range(d):
-                    acc += qrow[a] * zc[a]
-                den[t] = s * acc + eps
-        _load_adjoints(g[h], out[h], den, 0, n, normalize, ab[h])
-        _load_values(v[h], int(0), n, v1[h])  # bool()/int(): run-time values, not literals (see _jit)
+                acc += row[a] * Z[a]
+            DEN[t] = s * acc + eps
+    _scale_columns(QS, c, d, s)
+    _load_adjoints(g[i0:i0 + c], out[i0:i0 + c], DEN, int(0), c, normalize, AB)
 
 
-def _adjoints_signature(dt, variant):
-    seq = array(dt, 3, "A", readonly=True)
-    return types.void(seq, seq, seq, seq, seq, types.int64, dt, dt, types.boolean, array(dt, 3), array(dt, 3),
-                      array(dt, 3), array(dt, 3))
+@njit(helper=True)
+def _head_sums(q, k, v, g, out, fm, s, eps, normalize, chunk, KF, V1, QS, AB, DEN, S, Z, G):
+    """S (D x e) = [S | Z] of one head, Z its last column (contiguous), G (D x e) the state's gradient."""
+    n, d, e = q.shape[0], S.shape[0], S.shape[1]
+    nchunks = (n + chunk - 1) // chunk
+    no_gates = empty(0, S.dtype)
+    for which in range(2):  # 0: [S | Z], 1: G (which needs all of Z)
+        P, B, acc, Pz, Bz, Zs, accz, lam = _state_buffers(d, e, S.dtype)
+        has_acc, has_p = bool(False), bool(False)  # bool()/int(): run-time values, not literals (see _jit)
+        for ci in range(nchunks):
+            i0 = ci * chunk
+            c = min(chunk, n - i0)
+            beta = 1.0 if has_p else 0.0
+            if which == 0:
+                load_rows(k, i0, c, fm, KF)
+                _load_values(v, i0, c, V1)
+                small_gemm_tn(KF[:c], V1[:c], P, beta)
+            else:
+                _queries_and_adjoints(q, g, out, i0, c, fm, s, eps, normalize, Z, QS, AB, DEN)
+                small_gemm_tn(QS[:c], AB[:c], P, beta)
+            has_p = True
+            if (ci + 1) % FOLD_EVERY == 0 or ci == nchunks - 1:
+                _fold(acc, accz, B, Bz, P, Pz, has_acc, lam, bool(False))
+                has_acc, has_p = True, False
+        dst = S if which == 0 else G
+        _current(B, Bz, P, Pz, dst, Zs, has_acc, has_p, no_gates, bool(False))
+        if which == 0:
+            for a in range(d):
+                Z[a] = S[a, e - 1]
 
 
-def _times_derivative(dx, y, fm):
-    """dx *= phi'(x) from y = phi(x) (BH, N, D), C-contiguous: elu + 1's is min(y, 1), relu's y > 0
-    (identity: nothing to do)."""
-    flat_dx, flat_y = dx.reshape(-1), y.reshape(-1)
-    m = flat_dx.shape[0]
-    step = 16384
-    for b in prange((m + step - 1) // step):
-        i1 = min(m, (b + 1) * step)
-        if fm == ELU:  # (NaN stays NaN)
-            for i in range(b * step, i1):
-                yi = flat_y[i]
-                flat_dx[i] *= yi if not yi > 1 else 1
-        elif fm == RELU:  # (an inf gradient times 0: NaN, as in NumPy)
-            for i in range(b * step, i1):
-                flat_dx[i] *= 1 if flat_y[i] > 0 else 0
+def _noncausal_backward(q, k, v, g, out, fm, s, eps, normalize, chunk, frac, dq, dk, dv, counter):
+    """Gradients of non-causal linear attention for every head (see the module docstring).
+
+    q, k: (G1, G2, N, D); v, g (the output's gradient), out (the forward's result): (G1, G2, N, Dv); dq,
+    dk: (G1, G2, N, D), dv: (G1, G2, N, Dv); every array with unit stride along its last axis. ``fm``:
+    cpu/elementwise.py's map code (elu + 1, relu, identity), ``s``: the scale of phi(q). ``frac`` splits
+    each head's chunks into segments, one work item each. Run by threaded.ThreadedKernel: each thread
+    takes items from ``counter``.
+    """
+    g2, n, d = q.shape[1], q.shape[2], q.shape[3]
+    e, dt = v.shape[3] + 1, dq.dtype
+    one = np.ones(1, dt)[0]
+    q, k, v, g, out, dq, dk, dv = unowned((q, k, v, g, out, dq, dk, dv))  # (see chunked._causal_forward)
+    owners = (empty((chunk, d), dt), empty((chunk, e), dt), empty((chunk, d), dt), empty((chunk, e), dt),
+              empty((chunk, d), dt), empty(chunk, dt), empty((d, e), dt), empty((d, e), dt), empty(d, dt),
+              empty((e, d), dt), empty((e, d), dt), empty(max(d, e), dt), empty((1, 1), np.float64))
+    # phi(K), [v, 1], scale phi(Q), [a | b], the products' rows, the denominators, [S | Z], G, Z, their
+    # transposes, a sink for transpose_rows' sums, no gate terms (for _times_derivative)
+    KF, V1, QS, AB, R, DEN, S, G, Z, ST, GT, sums, no_r = unowned(owners)
+    nseg = frac.shape[0] - 1
+    nchunks = (n + chunk - 1) // chunk
+    items = q.shape[0] * g2 * nseg
+    item = take(counter)
+    while item < items:
+        h, _s, c0, c1 = _segment(item, nseg, frac, nchunks)
+        if c0 < c1:
+            h1, h2 = h // g2, h % g2
+            qh, kh, vh, gh, oh = q[h1, h2], k[h1, h2], v[h1, h2], g[h1, h2], out[h1, h2]
+            dqh, dkh, dvh = dq[h1, h2], dk[h1, h2], dv[h1, h2]
+            _head_sums(qh, kh, vh, gh, oh, fm, s, eps, normalize, chunk, KF, V1, QS, AB, DEN, S, Z, G)
+            transpose_rows(S, ST, sums, d)
+            transpose_rows(G, GT, sums, d)
+            for ci in range(c0, c1):
+                i0 = ci * chunk
+                c = min(chunk, n - i0)
+                load_rows(kh, i0, c, fm, KF)
+                _load_values(vh, i0, c, V1)
+                _queries_and_adjoints(qh, gh, oh, i0, c, fm, s, eps, normalize, Z, QS, AB, DEN)
+                small_gemm(AB[:c], ST, R[:c], False, -1, -1)  # ab [S | Z]^T
+                _times_derivative(R, QS, c, fm, s, dqh, i0, no_r, bool(False))
+                small_gemm(V1[:c], GT, R[:c], False, -1, -1)  # v1 G^T
+                _times_derivative(R, KF, c, fm, one, dkh, i0, no_r, bool(False))
+                small_gemm(KF[:c], G[:, :e - 1], dvh[i0:i0 + c], False, -1, -1)  # phi(k) G[:, :Dv]
+        item = take(counter)
+    keep_alive(owners)
 
 
-def _derivative_signature(dt, variant):
-    return types.void(array(dt, 3), array(dt, 3, "C", readonly=True), types.int64)
+def _signature(dt, variant):
+    seq, i64 = array(dt, 4, "A", readonly=True), types.int64
+    return types.void(seq, seq, seq, seq, seq, i64, dt, dt, types.boolean, i64, array(types.float64, 1, readonly=True),
+                      array(dt, 4, "A"), array(dt, 4, "A"), array(dt, 4, "A"))
 
 
-adjoints = Kernel(_adjoints, _adjoints_signature)
-times_derivative = Kernel(_times_derivative, _derivative_signature)
-#: the same on the calling thread alone (runtime.num_threads() == 1: a forked child of a GNU OpenMP pool
-#: must not enter a parallel region)
-adjoints_serial = Kernel(_adjoints, _adjoints_signature, parallel=False)
-times_derivative_serial = Kernel(_times_derivative, _derivative_signature, parallel=False)
+noncausal_backward = ThreadedKernel(_noncausal_backward, _signature)
