@@ -7,7 +7,8 @@ import numpy as np
 import pytest
 
 import linattn
-from linattn.cpu import runtime
+from linattn.cpu import noncausal_grad, runtime
+from linattn.cpu.elementwise import ELU
 
 from conftest import assert_close, rel_err
 
@@ -251,6 +252,21 @@ def test_noncausal_vjp_of_one_long_head(rng, kw):
     want = _noncausal_reference_grads(q, k, v, g, full["feature_map"], full["scale"], full["eps"], full["normalize"])
     for got, w in zip(vjp(g), want):
         assert got.dtype == np.float32 and got.shape == w.shape
+        assert np.abs(got - w).max() <= 2e-5 * np.abs(w).max()
+
+
+@pytest.mark.parametrize("frac", [[0, 1], [0, 0.5, 1], [0, 0.2, 0.21, 0.9, 1], [0, 0, 0, 1], [0, 1, 1, 1]])
+def test_noncausal_backward_kernel_segments(rng, frac):
+    """Every kind of split of the heads into segments (empty ones too), on two threads: the segments'
+    parts of the sums, then the rows."""
+    n, d, dv = 300, 6, 5
+    q, k, v, g = ((rng.standard_normal((1, 3, n, w)) * 0.5).astype(np.float32) for w in (d, d, dv, dv))
+    out = linattn.linear_attention(q, k, v)
+    dq, dk, dv_ = np.full_like(q, np.nan), np.full_like(k, np.nan), np.full_like(v, np.nan)
+    noncausal_grad.backward(2, q, k, v, g, out, ELU, np.float32(1), np.float32(1e-6), True, runtime.chunk_size(n),
+                            np.asarray(frac, np.float64), dq, dk, dv_)
+    want = _noncausal_reference_grads(q, k, v, g, "elu", 1.0, 1e-6, True)
+    for got, w in zip((dq, dk, dv_), want):
         assert np.abs(got - w).max() <= 2e-5 * np.abs(w).max()
 
 

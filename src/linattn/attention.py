@@ -54,6 +54,23 @@ def _no_state(dt, dk, dv):
     return found
 
 
+_NO_PARTS = np.zeros((0, 1, 1, 1))  # the non-causal kernel's segments' partial sums, none
+
+
+def _noncausal(kernel, nthreads, args, bh, dk, dv):
+    """Run the non-causal kernel with ``args`` (its arguments up to ``out``; ``frac`` third from the end)
+    on ``nthreads`` threads: once when every head is one segment, else twice (the segments' partial sums
+    of the state, (heads, nseg, D', Dv + 1) in float64, then the outputs from them)."""
+    nseg = len(args[-2]) - 1
+    with kernel_section(nthreads):
+        if nseg == 1:
+            kernel(nthreads, *args, 1, _NO_PARTS)
+        else:
+            parts = np.empty((bh, nseg, dk, dv + 1))
+            kernel(nthreads, *args, 0, parts)
+            kernel(nthreads, *args, 1, parts)
+
+
 def _fast_plan(causal, dt, shape, dv, threads):
     """Everything a plain call of ``shape`` (q's) passes besides its own arrays, one lookup per call
     (each part was a lookup of its own: ~1.5 us of a tiny call): ``plan``'s (chunk, frac, nthreads) for
@@ -128,6 +145,10 @@ def _fast(causal, q, k, v, feature_map, eps, normalize, keep=False, return_state
                 o4, S, Z, no_gates, _ZERO_DECAY, status, den4, states4)
     else:
         args = (q4, k4, v4, code, no_gates, 0, dt.type(eps), normalize, one, chunk, frac, o4)
+        if len(frac) > 2:  # heads in segments: two runs (runs on one thread have one segment a head)
+            _noncausal(kernel, nthreads, args, bh, d, dv)
+            return out
+        args += (1, _NO_PARTS)
     if nthreads > 1:
         with kernel_section(nthreads):
             kernel(nthreads, *args)
@@ -493,8 +514,8 @@ def linear_attention(q, k, v, *, feature_map="elu", eps=1e-6, normalize=True, sc
             chunk, frac, nthreads = plan(bh, n, dk, dv, causal=False)
             (q4, k4, v4, o4), layout, copied = _seq4((q, k, v, res), lead)
             kernel = chunked.noncausal_forward.get(comp, layout)
-            with kernel_section(nthreads):
-                kernel(nthreads, q4, k4, v4, *code, comp.type(eps), normalize, comp.type(scale), chunk, frac, o4)
+            _noncausal(kernel, nthreads, (q4, k4, v4, *code, comp.type(eps), normalize, comp.type(scale), chunk, frac,
+                                          o4), bh, dk, dv)
             if copied[3]:
                 res[...] = o4.reshape(res.shape)
     return _deliver(res, out, out_dt, where)

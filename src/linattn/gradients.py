@@ -328,9 +328,8 @@ def linear_attention_vjp(q, k, v, *, feature_map="elu", eps=1e-6, normalize=True
         if math.prod(lead) and n:  # (cpu/noncausal_grad.py)
             arrays, _, _ = _seq4(src + (v, g, out, dqf, dkf, dvv), lead)
             chunk, frac, nthreads = plan(math.prod(lead), n, dk_, dv, causal=False)
-            with kernel_section(nthreads):
-                noncausal_grad.noncausal_backward.get(comp, None)(
-                    nthreads, *arrays[:5], fm, comp.type(s), comp.type(eps), normalize, chunk, frac, *arrays[5:])
+            noncausal_grad.backward(nthreads, *arrays[:5], fm, comp.type(s), comp.type(eps), normalize, chunk, frac,
+                                    *arrays[5:])
         if code is not None:
             grads = (dqf, dkf, dvv)
         else:

@@ -351,23 +351,72 @@ def _causal_forward(q, k, v, fm, fp, fa, eps, normalize, scale, lengths, chunk, 
 
 
 @njit(helper=True)
-def _noncausal_segment(q, k, v, out, mp, eps, normalize, scale, chunk, c0, c1, QA, Kf, V, S):
-    """Outputs of chunks [c0, c1) of one head (views (N, X)), from the state of the whole head."""
-    n, d_ = q.shape[0], Kf.shape[1]
-    dv = v.shape[1]
-    nchunks = (n + chunk - 1) // chunk
-    P, B, acc, Pz, Bz, Z, accz, lam = _state_buffers(d_, dv, out.dtype)
-    no_gates = empty(0, out.dtype)
+def noncausal_sum(k, v, mp, chunk, c0, c1, Kf, V, sbuf):
+    """The sums phi(K)^T V and phi(K)^T 1 over chunks [c0, c1) of one head (views (N, X)) into the float64
+    accumulators of ``sbuf`` (_state_buffers' tuple: acc and accz; zero when there are no chunks)."""
+    P, B, acc, Pz, Bz, Z, accz, lam = sbuf
+    n = k.shape[0]
+    no_gates = empty(0, P.dtype)
     no_f = (no_gates, no_gates, no_gates, no_gates)
     has_acc, has_p = bool(False), bool(False)  # bool()/int(): run-time values, not literals (see _jit)
-    for ci in range(nchunks):
+    for ci in range(c0, c1):
         i0 = ci * chunk
         _add_prefix(k, v, i0, min(chunk, n - i0), mp, Kf, V, P, Pz, 1.0 if has_p else 0.0, no_gates, no_f)
         has_p = True
-        if (ci + 1) % FOLD_EVERY == 0 or ci == nchunks - 1:
+        if (ci + 1 - c0) % FOLD_EVERY == 0 or ci == c1 - 1:
             _fold(acc, accz, B, Bz, P, Pz, has_acc, lam, bool(False))
             has_acc, has_p = True, False
-    _current(B, Bz, P, Pz, S, Z, has_acc, has_p, no_gates, bool(False))
+    if not has_acc:
+        for a in range(acc.shape[0]):
+            for e in range(acc.shape[1]):
+                acc[a, e] = 0
+            accz[a] = 0
+
+
+@njit(helper=True)
+def summed_parts(parts, acc, accz):
+    """acc (D', X), accz (D') = the sums over the first axis of ``parts`` (nseg, D', X + 1): a head's
+    partial sums, one per segment, in float64 (the last column: Z's)."""
+    x = acc.shape[1]
+    for a in range(acc.shape[0]):
+        for e in range(x):
+            acc[a, e] = 0
+        accz[a] = 0
+    for s in range(parts.shape[0]):
+        for a in range(acc.shape[0]):
+            row = parts[s, a]
+            for e in range(x):
+                acc[a, e] += row[e]
+            accz[a] += row[x]
+
+
+@njit(helper=True)
+def write_parts(acc, accz, dst):
+    """dst (D', X + 1) = [acc | accz] (a segment's partial sums)."""
+    x = acc.shape[1]
+    for a in range(acc.shape[0]):
+        row = dst[a]
+        for e in range(x):
+            row[e] = acc[a, e]
+        row[x] = accz[a]
+
+
+@njit(helper=True)
+def _noncausal_segment(q, k, v, out, mp, eps, normalize, scale, chunk, c0, c1, QA, Kf, V, S, parts):
+    """Outputs of chunks [c0, c1) of one head (views (N, X)), from the state of the whole head: the sum
+    of its segments' partial sums ``parts`` (nseg, D', Dv + 1) when it has rows, else summed here."""
+    n, d_ = q.shape[0], Kf.shape[1]
+    dv = v.shape[1]
+    sbuf = _state_buffers(d_, dv, out.dtype)
+    P, B, acc, Pz, Bz, Z, accz, lam = sbuf
+    if parts.shape[0] > 0:
+        summed_parts(parts, acc, accz)
+    else:
+        noncausal_sum(k, v, mp, chunk, int(0), (n + chunk - 1) // chunk, Kf, V, sbuf)
+    for a in range(d_):  # the state rounded to the compute dtype
+        for e in range(dv):
+            S[a, e] = acc[a, e]
+        Z[a] = accz[a]
     for ci in range(c0, c1):
         i0 = ci * chunk
         c = min(chunk, n - i0)
@@ -379,11 +428,13 @@ def _noncausal_segment(q, k, v, out, mp, eps, normalize, scale, chunk, c0, c1, Q
             _scale_rows(out, i0, c, scale)
 
 
-def _noncausal_forward(q, k, v, fm, fp, fa, eps, normalize, scale, chunk, frac, out, counter):
+def _noncausal_forward(q, k, v, fm, fp, fa, eps, normalize, scale, chunk, frac, out, phase, parts, counter):
     """Non-causal linear attention: every position attends to all N positions of its head.
 
-    Arrays and threads as for the causal kernel. Each segment's item sums the whole head's state
-    itself, then writes its segment's outputs.
+    Arrays and threads as for the causal kernel. With one segment per head (``parts`` has no rows),
+    each item sums its head's state itself, then writes its outputs. With several, the kernel runs
+    twice: ``phase`` 0, each segment's item sums its own chunks into parts[head, segment] (float64,
+    (heads, nseg, D', Dv + 1)); phase 1, each adds its head's parts up and writes its segment's outputs.
     """
     g2, n, d_ = q.shape[1], q.shape[2], mapped_dim(fm, fp, q.shape[3])
     dv, dt = v.shape[3], out.dtype
@@ -391,17 +442,21 @@ def _noncausal_forward(q, k, v, fm, fp, fa, eps, normalize, scale, chunk, frac, 
     nseg = frac.shape[0] - 1
     nchunks = (n + chunk - 1) // chunk
     items = q.shape[0] * g2 * nseg
-    q, k, v, out = unowned((q, k, v, out))  # (see _causal_forward)
+    q, k, v, out, parts = unowned((q, k, v, out, parts))  # (see _causal_forward)
     owners = (empty((chunk, d_), dt), empty((chunk, d_), dt), empty((chunk, dv), dt),
               empty((d_, dv), dt))
     QA, Kf, V, S = unowned(owners)
     item = take(counter)
     while item < items:
-        h, _s, c0, c1 = _segment(item, nseg, frac, nchunks)
-        if c0 < c1:
-            h1, h2 = h // g2, h % g2
+        h, s, c0, c1 = _segment(item, nseg, frac, nchunks)
+        h1, h2 = h // g2, h % g2
+        if phase == 0:
+            sbuf = _state_buffers(d_, dv, dt)
+            noncausal_sum(k[h1, h2], v[h1, h2], mp, chunk, c0, c1, Kf, V, sbuf)
+            write_parts(sbuf[2], sbuf[6], parts[h, s])
+        elif c0 < c1:
             _noncausal_segment(q[h1, h2], k[h1, h2], v[h1, h2], out[h1, h2], mp, eps, normalize, scale, chunk, c0,
-                               c1, QA, Kf, V, S)
+                               c1, QA, Kf, V, S, parts[h] if parts.shape[0] > 0 else parts[0, :0])
         item = take(counter)
     keep_alive(owners)
 
@@ -425,7 +480,8 @@ def _causal_signature(dt, variant):
 def _noncausal_signature(dt, layout):
     seq, i64 = array(dt, 4, layout, readonly=True), types.int64
     return types.void(seq, seq, seq, i64, array(dt, 1, readonly=True), i64, dt, types.boolean, dt, i64,
-                      array(types.float64, 1, readonly=True), array(dt, 4, layout))
+                      array(types.float64, 1, readonly=True), array(dt, 4, layout), i64,
+                      array(types.float64, 4))
 
 
 causal_forward = ThreadedKernel(_causal_forward, _causal_signature,

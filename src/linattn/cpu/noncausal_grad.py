@@ -13,8 +13,9 @@ The first pass sums [S | Z] over the head's chunks (one product per chunk), the 
 whole Z first); a work item then writes the rows of its segment of the head (three products per chunk):
 four products per position against the forward's two. Both sums are kept as the forward kernel keeps
 its state (pending float32 sums folded into float64 every FOLD_EVERY chunks). When heads are few, a
-head is cut into segments (runtime.plan); each segment's item sums the whole head itself, as the
-forward's do. phi and phi' are elu + 1, relu or identity (other maps: their features are the inputs,
+head is cut into segments (runtime.plan) and the kernel runs three times: each segment's item sums its
+own chunks' part of [S | Z], then (with all of Z) its part of G, then writes its rows from the sums
+of the parts. phi and phi' are elu + 1, relu or identity (other maps: their features are the inputs,
 their ``vjp`` is applied after). q, k, v, dout and out are read twice (k, v and q, dout, out for the
 sums, all five for the rows), dq, dk, dv written once; no array of the inputs' size is made.
 """
@@ -26,6 +27,7 @@ from .backward import _load_adjoints, _load_values, _scale_columns, _times_deriv
 from .buffers import empty
 from .chunked import FOLD_EVERY, _current, _fold, _segment, _state_buffers
 from .elementwise import load_rows
+from .runtime import kernel_section
 from .schedule import take
 from .smallgemm import small_gemm, small_gemm_tn
 from .threaded import ThreadedKernel
@@ -51,87 +53,152 @@ def _queries_and_adjoints(q, g, out, i0, c, fm, s, eps, normalize, Z, QS, AB, DE
 
 
 @njit(helper=True)
-def _head_sums(q, k, v, g, out, fm, s, eps, normalize, chunk, KF, V1, QS, AB, DEN, S, Z, G):
-    """S (D x e) = [S | Z] of one head, Z its last column (contiguous), G (D x e) the state's gradient."""
-    n, d, e = q.shape[0], S.shape[0], S.shape[1]
-    nchunks = (n + chunk - 1) // chunk
-    no_gates = empty(0, S.dtype)
-    for which in range(2):  # 0: [S | Z], 1: G (which needs all of Z)
-        P, B, acc, Pz, Bz, Zs, accz, lam = _state_buffers(d, e, S.dtype)
-        has_acc, has_p = bool(False), bool(False)  # bool()/int(): run-time values, not literals (see _jit)
-        for ci in range(nchunks):
-            i0 = ci * chunk
-            c = min(chunk, n - i0)
-            beta = 1.0 if has_p else 0.0
-            if which == 0:
-                load_rows(k, i0, c, fm, KF)
-                _load_values(v, i0, c, V1)
-                small_gemm_tn(KF[:c], V1[:c], P, beta)
-            else:
-                _queries_and_adjoints(q, g, out, i0, c, fm, s, eps, normalize, Z, QS, AB, DEN)
-                small_gemm_tn(QS[:c], AB[:c], P, beta)
-            has_p = True
-            if (ci + 1) % FOLD_EVERY == 0 or ci == nchunks - 1:
-                _fold(acc, accz, B, Bz, P, Pz, has_acc, lam, bool(False))
-                has_acc, has_p = True, False
-        dst = S if which == 0 else G
-        _current(B, Bz, P, Pz, dst, Zs, has_acc, has_p, no_gates, bool(False))
+def _sum_chunks(which, q, k, v, g, out, fm, s, eps, normalize, chunk, c0, c1, KF, V1, QS, AB, DEN, Z, sbuf):
+    """The float64 accumulator of ``sbuf`` (_state_buffers' acc, D x e) = the sum over chunks [c0, c1) of
+    one head of phi(K)^T [v, 1] (``which`` 0: [S | Z]) or (scale phi(Q))^T [a | b] (1: G, from Z); zero
+    when there are no chunks."""
+    P, B, acc, Pz, Bz, Zs, accz, lam = sbuf
+    n = q.shape[0]
+    has_acc, has_p = bool(False), bool(False)  # bool()/int(): run-time values, not literals (see _jit)
+    for ci in range(c0, c1):
+        i0 = ci * chunk
+        c = min(chunk, n - i0)
+        beta = 1.0 if has_p else 0.0
         if which == 0:
-            for a in range(d):
-                Z[a] = S[a, e - 1]
+            load_rows(k, i0, c, fm, KF)
+            _load_values(v, i0, c, V1)
+            small_gemm_tn(KF[:c], V1[:c], P, beta)
+        else:
+            _queries_and_adjoints(q, g, out, i0, c, fm, s, eps, normalize, Z, QS, AB, DEN)
+            small_gemm_tn(QS[:c], AB[:c], P, beta)
+        has_p = True
+        if (ci + 1 - c0) % FOLD_EVERY == 0 or ci == c1 - 1:
+            _fold(acc, accz, B, Bz, P, Pz, has_acc, lam, bool(False))
+            has_acc, has_p = True, False
+    if not has_acc:
+        for a in range(acc.shape[0]):
+            for e in range(acc.shape[1]):
+                acc[a, e] = 0
 
 
-def _noncausal_backward(q, k, v, g, out, fm, s, eps, normalize, chunk, frac, dq, dk, dv, counter):
+@njit(helper=True)
+def _add_parts(parts, acc):
+    """acc = the sum of a head's segments' parts (nseg, D, e), in float64."""
+    for a in range(acc.shape[0]):
+        for e in range(acc.shape[1]):
+            acc[a, e] = 0
+    for s in range(parts.shape[0]):
+        for a in range(acc.shape[0]):
+            row = parts[s, a]
+            for e in range(acc.shape[1]):
+                acc[a, e] += row[e]
+
+
+@njit(helper=True)
+def _copy_matrix(src, dst):
+    """dst = src (D x e; a float64 sum into the compute dtype, or into a part)."""
+    for a in range(src.shape[0]):
+        row = dst[a]
+        for e in range(src.shape[1]):
+            row[e] = src[a, e]
+
+
+def _noncausal_backward(q, k, v, g, out, fm, s, eps, normalize, chunk, frac, dq, dk, dv, phase, parts, counter):
     """Gradients of non-causal linear attention for every head (see the module docstring).
 
     q, k: (G1, G2, N, D); v, g (the output's gradient), out (the forward's result): (G1, G2, N, Dv); dq,
     dk: (G1, G2, N, D), dv: (G1, G2, N, Dv); every array with unit stride along its last axis. ``fm``:
     cpu/elementwise.py's map code (elu + 1, relu, identity), ``s``: the scale of phi(q). ``frac`` splits
     each head's chunks into segments, one work item each. Run by threaded.ThreadedKernel: each thread
-    takes items from ``counter``.
+    takes items from ``counter``. ``phase`` 3: each item sums its head's [S | Z] and G itself, then
+    writes its rows. With several segments a head the kernel runs three times instead: ``phase`` 0,
+    each item sums its chunks' part of [S | Z] into parts[0, head, segment]; 1, its part of G (from all
+    of Z) into parts[1, head, segment]; 2, its rows from the sums of the parts (float64, (2, heads, nseg,
+    D, Dv + 1)).
     """
     g2, n, d = q.shape[1], q.shape[2], q.shape[3]
     e, dt = v.shape[3] + 1, dq.dtype
     one = np.ones(1, dt)[0]
-    q, k, v, g, out, dq, dk, dv = unowned((q, k, v, g, out, dq, dk, dv))  # (see chunked._causal_forward)
+    q, k, v, g, out, dq, dk, dv, parts = unowned((q, k, v, g, out, dq, dk, dv, parts))  # (see chunked)
     owners = (empty((chunk, d), dt), empty((chunk, e), dt), empty((chunk, d), dt), empty((chunk, e), dt),
               empty((chunk, d), dt), empty(chunk, dt), empty((d, e), dt), empty((d, e), dt), empty(d, dt),
               empty((e, d), dt), empty((e, d), dt), empty(max(d, e), dt), empty((1, 1), np.float64))
     # phi(K), [v, 1], scale phi(Q), [a | b], the products' rows, the denominators, [S | Z], G, Z, their
     # transposes, a sink for transpose_rows' sums, no gate terms (for _times_derivative)
     KF, V1, QS, AB, R, DEN, S, G, Z, ST, GT, sums, no_r = unowned(owners)
+    sbuf = _state_buffers(d, e, dt)
+    acc = sbuf[2]
     nseg = frac.shape[0] - 1
     nchunks = (n + chunk - 1) // chunk
     items = q.shape[0] * g2 * nseg
     item = take(counter)
     while item < items:
-        h, _s, c0, c1 = _segment(item, nseg, frac, nchunks)
-        if c0 < c1:
-            h1, h2 = h // g2, h % g2
-            qh, kh, vh, gh, oh = q[h1, h2], k[h1, h2], v[h1, h2], g[h1, h2], out[h1, h2]
-            dqh, dkh, dvh = dq[h1, h2], dk[h1, h2], dv[h1, h2]
-            _head_sums(qh, kh, vh, gh, oh, fm, s, eps, normalize, chunk, KF, V1, QS, AB, DEN, S, Z, G)
-            transpose_rows(S, ST, sums, d)
-            transpose_rows(G, GT, sums, d)
-            for ci in range(c0, c1):
-                i0 = ci * chunk
-                c = min(chunk, n - i0)
-                load_rows(kh, i0, c, fm, KF)
-                _load_values(vh, i0, c, V1)
-                _queries_and_adjoints(qh, gh, oh, i0, c, fm, s, eps, normalize, Z, QS, AB, DEN)
-                small_gemm(AB[:c], ST, R[:c], False, -1, -1)  # ab [S | Z]^T
-                _times_derivative(R, QS, c, fm, s, dqh, i0, no_r, bool(False))
-                small_gemm(V1[:c], GT, R[:c], False, -1, -1)  # v1 G^T
-                _times_derivative(R, KF, c, fm, one, dkh, i0, no_r, bool(False))
-                small_gemm(KF[:c], G[:, :e - 1], dvh[i0:i0 + c], False, -1, -1)  # phi(k) G[:, :Dv]
+        h, sg, c0, c1 = _segment(item, nseg, frac, nchunks)
+        h1, h2 = h // g2, h % g2
+        qh, kh, vh, gh, oh = q[h1, h2], k[h1, h2], v[h1, h2], g[h1, h2], out[h1, h2]
+        if phase == 0:
+            _sum_chunks(int(0), qh, kh, vh, gh, oh, fm, s, eps, normalize, chunk, c0, c1, KF, V1, QS, AB, DEN, Z, sbuf)
+            _copy_matrix(acc, parts[0, h, sg])
+            item = take(counter)
+            continue
+        # [S | Z] of the whole head, and its Z
+        if phase == 3:
+            _sum_chunks(int(0), qh, kh, vh, gh, oh, fm, s, eps, normalize, chunk, int(0), nchunks, KF, V1, QS, AB,
+                        DEN, Z, sbuf)
+        else:
+            _add_parts(parts[0, h], acc)
+        _copy_matrix(acc, S)
+        for a in range(d):
+            Z[a] = S[a, e - 1]
+        if phase == 1:
+            _sum_chunks(int(1), qh, kh, vh, gh, oh, fm, s, eps, normalize, chunk, c0, c1, KF, V1, QS, AB, DEN, Z, sbuf)
+            _copy_matrix(acc, parts[1, h, sg])
+            item = take(counter)
+            continue
+        if phase == 3:
+            _sum_chunks(int(1), qh, kh, vh, gh, oh, fm, s, eps, normalize, chunk, int(0), nchunks, KF, V1, QS, AB,
+                        DEN, Z, sbuf)
+        else:
+            _add_parts(parts[1, h], acc)
+        _copy_matrix(acc, G)
+        transpose_rows(S, ST, sums, d)
+        transpose_rows(G, GT, sums, d)
+        dqh, dkh, dvh = dq[h1, h2], dk[h1, h2], dv[h1, h2]
+        for ci in range(c0, c1):
+            i0 = ci * chunk
+            c = min(chunk, n - i0)
+            load_rows(kh, i0, c, fm, KF)
+            _load_values(vh, i0, c, V1)
+            _queries_and_adjoints(qh, gh, oh, i0, c, fm, s, eps, normalize, Z, QS, AB, DEN)
+            small_gemm(AB[:c], ST, R[:c], False, -1, -1)  # ab [S | Z]^T
+            _times_derivative(R, QS, c, fm, s, dqh, i0, no_r, bool(False))
+            small_gemm(V1[:c], GT, R[:c], False, -1, -1)  # v1 G^T
+            _times_derivative(R, KF, c, fm, one, dkh, i0, no_r, bool(False))
+            small_gemm(KF[:c], G[:, :e - 1], dvh[i0:i0 + c], False, -1, -1)  # phi(k) G[:, :Dv]
         item = take(counter)
-    keep_alive(owners)
+    keep_alive((owners, sbuf))
 
 
 def _signature(dt, variant):
     seq, i64 = array(dt, 4, "A", readonly=True), types.int64
     return types.void(seq, seq, seq, seq, seq, i64, dt, dt, types.boolean, i64, array(types.float64, 1, readonly=True),
-                      array(dt, 4, "A"), array(dt, 4, "A"), array(dt, 4, "A"))
+                      array(dt, 4, "A"), array(dt, 4, "A"), array(dt, 4, "A"), i64, array(types.float64, 5))
 
 
 noncausal_backward = ThreadedKernel(_noncausal_backward, _signature)
+_NO_PARTS = np.zeros((2, 0, 1, 1, 1))  # the segments' partial sums, none
+
+
+def backward(nthreads, q, k, v, g, out, fm, s, eps, normalize, chunk, frac, dq, dk, dv):
+    """Run the kernel (arguments as ``_noncausal_backward``'s, 4-D arrays of one float dtype) on
+    ``nthreads`` threads: once when every head is one segment, else three times (the segments' parts of
+    [S | Z], then of G, then the rows)."""
+    kernel = noncausal_backward.get(dq.dtype, None)
+    args = (q, k, v, g, out, fm, s, eps, normalize, chunk, frac, dq, dk, dv)
+    with kernel_section(nthreads):
+        if len(frac) == 2:
+            kernel(nthreads, *args, 3, _NO_PARTS)
+        else:
+            parts = np.empty((2, q.shape[0] * q.shape[1], len(frac) - 1, q.shape[3], v.shape[3] + 1))
+            for phase in range(3):
+                kernel(nthreads, *args, phase, parts)

@@ -46,7 +46,8 @@ def _segment_fractions(nseg, causal):
     """Cumulative fractions of a head's chunks where its segments start (nseg + 1 values).
 
     Causal: segment i also sums the prefix before it, so lengths shrink by (1 - PREFIX_COST) each
-    to give every item the same work. Non-causal: every item sums the whole head; equal segments.
+    to give every item the same work. Non-causal: equal segments (each sums its own part of the state, then
+    writes its outputs from all the parts).
     """
     w = (1 - PREFIX_COST) ** np.arange(nseg) if causal else np.ones(nseg)
     return np.concatenate([[0.0], np.cumsum(w) / w.sum()])
@@ -69,8 +70,8 @@ def plan(bh, n, dk, dv, causal=True):
         if causal:
             a = PREFIX_COST
             per_item = a / (1 - (1 - a) ** nseg)
-        else:
-            per_item = 0.25 + 0.75 / nseg
+        else:  # (several segments: the kernel runs twice, first summing each segment's part of the state)
+            per_item = 1 / nseg
         t = -(-bh * nseg // threads) * per_item
         if best is None or t < best * 0.97:
             best, best_nseg = t, nseg
