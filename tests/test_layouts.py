@@ -124,8 +124,10 @@ def test_any_number_of_threads_takes_all_items(rng, nthreads):
         assert_close(S[h], S_ref, np.float32)
         assert_close(Z[h], Z_ref, np.float32)
     out2 = np.full((2, 3, n, dv), np.nan, np.float32)
-    chunked.noncausal_forward.get(np.float32, "C")(nthreads, q, k, v, 1, *no_map, np.float32(1e-6), True,
-                                                    np.float32(1), chunk_size(n), frac, out2)
+    parts = np.full((6, 3, d, dv + 1), np.nan)  # each segment's part of its head's state, then the outputs
+    for phase in (0, 1):
+        chunked.noncausal_forward.get(np.float32, "C")(nthreads, q, k, v, 1, *no_map, np.float32(1e-6), True,
+                                                        np.float32(1), chunk_size(n), frac, out2, phase, parts)
     assert_close(out2, reference.masked(q, k, v, causal=False), np.float32)
 
 
