@@ -195,6 +195,10 @@ def backward(nthreads, q, k, v, g, out, fm, s, eps, normalize, chunk, frac, dq, 
     [S | Z], then of G, then the rows)."""
     kernel = noncausal_backward.get(dq.dtype, None)
     args = (q, k, v, g, out, fm, s, eps, normalize, chunk, frac, dq, dk, dv)
+    if nthreads <= 1 and len(frac) == 2:  # the worker on this thread through its unchecked entry point (no
+        # type dispatch of its 17 arguments): they have the signature's types (dtype scalars, float64 frac)
+        kernel.unchecked(*args, 3, _NO_PARTS, np.zeros(1, np.int64))
+        return
     with kernel_section(nthreads):
         if len(frac) == 2:
             kernel(nthreads, *args, 3, _NO_PARTS)
