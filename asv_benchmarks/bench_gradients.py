@@ -23,7 +23,7 @@ def torch_chunked_forward_backward(q, k, v, dout):
 
 
 def _shape(name):
-    b, h, n = {"B1 H8 N2048": (1, 8, 2048), "B2 H4 N8192": (2, 4, 8192)}[name]
+    b, h, n = {"B1 H8 N2048": (1, 8, 2048), "B2 H4 N8192": (2, 4, 8192), "B1 H1 N16384": (1, 1, 16384)}[name]
     return (b, h, 256 if SMOKE else n, 64)
 
 
@@ -101,8 +101,9 @@ class NoncausalBackward:
     """The same for non-causal attention (``linear_attention_vjp``): 15.6-16.3 when its backward was
     three linear_attention calls among NumPy passes and the maps' general vjp, 5.2-5.3 with a compiled
     pass per head before and after those calls (B1 H8 N2048, three runs each), 2.6-2.7 with
-    cpu/noncausal_grad.py's backward kernel (3.9-4.0 before it, alternating processes on the EPYC)."""
-    params = ["B1 H8 N2048"]
+    cpu/noncausal_grad.py's backward kernel (3.9-4.0 before it, alternating processes on the EPYC). One
+    long head is cut into segments (each sums its own part of the state first)."""
+    params = ["B1 H8 N2048", "B1 H1 N16384"]
     param_names = ["shape"]
     timeout = 600
 
