@@ -351,22 +351,23 @@ def _causal_forward(q, k, v, fm, fp, fa, eps, normalize, scale, lengths, chunk, 
 
 
 @njit(helper=True)
-def noncausal_sum(k, v, mp, chunk, c0, c1, Kf, V, sbuf):
-    """The sums phi(K)^T V and phi(K)^T 1 over chunks [c0, c1) of one head (views (N, X)) into the float64
-    accumulators of ``sbuf`` (_state_buffers' tuple: acc and accz; zero when there are no chunks)."""
-    P, B, acc, Pz, Bz, Z, accz, lam = sbuf
-    n = k.shape[0]
-    no_gates = empty(0, P.dtype)
-    no_f = (no_gates, no_gates, no_gates, no_gates)
-    has_acc, has_p = bool(False), bool(False)  # bool()/int(): run-time values, not literals (see _jit)
-    for ci in range(c0, c1):
-        i0 = ci * chunk
-        _add_prefix(k, v, i0, min(chunk, n - i0), mp, Kf, V, P, Pz, 1.0 if has_p else 0.0, no_gates, no_f)
-        has_p = True
-        if (ci + 1 - c0) % FOLD_EVERY == 0 or ci == c1 - 1:
-            _fold(acc, accz, B, Bz, P, Pz, has_acc, lam, bool(False))
-            has_acc, has_p = True, False
+def folded_after(ci, c0, c1, sbuf, has_acc):
+    """After chunk ci of [c0, c1) went into the pending sums P, Pz of ``sbuf`` (_state_buffers' tuple;
+    P = beta P + ..., beta 0 where (ci - c0) % FOLD_EVERY == 0): fold them into its float64
+    accumulators acc, accz every FOLD_EVERY chunks and after the last one. Returns whether acc holds
+    a sum (``has_acc`` before this chunk; see zero_unless_summed)."""
+    if (ci + 1 - c0) % FOLD_EVERY == 0 or ci == c1 - 1:
+        P, B, acc, Pz, Bz, Z, accz, lam = sbuf
+        _fold(acc, accz, B, Bz, P, Pz, has_acc, lam, bool(False))
+        return True
+    return has_acc
+
+
+@njit(helper=True)
+def zero_unless_summed(has_acc, sbuf):
+    """acc, accz of ``sbuf`` = 0 when no chunk was summed into them (an empty range of chunks)."""
     if not has_acc:
+        acc, accz = sbuf[2], sbuf[6]
         for a in range(acc.shape[0]):
             for e in range(acc.shape[1]):
                 acc[a, e] = 0
@@ -374,7 +375,24 @@ def noncausal_sum(k, v, mp, chunk, c0, c1, Kf, V, sbuf):
 
 
 @njit(helper=True)
-def summed_parts(parts, acc, accz):
+def _noncausal_sum(k, v, mp, chunk, c0, c1, Kf, V, sbuf):
+    """The sums phi(K)^T V and phi(K)^T 1 over chunks [c0, c1) of one head (views (N, X)) into the float64
+    accumulators of ``sbuf`` (_state_buffers' tuple: acc and accz; zero when there are no chunks)."""
+    P, Pz = sbuf[0], sbuf[3]
+    n = k.shape[0]
+    no_gates = empty(0, P.dtype)
+    no_f = (no_gates, no_gates, no_gates, no_gates)
+    has_acc = bool(False)  # bool()/int(): run-time values, not literals (see _jit)
+    for ci in range(c0, c1):
+        i0 = ci * chunk
+        beta = 1.0 if (ci - c0) % FOLD_EVERY else 0.0
+        _add_prefix(k, v, i0, min(chunk, n - i0), mp, Kf, V, P, Pz, beta, no_gates, no_f)
+        has_acc = folded_after(ci, c0, c1, sbuf, has_acc)
+    zero_unless_summed(has_acc, sbuf)
+
+
+@njit(helper=True)
+def _summed_parts(parts, acc, accz):
     """acc (D', X), accz (D') = the sums over the first axis of ``parts`` (nseg, D', X + 1): a head's
     partial sums, one per segment, in float64 (the last column: Z's)."""
     x = acc.shape[1]
@@ -391,7 +409,7 @@ def summed_parts(parts, acc, accz):
 
 
 @njit(helper=True)
-def write_parts(acc, accz, dst):
+def _write_parts(acc, accz, dst):
     """dst (D', X + 1) = [acc | accz] (a segment's partial sums)."""
     x = acc.shape[1]
     for a in range(acc.shape[0]):
@@ -410,9 +428,9 @@ def _noncausal_segment(q, k, v, out, mp, eps, normalize, scale, chunk, c0, c1, Q
     sbuf = _state_buffers(d_, dv, out.dtype)
     P, B, acc, Pz, Bz, Z, accz, lam = sbuf
     if parts.shape[0] > 0:
-        summed_parts(parts, acc, accz)
+        _summed_parts(parts, acc, accz)
     else:
-        noncausal_sum(k, v, mp, chunk, int(0), (n + chunk - 1) // chunk, Kf, V, sbuf)
+        _noncausal_sum(k, v, mp, chunk, int(0), (n + chunk - 1) // chunk, Kf, V, sbuf)
     for a in range(d_):  # the state rounded to the compute dtype
         for e in range(dv):
             S[a, e] = acc[a, e]
@@ -452,8 +470,8 @@ def _noncausal_forward(q, k, v, fm, fp, fa, eps, normalize, scale, chunk, frac, 
         h1, h2 = h // g2, h % g2
         if phase == 0:
             sbuf = _state_buffers(d_, dv, dt)
-            noncausal_sum(k[h1, h2], v[h1, h2], mp, chunk, c0, c1, Kf, V, sbuf)
-            write_parts(sbuf[2], sbuf[6], parts[h, s])
+            _noncausal_sum(k[h1, h2], v[h1, h2], mp, chunk, c0, c1, Kf, V, sbuf)
+            _write_parts(sbuf[2], sbuf[6], parts[h, s])
         elif c0 < c1:
             _noncausal_segment(q[h1, h2], k[h1, h2], v[h1, h2], out[h1, h2], mp, eps, normalize, scale, chunk, c0,
                                c1, QA, Kf, V, S, parts[h] if parts.shape[0] > 0 else parts[0, :0])

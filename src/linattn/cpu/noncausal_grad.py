@@ -25,7 +25,7 @@ from numba import types
 from .._jit import array, njit
 from .backward import _load_adjoints, _load_values, _scale_columns, _times_derivative
 from .buffers import empty
-from .chunked import FOLD_EVERY, _current, _fold, _segment, _state_buffers
+from .chunked import FOLD_EVERY, _segment, _state_buffers, folded_after, zero_unless_summed
 from .elementwise import load_rows
 from .runtime import kernel_section
 from .schedule import take
@@ -57,13 +57,13 @@ def _sum_chunks(which, q, k, v, g, out, fm, s, eps, normalize, chunk, c0, c1, KF
     """The float64 accumulator of ``sbuf`` (_state_buffers' acc, D x e) = the sum over chunks [c0, c1) of
     one head of phi(K)^T [v, 1] (``which`` 0: [S | Z]) or (scale phi(Q))^T [a | b] (1: G, from Z); zero
     when there are no chunks."""
-    P, B, acc, Pz, Bz, Zs, accz, lam = sbuf
+    P = sbuf[0]
     n = q.shape[0]
-    has_acc, has_p = bool(False), bool(False)  # bool()/int(): run-time values, not literals (see _jit)
+    has_acc = bool(False)  # bool()/int(): run-time values, not literals (see _jit)
     for ci in range(c0, c1):
         i0 = ci * chunk
         c = min(chunk, n - i0)
-        beta = 1.0 if has_p else 0.0
+        beta = 1.0 if (ci - c0) % FOLD_EVERY else 0.0
         if which == 0:
             load_rows(k, i0, c, fm, KF)
             _load_values(v, i0, c, V1)
@@ -71,14 +71,8 @@ def _sum_chunks(which, q, k, v, g, out, fm, s, eps, normalize, chunk, c0, c1, KF
         else:
             _queries_and_adjoints(q, g, out, i0, c, fm, s, eps, normalize, Z, QS, AB, DEN)
             small_gemm_tn(QS[:c], AB[:c], P, beta)
-        has_p = True
-        if (ci + 1 - c0) % FOLD_EVERY == 0 or ci == c1 - 1:
-            _fold(acc, accz, B, Bz, P, Pz, has_acc, lam, bool(False))
-            has_acc, has_p = True, False
-    if not has_acc:
-        for a in range(acc.shape[0]):
-            for e in range(acc.shape[1]):
-                acc[a, e] = 0
+        has_acc = folded_after(ci, c0, c1, sbuf, has_acc)
+    zero_unless_summed(has_acc, sbuf)
 
 
 @njit(helper=True)
@@ -136,31 +130,24 @@ def _noncausal_backward(q, k, v, g, out, fm, s, eps, normalize, chunk, frac, dq,
         h, sg, c0, c1 = _segment(item, nseg, frac, nchunks)
         h1, h2 = h // g2, h % g2
         qh, kh, vh, gh, oh = q[h1, h2], k[h1, h2], v[h1, h2], g[h1, h2], out[h1, h2]
-        if phase == 0:
-            _sum_chunks(int(0), qh, kh, vh, gh, oh, fm, s, eps, normalize, chunk, c0, c1, KF, V1, QS, AB, DEN, Z, sbuf)
-            _copy_matrix(acc, parts[0, h, sg])
+        for which in range(2):  # [S | Z] of the whole head, then G (from its Z)
+            if phase == 3:
+                _sum_chunks(which, qh, kh, vh, gh, oh, fm, s, eps, normalize, chunk, int(0), nchunks, KF, V1, QS, AB,
+                            DEN, Z, sbuf)
+            elif phase == which:  # this segment's part of it, for the next run
+                _sum_chunks(which, qh, kh, vh, gh, oh, fm, s, eps, normalize, chunk, c0, c1, KF, V1, QS, AB, DEN, Z,
+                            sbuf)
+                _copy_matrix(acc, parts[which, h, sg])
+                break
+            else:
+                _add_parts(parts[which, h], acc)
+            _copy_matrix(acc, S if which == 0 else G)
+            if which == 0:
+                for a in range(d):
+                    Z[a] = S[a, e - 1]
+        if phase < 2:
             item = take(counter)
             continue
-        # [S | Z] of the whole head, and its Z
-        if phase == 3:
-            _sum_chunks(int(0), qh, kh, vh, gh, oh, fm, s, eps, normalize, chunk, int(0), nchunks, KF, V1, QS, AB,
-                        DEN, Z, sbuf)
-        else:
-            _add_parts(parts[0, h], acc)
-        _copy_matrix(acc, S)
-        for a in range(d):
-            Z[a] = S[a, e - 1]
-        if phase == 1:
-            _sum_chunks(int(1), qh, kh, vh, gh, oh, fm, s, eps, normalize, chunk, c0, c1, KF, V1, QS, AB, DEN, Z, sbuf)
-            _copy_matrix(acc, parts[1, h, sg])
-            item = take(counter)
-            continue
-        if phase == 3:
-            _sum_chunks(int(1), qh, kh, vh, gh, oh, fm, s, eps, normalize, chunk, int(0), nchunks, KF, V1, QS, AB,
-                        DEN, Z, sbuf)
-        else:
-            _add_parts(parts[1, h], acc)
-        _copy_matrix(acc, G)
         transpose_rows(S, ST, sums, d)
         transpose_rows(G, GT, sums, d)
         dqh, dkh, dvh = dq[h1, h2], dk[h1, h2], dv[h1, h2]
