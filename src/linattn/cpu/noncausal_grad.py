@@ -1,4 +1,4 @@
-"""The backward pass of non-causal linear attention: dq, dk, dv in one kernel, two passes over each head.
+"""The backward pass of non-causal linear attention: dq, dk, dv in one kernel, two sums over a head, then its rows.
 
 Per head, with v1 = [v, 1], the state [S | Z] = sum_s phi(k_s) v1_s^T (D x e, e = Dv + 1), qs = scale
 phi(q), den_t = qs_t . Z + eps, the output gradient g and the forward's output out: ab_t = [a_t, b_t] =
