@@ -316,7 +316,7 @@ def linear_attention_vjp(q, k, v, *, feature_map="elu", eps=1e-6, normalize=True
     if out is not None:  # C-contiguous float arrays of one dtype, eps and normalize as the checks pass them
         lead, n, dv, comp, out_dt, s = q.shape[:-2], q.shape[-2], v.shape[-1], q.dtype, q.dtype, 1.0
     else:
-        q, k, v, lead, n, d, dv, comp, out_dt = checks.check_qkv(q, k, v)
+        q, k, v, lead, n, _, dv, comp, out_dt = checks.check_qkv(q, k, v)
         eps = checks.check_eps(eps)
         normalize = checks.check_flag(normalize, "normalize")
         s = gates_mod.check_scale(scale)
@@ -331,9 +331,10 @@ def linear_attention_vjp(q, k, v, *, feature_map="elu", eps=1e-6, normalize=True
         dk_ = src[0].shape[-1]
         dqf, dkf = workspace.take_views([lead + (n, dk_)] * 2, comp)  # (pooled: no fresh pages)
         dvv = workspace.empty(lead + (n, dv), comp)
-        if math.prod(lead) and n:  # (cpu/noncausal_grad.py)
+        bh = math.prod(lead)
+        if bh and n:  # (cpu/noncausal_grad.py)
             arrays, _, _ = _seq4(src + (v, g, out, dqf, dkf, dvv), lead)
-            chunk, frac, nthreads = plan(math.prod(lead), n, dk_, dv, causal=False)
+            chunk, frac, nthreads = plan(bh, n, dk_, dv, causal=False)
             noncausal_grad.backward(nthreads, *arrays[:5], fm, comp.type(s), comp.type(eps), normalize, chunk, frac,
                                     *arrays[5:])
         if code is not None:
