@@ -179,10 +179,14 @@ def test_state_with_non_contiguous_views(rng):
     assert_close(out, linattn.causal_linear_attention(q, k, v)[:, 30:], np.float32)
 
 
-@pytest.mark.parametrize("frac", [[0, 1], [0, 0.5, 1], [0, 0.2, 0.21, 0.9, 1], [0, 0, 0, 1],
-                                  [0, 1, 1, 1], [0, 0.1, 0.2, 0.3, 0.4, 0.5, 0.6, 0.7, 0.8, 0.9, 1]])
-def test_segments(rng, frac):
-    """The kernels split a head into segments when heads are few; check every kind of split."""
+_SPLITS = [[0, 0.5, 1], [0, 0.2, 0.21, 0.9, 1], [0, 0, 0, 1], [0, 1, 1, 1],
+           [0, 0.1, 0.2, 0.3, 0.4, 0.5, 0.6, 0.7, 0.8, 0.9, 1]]
+
+
+@pytest.mark.parametrize("frac, two_runs", [([0, 1], False)] + [(f, t) for f in _SPLITS for t in (False, True)])
+def test_segments(rng, frac, two_runs):
+    """The kernels split a head into segments when heads are few; check every kind of split, causal
+    segments that sum their prefix (one run) and that sum their own part first (two runs)."""
     n, d, dv = 300, 6, 5
     q, k, v = make_qkv(rng, (3,), n, d, dv)
     lengths = np.array([300, 131, 0], np.int64)
@@ -196,9 +200,15 @@ def test_segments(rng, frac):
     den = np.full((1, 3, n), np.nan, np.float32)  # the denominators kept for the backward pass
     chunk = chunk_size(n)
     states = np.full((1, 3, -(-n // chunk), dv + 1, d), np.nan, np.float32)  # and the states at chunk starts
-    chunked.causal_forward.get(np.float32, ("C", 0))(2, q[None], k[None], v[None], 1, *no_map, np.float32(1e-6), True,
-                                                      np.float32(1), lengths, chunk, frac, S0, Z0, out[None],
-                                                      S, Z, *no_gates, den, states)
+    if two_runs:  # each segment's part of the state, then the outputs
+        runs = ((0, np.full((3, len(frac) - 1, d, dv + 2), np.nan)),)
+        runs += ((1, runs[0][1]),)
+    else:  # each segment sums the chunks before it
+        runs = ((1, np.zeros((0, 1, 1, 1))),)
+    kernel = chunked.causal_forward.get(np.float32, ("C", 0))
+    for phase, parts in runs:
+        kernel(2, q[None], k[None], v[None], 1, *no_map, np.float32(1e-6), True, np.float32(1), lengths, chunk, frac,
+               S0, Z0, out[None], S, Z, *no_gates, den, states, phase, parts)
     for h, L in enumerate(lengths):
         for ci in range(-(-L // chunk)):
             i0 = ci * chunk
@@ -221,6 +231,47 @@ def test_segments(rng, frac):
                                                         True, np.float32(1), chunk_size(n), frac, out2[None], phase,
                                                         parts if len(frac) > 2 else parts[:0])
     assert_close(out2, reference.masked(q, k, v, causal=False), np.float32)
+
+
+@pytest.mark.parametrize("nseg", [2, 3, 7])
+def test_two_runs_equal_one_call(rng, monkeypatch, nseg):
+    """Heads in equal segments that each sum their own part of the state first (what runtime.plan picks
+    with many threads a head) give the unsegmented results: with every kind of gate and decay, lengths,
+    an initial state, the final state, through the plain call's short path and the vjp's forward (its
+    kept denominators and chunk states, and so its gradients)."""
+    lead, n, d, dv = (2, 2), 700, 5, 3
+    q, k, v = make_qkv(rng, lead, n, d, dv, np.float64)
+    S0 = linattn.State(rng.random(lead + (d, dv)), rng.random(lead + (d,)))
+    g_pos = -rng.random(lead + (n,)) * 0.05
+    g_pos[0, 1, 333] = -np.inf  # a reset
+    g_dim = -rng.random(lead + (n, d)) * 0.05
+    g_dim[1, 0, 40, 2] = -np.inf
+    options = [{}, dict(initial_state=S0, lengths=np.array([[700, 333], [0, 1]])), dict(gate=g_pos),
+               dict(gate=g_dim, initial_state=S0), dict(decay=np.full(lead, 0.97)),
+               dict(decay=np.full(lead, 0.99), gate=g_pos, normalize=False, scale=0.5)]
+    W = rng.standard_normal(lead + (n, dv))
+
+    def results():
+        linattn.attention._constants.clear()  # (the short path's plans)
+        found = [linattn.causal_linear_attention(q, k, v)]
+        for kw in options:
+            out, state = linattn.causal_linear_attention(q, k, v, return_state=True, **kw)
+            out2, _, vjp = linattn.causal_linear_attention_vjp(q, k, v, return_state=True, **kw)
+            np.testing.assert_array_equal(out2, out)
+            found += [out, state.S, state.Z] + [x for x in vjp(W)[:3]]
+        return found
+
+    whole = results()
+    real_plan = linattn.attention.plan
+
+    def split(bh, n, dk, dv, causal=True, two_runs=True):
+        chunk, _, _, _ = real_plan(bh, n, dk, dv, causal, two_runs)
+        return chunk, np.linspace(0, 1, nseg + 1), 2, True
+
+    monkeypatch.setattr(linattn.attention, "plan", split)
+    for got, want in zip(results(), whole):
+        assert_close(got, want, np.float64)
+    linattn.attention._constants.clear()
 
 
 def test_long_sequence_float32_accuracy(rng):

@@ -633,7 +633,8 @@ def test_segments_of_a_head(rng, monkeypatch, frac, per_dimension):
 
     whole = grads()
     real_plan = linattn.gradients.plan
-    monkeypatch.setattr(linattn.gradients, "plan", lambda *a, **kw: (real_plan(*a, **kw)[0], np.array(frac, float), 2))
+    monkeypatch.setattr(linattn.gradients, "plan",
+                        lambda *a, **kw: (real_plan(*a, **kw)[0], np.array(frac, float), 2, False))
     for got, want in zip(grads(), whole):
         got, want = (x.S if isinstance(x, linattn.State) else x for x in (got, want))
         assert_close(got, want, np.float64)

@@ -112,17 +112,21 @@ def test_any_number_of_threads_takes_all_items(rng, nthreads):
     none = np.zeros((0, d, dv), np.float32), np.zeros((0, d), np.float32)
     no_gates = (np.zeros(0, np.float32), np.zeros(0), np.zeros(3, np.int64))
     no_map = (np.zeros(0, np.float32), 0)  # elu+1 inline: no parameters, no map_rows
-    chunked.causal_forward.get(np.float32, ("C", 0))(nthreads, q, k, v, 1, *no_map, np.float32(1e-6), True,
-                                                      np.float32(1), lengths, chunk_size(n), frac, *none, out, S, Z,
-                                                      *no_gates, np.zeros((1, 1, 0), np.float32),
-                                                      np.zeros((1, 1, 0, 1, 1), np.float32))
-    for h, L in enumerate(lengths):
-        i, j = divmod(h, 3)
-        ref, (S_ref, Z_ref) = reference.loop(q[i, j, :L], k[i, j, :L], v[i, j, :L], return_state=True)
-        assert_close(out[i, j, :L], ref, np.float32)
-        np.testing.assert_array_equal(out[i, j, L:], 0)
-        assert_close(S[h], S_ref, np.float32)
-        assert_close(Z[h], Z_ref, np.float32)
+    parts = np.full((6, 3, d, dv + 2), np.nan)
+    kernel = chunked.causal_forward.get(np.float32, ("C", 0))
+    for runs in (((1, parts[:0]),), ((0, parts), (1, parts))):  # segments after their prefix; in two runs
+        out[...], S[...], Z[...] = np.nan, np.nan, np.nan
+        for phase, p in runs:
+            kernel(nthreads, q, k, v, 1, *no_map, np.float32(1e-6), True, np.float32(1), lengths, chunk_size(n), frac,
+                   *none, out, S, Z, *no_gates, np.zeros((1, 1, 0), np.float32), np.zeros((1, 1, 0, 1, 1), np.float32),
+                   phase, p)
+        for h, L in enumerate(lengths):
+            i, j = divmod(h, 3)
+            ref, (S_ref, Z_ref) = reference.loop(q[i, j, :L], k[i, j, :L], v[i, j, :L], return_state=True)
+            assert_close(out[i, j, :L], ref, np.float32)
+            np.testing.assert_array_equal(out[i, j, L:], 0)
+            assert_close(S[h], S_ref, np.float32)
+            assert_close(Z[h], Z_ref, np.float32)
     out2 = np.full((2, 3, n, dv), np.nan, np.float32)
     parts = np.full((6, 3, d, dv + 1), np.nan)  # each segment's part of its head's state, then the outputs
     for phase in (0, 1):

@@ -54,21 +54,25 @@ def _no_state(dt, dk, dv):
     return found
 
 
-_NO_PARTS = np.zeros((0, 1, 1, 1))  # the non-causal kernel's segments' partial sums, none
+_NO_PARTS = np.zeros((0, 1, 1, 1))  # the kernels' segments' partial sums, none
 
 
-def _noncausal(kernel, nthreads, args, bh, dk, dv):
-    """Run the non-causal kernel with ``args`` (its arguments up to ``out``; ``frac`` third from the end)
-    on ``nthreads`` threads: once when every head is one segment, else twice (the segments' partial sums
-    of the state, (heads, nseg, D', Dv + 1) in float64, then the outputs from them)."""
-    nseg = len(args[-2]) - 1
+def _run(kernel, nthreads, args, parts):
+    """Run a forward kernel with ``args`` (its arguments before ``phase``) on ``nthreads`` threads: once
+    (phase 1) when ``parts`` is None, else twice with it: phase 0, the segments' partial sums of the
+    state, (heads, nseg, D', X) in float64; phase 1, the outputs from them (see cpu/chunked.py)."""
     with kernel_section(nthreads):
-        if nseg == 1:
+        if parts is None:
             kernel(nthreads, *args, 1, _NO_PARTS)
         else:
-            parts = np.empty((bh, nseg, dk, dv + 1))
             kernel(nthreads, *args, 0, parts)
             kernel(nthreads, *args, 1, parts)
+
+
+def _parts(two_runs, bh, frac, dk, dv, causal):
+    """The segments' partial sums for a kernel that runs twice (causal: [S | Z | log decay], non-causal
+    [S | Z] per key dimension), else None."""
+    return np.empty((bh, len(frac) - 1, dk, dv + (2 if causal else 1))) if two_runs else None
 
 
 def _fast_plan(causal, dt, shape, dv, threads):
@@ -82,7 +86,7 @@ def _fast_plan(causal, dt, shape, dv, threads):
     if found is None:
         n, d = shape[-2], shape[-1]
         bh = math.prod(shape[:-2])
-        chunk, frac, nthreads = plan(bh, n, d, dv, causal)
+        chunk, frac, nthreads, two_runs = plan(bh, n, d, dv, causal)
         pooled = bh * n * dv * dt.itemsize >= workspace.POOL_MIN_BYTES  # (workspace.empty's own test: ~1 us)
         no_gates, one = _PLAIN[dt]
         if causal:
@@ -90,7 +94,7 @@ def _fast_plan(causal, dt, shape, dv, threads):
             extra = (_full_lengths(bh, n),) + _no_state(dt, d, dv) + (_NO_DEN[dt], _NO_STATES[dt])
         else:
             kernel, extra = chunked.noncausal_forward.get(dt, "C"), ()
-        found = (chunk, frac, nthreads, pooled, kernel, no_gates, one) + extra
+        found = (chunk, frac, nthreads, pooled, kernel, no_gates, one, two_runs) + extra
         if len(_constants) > 256:
             _constants.clear()
         _constants[key] = found
@@ -118,7 +122,7 @@ def _fast(causal, q, k, v, feature_map, eps, normalize, keep=False, return_state
     found = _constants.get((causal, dt, shape, dv, num_threads()))
     if found is None:
         found = _fast_plan(causal, dt, shape, dv, num_threads())
-    chunk, frac, nthreads, pooled, kernel, no_gates, one = found[:7]
+    chunk, frac, nthreads, pooled, kernel, no_gates, one, two_runs = found[:8]
     if pooled:  # a large result the caller will drop: from the pool, reused without page faults
         out = workspace.empty(shape[:-1] + (dv,), dt)
     else:
@@ -130,7 +134,7 @@ def _fast(causal, q, k, v, feature_map, eps, normalize, keep=False, return_state
     else:
         q4, k4, v4, o4 = (x.reshape(1, bh, n, x.shape[-1]) for x in (q, k, v, out))
     if causal:
-        lengths, S0, Z0, S, Z, den4, states4 = found[7:]
+        lengths, S0, Z0, S, Z, den4, states4 = found[8:]
         if return_state:
             S, Z = np.empty((bh, d, dv), dt), np.empty((bh, d), dt)
         status = _NO_STATUS
@@ -145,16 +149,14 @@ def _fast(causal, q, k, v, feature_map, eps, normalize, keep=False, return_state
                 o4, S, Z, no_gates, _ZERO_DECAY, status, den4, states4)
     else:
         args = (q4, k4, v4, code, no_gates, 0, dt.type(eps), normalize, one, chunk, frac, o4)
-        if len(frac) > 2:  # heads in segments: two runs (runs on one thread have one segment a head)
-            _noncausal(kernel, nthreads, args, bh, d, dv)
-            return out
-        args += (1, _NO_PARTS)
-    if nthreads > 1:
+    if two_runs:  # heads in segments, each summing its own part first (runs on one thread have one segment a head)
+        _run(kernel, nthreads, args, _parts(True, bh, frac, d, dv, causal))
+    elif nthreads > 1:
         with kernel_section(nthreads):
-            kernel(nthreads, *args)
+            kernel(nthreads, *args, 1, _NO_PARTS)
     else:  # the worker on this thread, as the kernel would call it (no parallel region, no section),
         # through its unchecked entry point: the arguments built above have the signature's types
-        kernel.unchecked(*args, np.zeros(1, np.int64))
+        kernel.unchecked(*args, 1, _NO_PARTS, np.zeros(1, np.int64))
     if causal and keep:
         state = State(S.reshape(shape[:-2] + (d, dv)), Z.reshape(shape[:-2] + (d,))) if return_state else None
         return (out, state), (den, states, chunk)
@@ -429,7 +431,7 @@ def causal_with_denominators(q, k, v, feature_map="elu", eps=1e-6, normalize=Tru
         S, Z = np.empty((rows, dk, dv), comp), np.empty((rows, dk), comp)
         res = _result_array(out, lead, n, dv, comp, (q, k, v))
         if bh and n:
-            chunk, frac, nthreads = plan(bh, n, dk, dv, causal=True)
+            chunk, frac, nthreads, two_runs = plan(bh, n, dk, dv, causal=True)
             own = kind in (gates_mod.SCALAR, gates_mod.VECTOR)  # a gate array of their own
             arrays = (q, k, v, res) + ((gates if kind == gates_mod.VECTOR else gates[..., None],) if own else ())
             arrays, layout, copied = _seq4(arrays, lead)
@@ -443,10 +445,11 @@ def causal_with_denominators(q, k, v, feature_map="elu", eps=1e-6, normalize=Tru
                 den4 = den.reshape(q4.shape[:3])
             if keep:
                 states = workspace.take(lead + (-(-n // chunk), dv + 1, dk), comp)  # (the caller releases it)
-            with kernel_section(nthreads):
-                kernel(nthreads, q4, k4, v4, *code, comp.type(eps), normalize, comp.type(scale), lens, chunk, frac,
-                       S0, Z0, o4, S, Z, g4, ld, status, _NO_DEN[comp] if den is None else den4,
-                       _NO_STATES[comp] if states is None else states.reshape(q4.shape[:2] + states.shape[-3:]))
+            _run(kernel, nthreads, (q4, k4, v4, *code, comp.type(eps), normalize, comp.type(scale), lens, chunk, frac,
+                                    S0, Z0, o4, S, Z, g4, ld, status, _NO_DEN[comp] if den is None else den4,
+                                    _NO_STATES[comp] if states is None else
+                                    states.reshape(q4.shape[:2] + states.shape[-3:])),
+                 _parts(two_runs, bh, frac, dk, dv, True))
             gates_mod.raise_bad_gate(status, lead)
             if copied[3]:  # res allowed no 4-D view with the inputs' split
                 res[...] = o4.reshape(res.shape)
@@ -511,11 +514,11 @@ def linear_attention(q, k, v, *, feature_map="elu", eps=1e-6, normalize=True, sc
     else:
         res = _result_array(out, lead, n, dv, comp, (q, k, v))
         if bh and n:
-            chunk, frac, nthreads = plan(bh, n, dk, dv, causal=False)
+            chunk, frac, nthreads, two_runs = plan(bh, n, dk, dv, causal=False)
             (q4, k4, v4, o4), layout, copied = _seq4((q, k, v, res), lead)
             kernel = chunked.noncausal_forward.get(comp, layout)
-            _noncausal(kernel, nthreads, (q4, k4, v4, *code, comp.type(eps), normalize, comp.type(scale), chunk, frac,
-                                          o4), bh, dk, dv)
+            _run(kernel, nthreads, (q4, k4, v4, *code, comp.type(eps), normalize, comp.type(scale), chunk, frac, o4),
+                 _parts(two_runs, bh, frac, dk, dv, False))
             if copied[3]:
                 res[...] = o4.reshape(res.shape)
     return _deliver(res, out, out_dt, where)

@@ -260,7 +260,7 @@ def _backward(q, k, v, fmap, code, lead, d, out_dt, normalize, s, initial_state,
                 arrays = (q, k) if code is not None else (qf, kf)
                 (q4, k4, v4, g4, o4), _, _ = _seq4(arrays + (v, g, out), lead)  # (rows made unit-stride there)
             g12 = q4.shape[:2]
-            _, frac, nthreads = plan(bh, n, d, dv, causal=True)  # (the forward's segments, mirrored)
+            _, frac, nthreads, _ = plan(bh, n, d, dv, two_runs=False)  # (segments with a prefix, mirrored)
             nthreads = min(nthreads, bh * (len(frac) - 1))
             kernel = backward.causal_backward.get(comp, 2 if vector else int(gated))
             lam4 = (lam.reshape(g12 + (n,) + ((d,) if vector else ())) if gated else np.empty(0, comp))
@@ -334,7 +334,7 @@ def linear_attention_vjp(q, k, v, *, feature_map="elu", eps=1e-6, normalize=True
         bh = math.prod(lead)
         if bh and n:  # (cpu/noncausal_grad.py)
             arrays, _, _ = _seq4(src + (v, g, out, dqf, dkf, dvv), lead)
-            chunk, frac, nthreads = plan(bh, n, dk_, dv, causal=False)
+            chunk, frac, nthreads, _ = plan(bh, n, dk_, dv, causal=False)
             noncausal_grad.backward(nthreads, *arrays[:5], fm, comp.type(s), comp.type(eps), normalize, chunk, frac,
                                     *arrays[5:])
         if code is not None:

@@ -33,7 +33,7 @@ from numba.np.numpy_support import as_dtype
 
 from .._jit import OVERLOAD_OPTIONS, array, njit
 from .buffers import empty, zeros
-from .chunked import _copy_row, _current, _init_state, _segment, _state_buffers, _write_state, pending_added
+from .chunked import _copy_row, _current, _init_state, _segment, _state_buffers, pending_added, write_state
 from .elementwise import ELU, RELU, load_rows
 from .gating import (SUB, VECTOR, _kind, _stub, chunk_gates, gate_buffers, gate_key_rows, gate_pending,
                      gate_queries, gate_scores, gate_state_factors, masked_product, prepare_kernel)
@@ -387,7 +387,7 @@ def _causal_backward(q, k, v, g, out, den, fm, normalize, s, lengths, chunk, fra
             for x in (dqh, dkh, dvh):
                 _zero_rows(x, length, x.shape[0])
             if H_out.shape[0] > 0:
-                _write_state(acc, accz, P, Pz, h, H_out, Z_out, has_acc, has_p, lam, decayed)
+                write_state(acc, accz, P, Pz, H_out[h], Z_out[h], has_acc, has_p, lam, decayed)
         keep_alive(sbuf)
         item = take(counter)
     keep_alive((owners, gbuf, wbuf))

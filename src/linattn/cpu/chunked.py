@@ -17,7 +17,9 @@ millions of positions while the per-chunk work stays in float32.
 
 A segment's item first sums phi(K)^T V over the chunks before its segment (the "prefix": about
 0.3 of a chunk's full cost), so items need no barrier; segment lengths shrink geometrically so
-that every item does the same work. Extra memory is O(chunk * (D + Dv) + D * Dv) per item.
+that every item does the same work. With many segments a head (more threads than heads), the kernel
+runs twice instead: each segment sums its own chunks, then starts from the sum of the parts before it
+(runtime.plan chooses). Extra memory is O(chunk * (D + Dv) + D * Dv) per item.
 """
 import numpy as np
 from numba import types
@@ -26,8 +28,8 @@ from .._jit import array, njit
 from .buffers import empty, zeros
 from . import gating
 from .elementwise import exp_le0
-from .gating import (chunk_gates, gate_buffers, gate_key_columns, gate_key_rows, gate_pending, gate_queries,
-                     gate_scores, gate_state_factors)
+from .gating import (chunk_gates, gate_buffers, gate_key_columns, gate_key_rows, gate_log_sum, gate_pending,
+                     gate_queries, gate_scores, gate_state_factors)
 from .mapfns import load_features, map_state, mapped_dim
 from .schedule import take
 from .smallgemm import small_gemm, small_gemm_tn
@@ -183,15 +185,51 @@ def _current(B, Bz, P, Pz, S, Z, has_acc, has_p, fb, decayed):
 
 
 @njit(helper=True)
-def _write_state(acc, accz, P, Pz, h, S_out, Z_out, has_acc, has_p, lam, decayed):
-    """S_out[h] = exp(lam) acc + P, Z_out[h] = exp(lam) accz + Pz (in float64, then rounded once; acc
-    and P taken as zero where the flags say they hold nothing)."""
+def write_state(acc, accz, P, Pz, S_dst, Z_dst, has_acc, has_p, lam, decayed):
+    """S_dst = exp(lam) acc + P, Z_dst = exp(lam) accz + Pz (in float64, then rounded once to the
+    destinations' dtype; acc and P taken as zero where the flags say they hold nothing)."""
     for a in range(P.shape[0]):
         f = exp_le0(lam[a]) if decayed else 1.0
+        row = S_dst[a]
         for e in range(P.shape[1]):
             x = f * acc[a, e] if has_acc else 0.0
-            S_out[h, a, e] = x + P[a, e] if has_p else x
-        Z_out[h, a] = f * accz[a] + Pz[a]
+            row[e] = x + P[a, e] if has_p else x
+        Z_dst[a] = f * accz[a] + Pz[a]
+
+
+@njit(helper=True)
+def _write_part(sbuf, has_acc, has_p, total, decayed, dst):
+    """dst (D', Dv + 2) = [S | Z | log decay]: a segment's own part of the state (the sums of _state_buffers'
+    tuple ``sbuf`` from a zero start) and the log of its whole decay per key dimension (``total``; 0 without
+    gates), in float64."""
+    P, B, acc, Pz, Bz, Z, accz, lam = sbuf
+    dv = P.shape[1]
+    write_state(acc, accz, P, Pz, dst[:, :dv], dst[:, dv], has_acc, has_p, lam, decayed)
+    for a in range(dst.shape[0]):
+        dst[a, dv + 1] = total[a] if decayed else 0.0
+
+
+@njit(helper=True)
+def _add_parts(parts, s, acc, accz, B, Bz, has_acc):
+    """The state at the start of segment s from the parts of the segments before it (parts: (nseg, D',
+    Dv + 2), _write_part's): acc = exp(decay_j) acc + S_j for j < s, as accz with Z_j (acc, accz: the
+    initial state when ``has_acc``); B, Bz = their rounded values. Returns the new has_acc."""
+    dv = acc.shape[1]
+    for j in range(s):
+        part = parts[j]
+        for a in range(acc.shape[0]):
+            row = part[a]
+            f = exp_le0(row[dv + 1]) if has_acc else 0.0
+            for e in range(dv):
+                acc[a, e] = f * acc[a, e] + row[e] if has_acc else row[e]
+            accz[a] = f * accz[a] + row[dv] if has_acc else row[dv]
+        has_acc = True
+    if s > 0:
+        for a in range(acc.shape[0]):
+            for e in range(dv):
+                B[a, e] = acc[a, e]
+            Bz[a] = accz[a]
+    return has_acc
 
 
 @njit(helper=True)
@@ -235,7 +273,7 @@ def _scale_rows(out, i0, c, scale):
 
 
 def _causal_forward(q, k, v, fm, fp, fa, eps, normalize, scale, lengths, chunk, frac, S0, Z0, out, S_out, Z_out,
-                    gates, ld, status, den, states, counter):
+                    gates, ld, status, den, states, phase, parts, counter):
     """Causal linear attention of every head; head h stops at lengths[h] (later outputs are 0).
 
     q, k: (G1, G2, N, D); v, out: (G1, G2, N, Dv), any strides with unit stride along the last
@@ -252,6 +290,13 @@ def _causal_forward(q, k, v, fm, fp, fa, eps, normalize, scale, lengths, chunk, 
     ``states`` (G1, G2, chunks, Dv + 1, D'), unless it has no chunks, receives the state at the start of
     every chunk as [S | Z]^T (in the compute dtype, before the chunk's gates: the backward's dq reads it).
 
+    Segments start in one of two ways. With ``parts`` of no rows (one run, ``phase`` 1), a segment's
+    item first sums the chunks before it (the prefix). With parts (heads, nseg, D', Dv + 2) (float64),
+    the kernel runs twice: ``phase`` 0, each segment but the last sums its own chunks from a zero state
+    into parts[head, segment] (_write_part: [S | Z | log decay]); phase 1, each starts from the initial
+    state and the parts before it (_add_parts), with no prefix. The first costs the later segments
+    more as the segments multiply; the second, one extra pass over every segment but the last.
+
     A segment's code is written here, not in a function of its own: Numba would compile such a
     function on its own and then again inside this one (+1.7 s at the first call, measured).
     """
@@ -263,7 +308,8 @@ def _causal_forward(q, k, v, fm, fp, fa, eps, normalize, scale, lengths, chunk, 
     decayed = bool(gates.ndim > 1)  # bool()/int(): run-time values, not literals (see _jit)
     # the arrays' views (rows of a chunk) without reference counting: the caller owns the arguments,
     # the buffers' owners are kept to the end
-    q, k, v, out, den, states, gates = unowned((q, k, v, out, den, states, gates))
+    q, k, v, out, den, states, gates, parts = unowned((q, k, v, out, den, states, gates, parts))
+    summing = bool(parts.shape[0] > 0 and phase == 0)  # (phase 0: the segments' own sums)
     S0, Z0, S_out, Z_out = unowned((S0, Z0, S_out, Z_out))
     owners = (empty((chunk, d_ + chunk), dt), empty((d_ + chunk, dv), dt), empty((chunk, d_), dt),
               empty((d_, chunk), dt), empty(max(d_, dv), dt), empty((dv + 1, d_), dt),
@@ -283,7 +329,7 @@ def _causal_forward(q, k, v, fm, fp, fa, eps, normalize, scale, lengths, chunk, 
         length = lengths[item // nseg]
         h, s, c0, c1 = _segment(item, nseg, frac, (length + chunk - 1) // chunk)
         last = s == nseg - 1
-        if not (c0 < c1 or (last and (S_out.shape[0] > 0 or length < n))):
+        if (summing and last) or not (summing or c0 < c1 or (last and (S_out.shape[0] > 0 or length < n))):
             item = take(counter)
             continue
         # the segment: outputs of chunks [c0, c1) of head h from the state before chunk c0
@@ -294,15 +340,27 @@ def _causal_forward(q, k, v, fm, fp, fa, eps, normalize, scale, lengths, chunk, 
         kept = states[h // g2, h % g2] if states.shape[2] > 0 else states[0, 0]
         sbuf = (_state_buffers(d_, dv, dt), empty(d_ if decayed else 0, dt))  # (zeros where they must start so)
         (P, B, acc, Pz, Bz, Z, accz, lam), fb = unowned(sbuf)  # fb: B's factors (gate_state_factors)
-        has_acc = _init_state(S0, Z0, h, acc, accz, B, Bz)
+        has_acc = bool(False) if summing else _init_state(S0, Z0, h, acc, accz, B, Bz)
         has_p = bool(False)
-        for ci in range(c0):  # the state at the start of this segment
+        if parts.shape[0] > 0 and not summing:
+            has_acc = _add_parts(parts[h], s, acc, accz, B, Bz, has_acc)
+        total = zeros(d_ if summing and decayed else 0, np.float64)  # the segment's log decay (phase 0)
+        # the state at the start of this segment from its prefix, or phase 0's sum of the segment itself
+        p0, p1 = (c0, c1) if summing else (0, 0 if parts.shape[0] > 0 else c0)
+        for ci in range(p0, p1):
             i0 = ci * chunk
             c = min(chunk, length - i0)
             chunk_gates(gates, h, ld, i0, c, G, R, F, status)
             beta = gate_pending(gates, P, Pz, lam, c, G, R, F, has_p)
             _add_prefix(kh, vh, i0, c, mp, Kf, SV, P, Pz, beta if has_p else 0, gates, F)
             has_acc, has_p = pending_added(ci, acc, accz, B, Bz, P, Pz, has_acc, lam, decayed)
+            if summing:
+                gate_log_sum(gates, total, c, G, R)
+        if summing:
+            _write_part(sbuf[0], has_acc, has_p, total, decayed, parts[h, s])
+            keep_alive((sbuf, total))
+            item = take(counter)
+            continue
         gate_state_factors(gates, lam, fb)
         _current(B, Bz, P, Pz, SV, Z, has_acc, has_p, fb, decayed)
         for ci in range(c0, c1):
@@ -343,7 +401,7 @@ def _causal_forward(q, k, v, fm, fp, fa, eps, normalize, scale, lengths, chunk, 
         if last:
             oh[length:] = 0
             if S_out.shape[0] > 0:
-                _write_state(acc, accz, P, Pz, h, S_out, Z_out, has_acc, has_p, lam, decayed)
+                write_state(acc, accz, P, Pz, S_out[h], Z_out[h], has_acc, has_p, lam, decayed)
         keep_alive(sbuf)
         item = take(counter)
     store_fence()  # the kept states' streaming stores, before the backward's threads read them
@@ -492,7 +550,8 @@ def _causal_signature(dt, variant):
                       array(i64, 1, readonly=True), i64,
                       array(f64, 1, readonly=True), array(dt, 3, readonly=True),
                       array(dt, 2, readonly=True), array(dt, 4, layout), array(dt, 3), array(dt, 2),
-                      _gates_type(dt, kind), array(f64, 1, readonly=True), array(i64, 1), array(dt, 3), array(dt, 5))
+                      _gates_type(dt, kind), array(f64, 1, readonly=True), array(i64, 1), array(dt, 3), array(dt, 5),
+                      i64, array(f64, 4))
 
 
 def _noncausal_signature(dt, layout):

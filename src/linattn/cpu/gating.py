@@ -457,6 +457,25 @@ def _gate_key_rows(gates, Kf, c, F, Pz):
     return impl
 
 
+gate_log_sum = _stub("gate_log_sum")
+
+
+@overload(gate_log_sum, jit_options=OVERLOAD_OPTIONS)
+def _gate_log_sum(gates, lam, c, G, R):
+    """lam += the log of the chunk's whole factor, per key dimension (float64, -inf after a reset)."""
+    kind = _kind(gates)
+    if kind == NONE:
+        return lambda gates, lam, c, G, R: None
+
+    def impl(gates, lam, c, G, R):
+        for a in range(lam.shape[0]):
+            if kind != VECTOR:
+                lam[a] = -np.inf if R[c - 1] >= 0 else lam[a] + G[c - 1]
+            else:  # R[0]: the chunk's sums of log gates (-inf after a reset)
+                lam[a] += R[0, a]
+    return impl
+
+
 @overload(gate_pending, jit_options=OVERLOAD_OPTIONS)
 def _gate_pending(gates, P, Pz, lam, c, G, R, F, has_p):
     """Decay the pending sums by the chunk's whole factor: Pz here, P (if it holds values) here per
@@ -470,12 +489,11 @@ def _gate_pending(gates, P, Pz, lam, c, G, R, F, has_p):
 
     def impl(gates, P, Pz, lam, c, G, R, F, has_p):
         whole = F[2]
+        gate_log_sum(gates, lam, c, G, R)
         for a in range(P.shape[0]):
             if kind != VECTOR:
-                lam[a] = -np.inf if R[c - 1] >= 0 else lam[a] + G[c - 1]
                 f = whole[0]
-            else:  # R[0]: the chunk's sums of log gates (-inf after a reset)
-                lam[a] += R[0, a]
+            else:
                 f = whole[a]
                 if has_p:
                     row = P[a]

@@ -42,40 +42,48 @@ def chunk_size(n):
     return min(32, max(8, -(-n // 8) * 8))
 
 
-def _segment_fractions(nseg, causal):
+def _segment_fractions(nseg, prefix):
     """Cumulative fractions of a head's chunks where its segments start (nseg + 1 values).
 
-    Causal: segment i also sums the prefix before it, so lengths shrink by (1 - PREFIX_COST) each
-    to give every item the same work. Non-causal: equal segments (each sums its own part of the state, then
-    writes its outputs from all the parts).
+    With a prefix (causal, one run) segment i also sums the chunks before it, so lengths shrink by
+    (1 - PREFIX_COST) each to give every item the same work. Otherwise equal segments (non-causal, and
+    causal in two runs: each segment sums its own part of the state first; see cpu/chunked.py).
     """
-    w = (1 - PREFIX_COST) ** np.arange(nseg) if causal else np.ones(nseg)
+    w = (1 - PREFIX_COST) ** np.arange(nseg) if prefix else np.ones(nseg)
     return np.concatenate([[0.0], np.cumsum(w) / w.sum()])
 
 
-def plan(bh, n, dk, dv, causal=True):
-    """(chunk, frac, nthreads): chunk size, segment fractions and number of threads minimising the
-    estimated time (heads are split into segments only when there are too few to keep the threads
-    busy; small calls run on fewer threads, down to the calling thread alone, which wakes none)."""
+def plan(bh, n, dk, dv, causal=True, two_runs=True):
+    """(chunk, frac, nthreads, two_runs): chunk size, segment fractions, number of threads and whether
+    the kernel runs twice, minimising the estimated time (heads are split into segments only when there
+    are too few to keep the threads busy; small calls run on fewer threads, down to the calling thread
+    alone, which wakes none).
+
+    A causal head in segments either has each segment sum its prefix (one run; the later segments
+    shorter) or, where ``two_runs`` allows it (the forward kernel), each sum its own part first (equal
+    segments; a segment's item costs (1 + PREFIX_COST) / nseg of the head): from about four segments a
+    head the second is faster. Non-causal segments always take two runs (each sums its own part)."""
     threads = num_threads()
-    key = (bh, n, dk, dv, causal, threads)
+    key = (bh, n, dk, dv, causal, two_runs, threads)
     found = _plans.get(key)
     if found is not None:
         return found
     chunk = chunk_size(n)
     threads = max(1, min(threads, bh * n * (dk + chunk) * dv // MIN_WORK_PER_THREAD))
     nchunks = -(-n // chunk)
-    best, best_nseg = None, 1
+    a = PREFIX_COST
+    best, best_nseg, prefix = None, 1, causal
     for nseg in range(1, min(8 * threads, nchunks) + 1):
-        if causal:
-            a = PREFIX_COST
-            per_item = a / (1 - (1 - a) ** nseg)
-        else:  # (several segments: the kernel runs twice, first summing each segment's part of the state)
-            per_item = 1 / nseg
-        t = -(-bh * nseg // threads) * per_item
-        if best is None or t < best * 0.97:
-            best, best_nseg = t, nseg
-    found = (chunk, _segment_fractions(best_nseg, causal), threads)
+        rounds = -(-bh * nseg // threads)
+        if causal:  # (the prefix first; a tie keeps it: one run)
+            costs = [(a / (1 - (1 - a) ** nseg), True)] + ([((1 + a) / nseg, False)] if two_runs and nseg > 1 else [])
+        else:
+            costs = [(1 / nseg, False)]
+        for per_item, pre in costs:
+            t = rounds * per_item
+            if best is None or t < best * 0.97:
+                best, best_nseg, prefix = t, nseg, pre
+    found = (chunk, _segment_fractions(best_nseg, prefix), threads, best_nseg > 1 and not prefix)
     if len(_plans) > 1024:
         _plans.clear()
     _plans[key] = found
