@@ -614,12 +614,13 @@ def test_every_map_through_attention(rng, causal):
             assert abs((grad * delta).sum() - want) <= 1e-6 * (np.abs(grad * delta).sum() + 1e-6), (fmap, name)
 
 
+@pytest.mark.parametrize("two_runs", [False, True])
 @pytest.mark.parametrize("per_dimension", [False, True])
 @pytest.mark.parametrize("frac", [[0, 0.3, 0.7, 1.0], [0, 0, 1.0], [0, 1.0, 1.0], [0, 0.5, 0.5, 0.9, 1.0]])
-def test_segments_of_a_head(rng, monkeypatch, frac, per_dimension):
-    """The scan cut into segments (as when heads are fewer than threads), empty segments included:
-    the gradients of one unsegmented pass, with lengths, gates (per position or per key dimension),
-    a state and its gradient."""
+def test_segments_of_a_head(rng, monkeypatch, frac, per_dimension, two_runs):
+    """The scan cut into segments (as when heads are fewer than threads), empty segments included,
+    each after its prefix or in two runs (each segment's own sum first): the gradients of one
+    unsegmented pass, with lengths, gates (per position or per key dimension), a state and its gradient."""
     lead, n, d, dv = (3,), 900, 4, 3
     q, k, v, state = _inputs(rng, lead, n, d, dv)
     gate = -rng.random(lead + (n,) + ((d,) if per_dimension else ())) * 0.05
@@ -634,7 +635,7 @@ def test_segments_of_a_head(rng, monkeypatch, frac, per_dimension):
     whole = grads()
     real_plan = linattn.gradients.plan
     monkeypatch.setattr(linattn.gradients, "plan",
-                        lambda *a, **kw: (real_plan(*a, **kw)[0], np.array(frac, float), 2, False))
+                        lambda *a, **kw: (real_plan(*a, **kw)[0], np.array(frac, float), 2, two_runs))
     for got, want in zip(grads(), whole):
         got, want = (x.S if isinstance(x, linattn.State) else x for x in (got, want))
         assert_close(got, want, np.float64)

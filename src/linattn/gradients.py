@@ -33,10 +33,11 @@ import numpy as np
 from . import checks
 from . import gates as gates_mod
 from . import workspace
-from .attention import _fast, _full_lengths, _no_state, _seq4, causal_with_denominators, linear_attention
+from .attention import (_fast, _full_lengths, _no_state, _parts, _run, _seq4, causal_with_denominators,
+                        linear_attention)
 from .cpu import backward, gate_sums, half, noncausal_grad
 from .cpu.elementwise import ELU, IDENTITY, RELU
-from .cpu.runtime import kernel_section, plan
+from .cpu.runtime import BACKWARD_PREFIX_COST, plan
 from .cpu.views import unit_rows
 from .feature_maps import FeatureMap, as_map
 from .state import State
@@ -260,16 +261,16 @@ def _backward(q, k, v, fmap, code, lead, d, out_dt, normalize, s, initial_state,
                 arrays = (q, k) if code is not None else (qf, kf)
                 (q4, k4, v4, g4, o4), _, _ = _seq4(arrays + (v, g, out), lead)  # (rows made unit-stride there)
             g12 = q4.shape[:2]
-            _, frac, nthreads, _ = plan(bh, n, d, dv, two_runs=False)  # (segments with a prefix, mirrored)
+            _, frac, nthreads, two_runs = plan(bh, n, d, dv, prefix_cost=BACKWARD_PREFIX_COST)  # (mirrored)
             nthreads = min(nthreads, bh * (len(frac) - 1))
             kernel = backward.causal_backward.get(comp, 2 if vector else int(gated))
             lam4 = (lam.reshape(g12 + (n,) + ((d,) if vector else ())) if gated else np.empty(0, comp))
-            with kernel_section(nthreads):
-                kernel(nthreads, q4, k4, v4, g4, o4, den.reshape(g12 + (n,)), IDENTITY if code is None else code,
-                       normalize, comp.type(s), lens_all, chunk, frac, states.reshape(g12 + states.shape[-3:]),
-                       has_state, H0, Z0, lam4, zero_decay,
-                       dq.reshape(g12 + (n, d)), dk.reshape(g12 + (n, d)), dvv.reshape(g12 + (n, dv)), H_out, Z_out,
-                       rq, rk, status)
+            _run(kernel, nthreads, (q4, k4, v4, g4, o4, den.reshape(g12 + (n,)), IDENTITY if code is None else code,
+                                    normalize, comp.type(s), lens_all, chunk, frac,
+                                    states.reshape(g12 + states.shape[-3:]), has_state, H0, Z0, lam4, zero_decay,
+                                    dq.reshape(g12 + (n, d)), dk.reshape(g12 + (n, d)), dvv.reshape(g12 + (n, dv)),
+                                    H_out, Z_out, rq, rk, status),
+                 _parts(two_runs, bh, frac, d, dv, True))
         elif has_state:
             H_out[...], Z_out[...] = (H0, Z0) if len(H0) else (0, 0)
         extra = []

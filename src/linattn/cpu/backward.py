@@ -33,9 +33,10 @@ from numba.np.numpy_support import as_dtype
 
 from .._jit import OVERLOAD_OPTIONS, array, njit
 from .buffers import empty, zeros
-from .chunked import _copy_row, _current, _init_state, _segment, _state_buffers, pending_added, write_state
+from .chunked import (_add_parts, _copy_row, _current, _init_state, _segment, _state_buffers, _write_part,
+                      pending_added, write_state)
 from .elementwise import ELU, RELU, load_rows
-from .gating import (SUB, VECTOR, _kind, _stub, chunk_gates, gate_buffers, gate_key_rows, gate_pending,
+from .gating import (SUB, VECTOR, _kind, _stub, chunk_gates, gate_buffers, gate_key_rows, gate_log_sum, gate_pending,
                      gate_queries, gate_scores, gate_state_factors, masked_product, prepare_kernel)
 from .schedule import take
 from .smallgemm import small_gemm, small_gemm_tn, small_gemm_tn_lower
@@ -297,7 +298,7 @@ def _chunk(q, k, v, g, out, den, fm, normalize, s, one, i0, c, St, has_st, C, Cz
 
 
 def _causal_backward(q, k, v, g, out, den, fm, normalize, s, lengths, chunk, frac, states, has_s0, H0, Z0, gates, ld,
-                     dq, dk, dv, H_out, Z_out, rq, rk, status, counter):
+                     dq, dk, dv, H_out, Z_out, rq, rk, status, phase, parts, counter):
     """Gradients of causal linear attention for every head (see the module docstring).
 
     q, k: (G1, G2, N, D); v, g, out: (G1, G2, N, Dv); den: (G1, G2, N), the forward's denominators;
@@ -310,7 +311,10 @@ def _causal_backward(q, k, v, g, out, den, fm, normalize, s, lengths, chunk, fra
     (zero past ``lengths``), H_out, Z_out (heads, D, Dv), (heads, D): the initial state's gradient
     (unless they have no rows), rq, rk (heads, N, 1), or (heads, N, D) per key dimension, in float64
     with gates (else (1, 0, 1)). Run by threaded.ThreadedKernel: each thread takes items (head,
-    segment) from ``counter``.
+    segment) from ``counter``. Segments start as the forward kernel's do (cpu/chunked.py), mirrored:
+    after their prefix (the adjoint updates of the chunks after them; ``parts`` with no rows, ``phase``
+    1), or in two runs with ``parts`` (heads, nseg, D, Dv + 2): phase 0, each segment but the first in
+    time sums its own chunks' adjoint updates from zero; phase 1, each starts from the parts after it.
     """
     g2, n, d = q.shape[1], q.shape[2], q.shape[3]
     e, dt = v.shape[3] + 1, dq.dtype
@@ -320,7 +324,8 @@ def _causal_backward(q, k, v, g, out, den, fm, normalize, s, lengths, chunk, fra
     # views without reference counting (see chunked._causal_forward): the caller owns the arguments,
     # the buffers' owners are kept to the end
     q, k, v, g, out, den, gates = unowned((q, k, v, g, out, den, gates))
-    dq, dk, dv, rq, rk, states = unowned((dq, dk, dv, rq, rk, states))
+    dq, dk, dv, rq, rk, states, parts = unowned((dq, dk, dv, rq, rk, states, parts))
+    summing = bool(parts.shape[0] > 0 and phase == 0)  # (phase 0: the segments' own sums)
     H0, Z0, H_out, Z_out = unowned((H0, Z0, H_out, Z_out))
     owners = (empty((chunk, e + chunk), dt), empty((chunk, d + chunk), dt), empty((e, chunk), dt),
               empty((d, chunk), dt), empty((chunk, e), dt), empty((chunk, d), dt), empty((chunk, d), dt),
@@ -343,7 +348,7 @@ def _causal_backward(q, k, v, g, out, den, fm, normalize, s, lengths, chunk, fra
         h1, h2 = h // g2, h % g2
         last = sg == nseg - 1
         r = h if has_r else 0
-        if not (f0 < f1 or last):
+        if (summing and last) or not (summing or f0 < f1 or last):
             item = take(counter)
             continue
         # the segment: chunks [c0, c1) of head h from the adjoint after them, the update alone of the
@@ -357,21 +362,24 @@ def _causal_backward(q, k, v, g, out, den, fm, normalize, s, lengths, chunk, fra
         dqh, dkh, dvh, kept = dq[h1, h2], dk[h1, h2], dv[h1, h2], states[h1, h2]
         sbuf = (_state_buffers(d, e - 1, dt), empty(d if decayed else 0, dt))
         (P, B, acc, Pz, Bz, Z, accz, lam), fb = unowned(sbuf)  # the adjoint [C | Cz] as a state
-        has_acc = _init_state(H0, Z0, h, acc, accz, B, Bz)
+        has_acc = bool(False) if summing else _init_state(H0, Z0, h, acc, accz, B, Bz)
         has_p = bool(False)
+        if parts.shape[0] > 0 and not summing:
+            has_acc = _add_parts(parts[h], sg, acc, accz, B, Bz, has_acc)
+        total = zeros(d if summing and decayed else 0, np.float64)  # the segment's log decay (phase 0)
         gate_state_factors(gates, lam, fb)
         _current(B, Bz, P, Pz, C, Z, has_acc, has_p, fb, decayed)
-        for j in range(nch - c0):
+        for j in range(nch - c1 if parts.shape[0] > 0 else 0, nch - c0):
             ci = nch - 1 - j
             i0 = ci * chunk
             c = min(chunk, length - i0)
             chunk_gates(gates, h, ld, i0, c, G, Rg, F, status)
             has_st = ci > 0 or has_s0
             has_c = has_acc or has_p
-            own = ci < c1
+            own = ci < c1 and not summing
             _chunk(qh, kh, vh, gh, oh, denh, fm, normalize, s, one, i0, c, kept[ci], has_st, C, Z, has_c, own, gates,
                    dqh, dkh, dvh, rq[r], rk[r], has_r, QA, QA2, KT, KT2, V1, KF, KW, QE, R, CT, sums, G, Rg, F, X, W)
-            if ci == c0 and not (last and H_out.shape[0] > 0):
+            if ci == c0 and not (summing or (last and H_out.shape[0] > 0)):
                 break  # no one reads the adjoint before the segment's first chunk
             beta = gate_pending(gates, P, Pz, lam, c, G, Rg, F, has_p)
             qe = QE if decayed else QA2  # ef qs in qe[:c, :D]
@@ -381,8 +389,16 @@ def _causal_backward(q, k, v, g, out, den, fm, normalize, s, lengths, chunk, fra
                 for a in range(d):
                     Pz[a] += qt[a] * bt
             has_acc, has_p = pending_added(j, acc, accz, B, Bz, P, Pz, has_acc, lam, decayed)
+            if summing:
+                gate_log_sum(gates, total, c, G, Rg)
+                continue
             gate_state_factors(gates, lam, fb)
             _current(B, Bz, P, Pz, C, Z, has_acc, has_p, fb, decayed)
+        if summing:
+            _write_part(sbuf[0], has_acc, has_p, total, decayed, parts[h, sg])
+            keep_alive((sbuf, total))
+            item = take(counter)
+            continue
         if last:
             for x in (dqh, dkh, dvh):
                 _zero_rows(x, length, x.shape[0])
@@ -401,7 +417,7 @@ def _signature(dt, kind):
                       array(dt, 5, "A", readonly=True), types.boolean, array(dt, 3, readonly=True),
                       array(dt, 2, readonly=True), gate_t, array(f64, 1, readonly=True),
                       array(dt, 4, "A"), array(dt, 4, "A"), array(dt, 4, "A"), array(dt, 3), array(dt, 2),
-                      array(f64, 3, "A"), array(f64, 3, "A"), array(i64, 1))
+                      array(f64, 3, "A"), array(f64, 3, "A"), array(i64, 1), i64, array(f64, 4))
 
 
 #: kind: 0 without gates, 1 with a log factor per position, 2 per position and key dimension (decay and gates

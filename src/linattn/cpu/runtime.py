@@ -18,6 +18,10 @@ MIN_WORK_PER_THREAD = 1 << 21
 #: 0.33-0.41 at D = Dv = 64 and 0.33-0.37 at 128, float32, with the register products).
 PREFIX_COST = 0.36
 
+#: The same for the backward kernel (the adjoint's update alone against a chunk's gradients: measured
+#: 0.20-0.34 at D = Dv = 64, float32, one head of N16384 in two and four segments on one thread).
+BACKWARD_PREFIX_COST = 0.24
+
 # GNU OpenMP workers spin after every parallel region before they sleep: by default 300,000 times
 # (a fraction of a millisecond), keeping a core busy. Where a BLAS keeps threads of its own (MKL, or
 # an OpenBLAS that cannot share Numba's pool: see blas_pool), a model that alternates NumPy matrix
@@ -42,36 +46,37 @@ def chunk_size(n):
     return min(32, max(8, -(-n // 8) * 8))
 
 
-def _segment_fractions(nseg, prefix):
+def _segment_fractions(nseg, prefix, cost=PREFIX_COST):
     """Cumulative fractions of a head's chunks where its segments start (nseg + 1 values).
 
     With a prefix (causal, one run) segment i also sums the chunks before it, so lengths shrink by
     (1 - PREFIX_COST) each to give every item the same work. Otherwise equal segments (non-causal, and
     causal in two runs: each segment sums its own part of the state first; see cpu/chunked.py).
     """
-    w = (1 - PREFIX_COST) ** np.arange(nseg) if prefix else np.ones(nseg)
+    w = (1 - cost) ** np.arange(nseg) if prefix else np.ones(nseg)
     return np.concatenate([[0.0], np.cumsum(w) / w.sum()])
 
 
-def plan(bh, n, dk, dv, causal=True, two_runs=True):
+def plan(bh, n, dk, dv, causal=True, two_runs=True, prefix_cost=PREFIX_COST):
     """(chunk, frac, nthreads, two_runs): chunk size, segment fractions, number of threads and whether
     the kernel runs twice, minimising the estimated time (heads are split into segments only when there
     are too few to keep the threads busy; small calls run on fewer threads, down to the calling thread
     alone, which wakes none).
 
     A causal head in segments either has each segment sum its prefix (one run; the later segments
-    shorter) or, where ``two_runs`` allows it (the forward kernel), each sum its own part first (equal
-    segments; a segment's item costs (1 + PREFIX_COST) / nseg of the head): from about four segments a
-    head the second is faster. Non-causal segments always take two runs (each sums its own part)."""
+    shorter) or, where ``two_runs`` allows it, each sum its own part first (equal segments; a segment's
+    item costs (1 + prefix_cost) / nseg of the head): from about four segments a head the second is
+    faster. ``prefix_cost``: a chunk's prefix over its full work (the backward's is BACKWARD_PREFIX_COST).
+    Non-causal segments always take two runs (each sums its own part)."""
     threads = num_threads()
-    key = (bh, n, dk, dv, causal, two_runs, threads)
+    key = (bh, n, dk, dv, causal, two_runs, prefix_cost, threads)
     found = _plans.get(key)
     if found is not None:
         return found
     chunk = chunk_size(n)
     threads = max(1, min(threads, bh * n * (dk + chunk) * dv // MIN_WORK_PER_THREAD))
     nchunks = -(-n // chunk)
-    a = PREFIX_COST
+    a = prefix_cost
     best, best_nseg, prefix = None, 1, causal
     for nseg in range(1, min(8 * threads, nchunks) + 1):
         rounds = -(-bh * nseg // threads)
@@ -83,7 +88,7 @@ def plan(bh, n, dk, dv, causal=True, two_runs=True):
             t = rounds * per_item
             if best is None or t < best * 0.97:
                 best, best_nseg, prefix = t, nseg, pre
-    found = (chunk, _segment_fractions(best_nseg, prefix), threads, best_nseg > 1 and not prefix)
+    found = (chunk, _segment_fractions(best_nseg, prefix, a), threads, best_nseg > 1 and not prefix)
     if len(_plans) > 1024:
         _plans.clear()
     _plans[key] = found
