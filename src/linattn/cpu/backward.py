@@ -33,8 +33,8 @@ from numba.np.numpy_support import as_dtype
 
 from .._jit import OVERLOAD_OPTIONS, array, njit
 from .buffers import empty, zeros
-from .chunked import (_add_parts, _copy_row, _current, _init_state, _segment, _state_buffers, _write_part,
-                      pending_added, write_state)
+from .chunked import (_copy_row, _current, _init_state, _segment, _state_buffers, _write_state, pending_added,
+                      segment_parts)
 from .elementwise import ELU, RELU, load_rows
 from .gating import (SUB, VECTOR, _kind, _stub, chunk_gates, gate_buffers, gate_key_rows, gate_log_sum, gate_pending,
                      gate_queries, gate_scores, gate_state_factors, masked_product, prepare_kernel)
@@ -365,7 +365,7 @@ def _causal_backward(q, k, v, g, out, den, fm, normalize, s, lengths, chunk, fra
         has_acc = bool(False) if summing else _init_state(H0, Z0, h, acc, accz, B, Bz)
         has_p = bool(False)
         if parts.shape[0] > 0 and not summing:
-            has_acc = _add_parts(parts[h], sg, acc, accz, B, Bz, has_acc)
+            has_acc = segment_parts(sbuf[0], has_acc, has_p, summing, parts[h], sg, lam, decayed)
         total = zeros(d if summing and decayed else 0, np.float64)  # the segment's log decay (phase 0)
         gate_state_factors(gates, lam, fb)
         _current(B, Bz, P, Pz, C, Z, has_acc, has_p, fb, decayed)
@@ -395,7 +395,7 @@ def _causal_backward(q, k, v, g, out, den, fm, normalize, s, lengths, chunk, fra
             gate_state_factors(gates, lam, fb)
             _current(B, Bz, P, Pz, C, Z, has_acc, has_p, fb, decayed)
         if summing:
-            _write_part(sbuf[0], has_acc, has_p, total, decayed, parts[h, sg])
+            segment_parts(sbuf[0], has_acc, has_p, summing, parts[h], sg, total, decayed)
             keep_alive((sbuf, total))
             item = take(counter)
             continue
@@ -403,7 +403,7 @@ def _causal_backward(q, k, v, g, out, den, fm, normalize, s, lengths, chunk, fra
             for x in (dqh, dkh, dvh):
                 _zero_rows(x, length, x.shape[0])
             if H_out.shape[0] > 0:
-                write_state(acc, accz, P, Pz, H_out[h], Z_out[h], has_acc, has_p, lam, decayed)
+                _write_state(acc, accz, P, Pz, h, H_out, Z_out, has_acc, has_p, lam, decayed)
         keep_alive(sbuf)
         item = take(counter)
     keep_alive((owners, gbuf, wbuf))

@@ -185,48 +185,50 @@ def _current(B, Bz, P, Pz, S, Z, has_acc, has_p, fb, decayed):
 
 
 @njit(helper=True)
-def write_state(acc, accz, P, Pz, S_dst, Z_dst, has_acc, has_p, lam, decayed):
-    """S_dst = exp(lam) acc + P, Z_dst = exp(lam) accz + Pz (in float64, then rounded once to the
-    destinations' dtype; acc and P taken as zero where the flags say they hold nothing)."""
+def _write_state(acc, accz, P, Pz, h, S_out, Z_out, has_acc, has_p, lam, decayed):
+    """S_out[h] = exp(lam) acc + P, Z_out[h] = exp(lam) accz + Pz (in float64, then rounded once; acc
+    and P taken as zero where the flags say they hold nothing)."""
     for a in range(P.shape[0]):
         f = exp_le0(lam[a]) if decayed else 1.0
-        row = S_dst[a]
         for e in range(P.shape[1]):
             x = f * acc[a, e] if has_acc else 0.0
-            row[e] = x + P[a, e] if has_p else x
-        Z_dst[a] = f * accz[a] + Pz[a]
+            S_out[h, a, e] = x + P[a, e] if has_p else x
+        Z_out[h, a] = f * accz[a] + Pz[a]
 
 
 @njit(helper=True)
-def _write_part(sbuf, has_acc, has_p, total, decayed, dst):
-    """dst (D', Dv + 2) = [S | Z | log decay]: a segment's own part of the state (the sums of _state_buffers'
-    tuple ``sbuf`` from a zero start) and the log of its whole decay per key dimension (``total``; 0 without
-    gates), in float64."""
+def segment_parts(sbuf, has_acc, has_p, summing, parts, s, total, decayed):
+    """The parts of a kernel run twice (parts: a head's (nseg, D', X + 2), float64). ``summing`` (phase 0):
+    parts[s] = [S | Z | log decay], the sums of _state_buffers' tuple ``sbuf`` (a segment's own, from a
+    zero start; folded here) and the log of its whole decay per key dimension (``total``; 0 without
+    gates). Else (phase 1): sbuf's acc, accz = exp(log decay_j) acc + S_j and the same with Z_j for the
+    parts j < s (acc, accz: the initial state when ``has_acc``), and B, Bz their rounded values.
+    Returns the new has_acc."""
     P, B, acc, Pz, Bz, Z, accz, lam = sbuf
-    dv = P.shape[1]
-    write_state(acc, accz, P, Pz, dst[:, :dv], dst[:, dv], has_acc, has_p, lam, decayed)
-    for a in range(dst.shape[0]):
-        dst[a, dv + 1] = total[a] if decayed else 0.0
-
-
-@njit(helper=True)
-def _add_parts(parts, s, acc, accz, B, Bz, has_acc):
-    """The state at the start of segment s from the parts of the segments before it (parts: (nseg, D',
-    Dv + 2), _write_part's): acc = exp(decay_j) acc + S_j for j < s, as accz with Z_j (acc, accz: the
-    initial state when ``has_acc``); B, Bz = their rounded values. Returns the new has_acc."""
-    dv = acc.shape[1]
+    x = acc.shape[1]
+    if summing:
+        if has_p:
+            _fold(acc, accz, B, Bz, P, Pz, has_acc, lam, decayed)
+        dst = parts[s]
+        for a in range(acc.shape[0]):
+            row = dst[a]
+            for e in range(x):
+                row[e] = acc[a, e] if has_acc or has_p else 0.0
+            row[x] = accz[a]  # (zero where nothing was summed)
+            row[x + 1] = total[a] if decayed else 0.0
+        return has_acc or has_p
     for j in range(s):
         part = parts[j]
         for a in range(acc.shape[0]):
             row = part[a]
-            f = exp_le0(row[dv + 1]) if has_acc else 0.0
-            for e in range(dv):
+            f = exp_le0(row[x + 1]) if has_acc else 0.0
+            for e in range(x):
                 acc[a, e] = f * acc[a, e] + row[e] if has_acc else row[e]
-            accz[a] = f * accz[a] + row[dv] if has_acc else row[dv]
+            accz[a] = f * accz[a] + row[x] if has_acc else row[x]
         has_acc = True
     if s > 0:
         for a in range(acc.shape[0]):
-            for e in range(dv):
+            for e in range(x):
                 B[a, e] = acc[a, e]
             Bz[a] = accz[a]
     return has_acc
@@ -293,8 +295,8 @@ def _causal_forward(q, k, v, fm, fp, fa, eps, normalize, scale, lengths, chunk, 
     Segments start in one of two ways. With ``parts`` of no rows (one run, ``phase`` 1), a segment's
     item first sums the chunks before it (the prefix). With parts (heads, nseg, D', Dv + 2) (float64),
     the kernel runs twice: ``phase`` 0, each segment but the last sums its own chunks from a zero state
-    into parts[head, segment] (_write_part: [S | Z | log decay]); phase 1, each starts from the initial
-    state and the parts before it (_add_parts), with no prefix. The first costs the later segments
+    into parts[head, segment] ([S | Z | log decay]); phase 1, each starts from the initial state and the
+    parts before it, with no prefix (segment_parts). The first costs the later segments
     more as the segments multiply; the second, one extra pass over every segment but the last.
 
     A segment's code is written here, not in a function of its own: Numba would compile such a
@@ -343,7 +345,7 @@ def _causal_forward(q, k, v, fm, fp, fa, eps, normalize, scale, lengths, chunk, 
         has_acc = bool(False) if summing else _init_state(S0, Z0, h, acc, accz, B, Bz)
         has_p = bool(False)
         if parts.shape[0] > 0 and not summing:
-            has_acc = _add_parts(parts[h], s, acc, accz, B, Bz, has_acc)
+            has_acc = segment_parts(sbuf[0], has_acc, has_p, summing, parts[h], s, lam, decayed)
         total = zeros(d_ if summing and decayed else 0, np.float64)  # the segment's log decay (phase 0)
         # the state at the start of this segment from its prefix, or phase 0's sum of the segment itself
         p0, p1 = (c0, c1) if summing else (0, 0 if parts.shape[0] > 0 else c0)
@@ -357,7 +359,7 @@ def _causal_forward(q, k, v, fm, fp, fa, eps, normalize, scale, lengths, chunk, 
             if summing:
                 gate_log_sum(gates, total, c, G, R)
         if summing:
-            _write_part(sbuf[0], has_acc, has_p, total, decayed, parts[h, s])
+            segment_parts(sbuf[0], has_acc, has_p, summing, parts[h], s, total, decayed)
             keep_alive((sbuf, total))
             item = take(counter)
             continue
@@ -401,7 +403,7 @@ def _causal_forward(q, k, v, fm, fp, fa, eps, normalize, scale, lengths, chunk, 
         if last:
             oh[length:] = 0
             if S_out.shape[0] > 0:
-                write_state(acc, accz, P, Pz, S_out[h], Z_out[h], has_acc, has_p, lam, decayed)
+                _write_state(acc, accz, P, Pz, h, S_out, Z_out, has_acc, has_p, lam, decayed)
         keep_alive(sbuf)
         item = take(counter)
     store_fence()  # the kept states' streaming stores, before the backward's threads read them
