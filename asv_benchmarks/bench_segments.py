@@ -1,0 +1,58 @@
+"""One long causal head cut into segments for many threads: the work of its segments over the unsplit
+head's (``track_``), for both ways a segment can start (runtime.plan): after summing its prefix (one
+run) and from the parts of the segments before it (two runs). Items run one after another on one
+thread, so the time is the sum of their work: a machine with as many threads as segments takes about
+1/nseg of it. The two-run ratio rising means the split does more work than the cost model assumes."""
+import numpy as np
+
+import linattn
+from linattn import attention, gradients
+from linattn.cpu import runtime
+
+from .common import SMOKE, best_of, inputs
+
+SEGMENTS = 8
+
+
+def _fractions(scheme, cost):
+    if scheme == "whole":
+        return np.array([0.0, 1.0]), False
+    if scheme == "prefix":
+        return runtime._segment_fractions(SEGMENTS, True, cost), False
+    return np.linspace(0.0, 1.0, SEGMENTS + 1), True
+
+
+class SegmentWork:
+    """forward: causal_linear_attention; backward: vjp(dout) of causal_linear_attention_vjp."""
+
+    params = [["forward", "backward"], ["prefix", "two runs"]]
+    param_names = ["pass", "segments"]
+    timeout = 300
+
+    def setup(self, which, scheme):
+        shape = (1, 1, 2048 if SMOKE else 16384, 64)
+        self.q, self.k, self.v = inputs(shape)
+        self.g = inputs(shape, seed=1)[0]
+        self.plans = (attention.plan, gradients.plan)
+
+    def teardown(self, which, scheme):
+        attention.plan, gradients.plan = self.plans
+        attention._constants.clear()
+
+    def _time(self, which, scheme):
+        real_a, real_g = self.plans
+        f, two = _fractions(scheme, runtime.PREFIX_COST)
+        fb, twob = _fractions(scheme, runtime.BACKWARD_PREFIX_COST)
+        attention._constants.clear()  # (the plain call's cached plans)
+        attention.plan = lambda *a, **kw: (real_a(*a, **kw)[0], f, 1, two)
+        gradients.plan = lambda *a, **kw: (real_g(*a, **kw)[0], fb, 1, twob)
+        if which == "forward":
+            return best_of(lambda: linattn.causal_linear_attention(self.q, self.k, self.v), 7)
+        _, vjp = linattn.causal_linear_attention_vjp(self.q, self.k, self.v)
+        return best_of(lambda: vjp(self.g), 7)
+
+    def track_work_over_unsplit(self, which, scheme):
+        whole = self._time(which, "whole")
+        return self._time(which, scheme) / whole
+
+    track_work_over_unsplit.unit = "x the unsplit head's time (one thread)"
