@@ -326,6 +326,7 @@ def _causal_backward(q, k, v, g, out, den, fm, normalize, s, lengths, chunk, fra
     q, k, v, g, out, den, gates = unowned((q, k, v, g, out, den, gates))
     dq, dk, dv, rq, rk, states, parts = unowned((dq, dk, dv, rq, rk, states, parts))
     summing = bool(parts.shape[0] > 0 and phase == 0)  # (phase 0: the segments' own sums)
+    total = zeros(d if summing and decayed else 0, np.float64)  # a segment's log decay (phase 0)
     H0, Z0, H_out, Z_out = unowned((H0, Z0, H_out, Z_out))
     owners = (empty((chunk, e + chunk), dt), empty((chunk, d + chunk), dt), empty((e, chunk), dt),
               empty((d, chunk), dt), empty((chunk, e), dt), empty((chunk, d), dt), empty((chunk, d), dt),
@@ -366,7 +367,8 @@ def _causal_backward(q, k, v, g, out, den, fm, normalize, s, lengths, chunk, fra
         has_p = bool(False)
         if parts.shape[0] > 0 and not summing:
             has_acc = segment_parts(sbuf[0], has_acc, has_p, summing, parts[h], sg, lam, decayed)
-        total = zeros(d if summing and decayed else 0, np.float64)  # the segment's log decay (phase 0)
+        for a in range(total.shape[0]):  # the segment's log decay (phase 0)
+            total[a] = 0
         gate_state_factors(gates, lam, fb)
         _current(B, Bz, P, Pz, C, Z, has_acc, has_p, fb, decayed)
         for j in range(nch - c1 if parts.shape[0] > 0 else 0, nch - c0):
@@ -396,7 +398,7 @@ def _causal_backward(q, k, v, g, out, den, fm, normalize, s, lengths, chunk, fra
             _current(B, Bz, P, Pz, C, Z, has_acc, has_p, fb, decayed)
         if summing:
             segment_parts(sbuf[0], has_acc, has_p, summing, parts[h], sg, total, decayed)
-            keep_alive((sbuf, total))
+            keep_alive(sbuf)
             item = take(counter)
             continue
         if last:

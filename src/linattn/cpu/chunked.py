@@ -312,6 +312,7 @@ def _causal_forward(q, k, v, fm, fp, fa, eps, normalize, scale, lengths, chunk, 
     # the buffers' owners are kept to the end
     q, k, v, out, den, states, gates, parts = unowned((q, k, v, out, den, states, gates, parts))
     summing = bool(parts.shape[0] > 0 and phase == 0)  # (phase 0: the segments' own sums)
+    total = zeros(d_ if summing and decayed else 0, np.float64)  # a segment's log decay (phase 0)
     S0, Z0, S_out, Z_out = unowned((S0, Z0, S_out, Z_out))
     owners = (empty((chunk, d_ + chunk), dt), empty((d_ + chunk, dv), dt), empty((chunk, d_), dt),
               empty((d_, chunk), dt), empty(max(d_, dv), dt), empty((dv + 1, d_), dt),
@@ -346,7 +347,8 @@ def _causal_forward(q, k, v, fm, fp, fa, eps, normalize, scale, lengths, chunk, 
         has_p = bool(False)
         if parts.shape[0] > 0 and not summing:
             has_acc = segment_parts(sbuf[0], has_acc, has_p, summing, parts[h], s, lam, decayed)
-        total = zeros(d_ if summing and decayed else 0, np.float64)  # the segment's log decay (phase 0)
+        for a in range(total.shape[0]):  # the segment's log decay (phase 0)
+            total[a] = 0
         # the state at the start of this segment from its prefix, or phase 0's sum of the segment itself
         p0, p1 = (c0, c1) if summing else (0, 0 if parts.shape[0] > 0 else c0)
         for ci in range(p0, p1):
@@ -360,7 +362,7 @@ def _causal_forward(q, k, v, fm, fp, fa, eps, normalize, scale, lengths, chunk, 
                 gate_log_sum(gates, total, c, G, R)
         if summing:
             segment_parts(sbuf[0], has_acc, has_p, summing, parts[h], s, total, decayed)
-            keep_alive((sbuf, total))
+            keep_alive(sbuf)
             item = take(counter)
             continue
         gate_state_factors(gates, lam, fb)
