@@ -65,7 +65,7 @@ def plan(bh, n, dk, dv, causal=True, two_runs=True, prefix_cost=PREFIX_COST):
 
     A causal head in segments either has each segment sum its prefix (one run; the later segments
     shorter) or, where ``two_runs`` allows it, each sum its own part first (equal segments; a segment's
-    item costs (1 + prefix_cost) / nseg of the head): from about four segments a head the second is
+    item costs (1 + prefix_cost) / nseg of the head): from three segments a head the second is
     faster. ``prefix_cost``: a chunk's prefix over its full work (the backward's is BACKWARD_PREFIX_COST).
     Non-causal segments always take two runs (each sums its own part)."""
     threads = num_threads()
