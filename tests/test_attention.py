@@ -200,15 +200,12 @@ def test_segments(rng, frac, two_runs):
     den = np.full((1, 3, n), np.nan, np.float32)  # the denominators kept for the backward pass
     chunk = chunk_size(n)
     states = np.full((1, 3, -(-n // chunk), dv + 1, d), np.nan, np.float32)  # and the states at chunk starts
-    if two_runs:  # each segment's part of the state, then the outputs
-        runs = ((0, np.full((3, len(frac) - 1, d, dv + 2), np.nan)),)
-        runs += ((1, runs[0][1]),)
-    else:  # each segment sums the chunks before it
-        runs = ((1, np.zeros((0, 1, 1, 1))),)
+    parts = np.full((3, len(frac) - 1, d, dv + 2), np.nan)  # two runs: each segment's part of the state first
+    runs = ((0, parts), (1, parts)) if two_runs else ((1, parts[:0]),)  # (one run: each sums its prefix)
     kernel = chunked.causal_forward.get(np.float32, ("C", 0))
-    for phase, parts in runs:
+    for phase, p in runs:
         kernel(2, q[None], k[None], v[None], 1, *no_map, np.float32(1e-6), True, np.float32(1), lengths, chunk, frac,
-               S0, Z0, out[None], S, Z, *no_gates, den, states, phase, parts)
+               S0, Z0, out[None], S, Z, *no_gates, den, states, phase, p)
     for h, L in enumerate(lengths):
         for ci in range(-(-L // chunk)):
             i0 = ci * chunk

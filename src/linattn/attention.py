@@ -58,9 +58,10 @@ _NO_PARTS = np.zeros((0, 1, 1, 1))  # the kernels' segments' partial sums, none
 
 
 def _run(kernel, nthreads, args, parts):
-    """Run a forward kernel with ``args`` (its arguments before ``phase``) on ``nthreads`` threads: once
-    (phase 1) when ``parts`` is None, else twice with it: phase 0, the segments' partial sums of the
-    state, (heads, nseg, D', X) in float64; phase 1, the outputs from them (see cpu/chunked.py)."""
+    """Run a kernel (the forward kernels, the causal backward's) with ``args`` (its arguments before
+    ``phase``) on ``nthreads`` threads: once (phase 1) when ``parts`` is None, else twice with it: phase
+    0, the segments' partial sums of the state, (heads, nseg, D', X) in float64; phase 1, the results
+    from them (see cpu/chunked.py)."""
     with kernel_section(nthreads):
         if parts is None:
             kernel(nthreads, *args, 1, _NO_PARTS)

@@ -296,8 +296,8 @@ def _causal_forward(q, k, v, fm, fp, fa, eps, normalize, scale, lengths, chunk, 
     item first sums the chunks before it (the prefix). With parts (heads, nseg, D', Dv + 2) (float64),
     the kernel runs twice: ``phase`` 0, each segment but the last sums its own chunks from a zero state
     into parts[head, segment] ([S | Z | log decay]); phase 1, each starts from the initial state and the
-    parts before it, with no prefix (segment_parts). The first costs the later segments
-    more as the segments multiply; the second, one extra pass over every segment but the last.
+    parts before it, with no prefix (segment_parts). The first costs the later segments more as the
+    segments multiply; the second, one extra pass over every segment but the last.
 
     A segment's code is written here, not in a function of its own: Numba would compile such a
     function on its own and then again inside this one (+1.7 s at the first call, measured).
