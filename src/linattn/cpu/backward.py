@@ -366,7 +366,7 @@ def _causal_backward(q, k, v, g, out, den, fm, normalize, s, lengths, chunk, fra
         has_acc = bool(False) if summing else _init_state(H0, Z0, h, acc, accz, B, Bz)
         has_p = bool(False)
         if parts.shape[0] > 0 and not summing:
-            has_acc = segment_parts(sbuf[0], has_acc, has_p, summing, parts[h], sg, lam, decayed)
+            has_acc = segment_parts(sbuf[0], has_acc, has_p, summing, parts[h], sg, total, decayed)
         for a in range(total.shape[0]):  # the segment's log decay (phase 0)
             total[a] = 0
         gate_state_factors(gates, lam, fb)

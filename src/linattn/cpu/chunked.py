@@ -346,7 +346,7 @@ def _causal_forward(q, k, v, fm, fp, fa, eps, normalize, scale, lengths, chunk, 
         has_acc = bool(False) if summing else _init_state(S0, Z0, h, acc, accz, B, Bz)
         has_p = bool(False)
         if parts.shape[0] > 0 and not summing:
-            has_acc = segment_parts(sbuf[0], has_acc, has_p, summing, parts[h], s, lam, decayed)
+            has_acc = segment_parts(sbuf[0], has_acc, has_p, summing, parts[h], s, total, decayed)
         for a in range(total.shape[0]):  # the segment's log decay (phase 0)
             total[a] = 0
         # the state at the start of this segment from its prefix, or phase 0's sum of the segment itself
