@@ -141,23 +141,28 @@ def _vector_factors(gp, sp, sd, i0, c, d, extra, a, sums, e, w, whole, run, tiny
     e, w, whole: the factors F (run: scratch); the first bad gate is reported in status."""
     wide_vectors()
     one, zero = tiny / tiny, tiny - tiny  # in the compute dtype
-    top = whole  # the largest gate of each dimension, for now
+    # the sum of each dimension's positive gates, for now: > 0 where there is one. (A running
+    # maximum, read and written in place, became a store under a mask: slow on AMD.)
+    positive = whole
     for j in range(d):
         sums[j] = 0.0
-        top[j] = -np.inf
+        positive[j] = zero
     for t in range(c):  # the logs, then their exps: loops over the dimensions that vectorise
         at, base = a[t], (i0 + t) * sp
-        for j in range(d):
+        for j in range(d):  # (in the compute dtype: all lanes; the float64 sums in a loop of their own)
             x = gp[base + j * sd]
-            top[j] = max(top[j], x)
-            g = np.float64(x) + extra
-            sums[j] += g  # NaN stays NaN
-            at[j] = g
+            positive[j] += x if x > 0 else zero
+            at[j] = x
+        if extra != 0:
+            for j in range(d):
+                at[j] = np.float64(gp[base + j * sd]) + extra
+        for j in range(d):
+            sums[j] += np.float64(gp[base + j * sd]) + extra  # NaN stays NaN
         for j in range(d):
             at[j] = exp_le0(at[j])
     bad = False
     for j in range(d):
-        bad = bad or top[j] > 0 or sums[j] != sums[j]
+        bad = bad or positive[j] > 0 or sums[j] != sums[j]
     if bad:  # find the first bad gate
         for t in range(c):
             for j in range(d):
