@@ -92,8 +92,8 @@ def _times_derivative(R, Y, c, fm, s, dst, i0, r, has_r):
             for a in range(d):
                 acc += np.float64(yt[a]) * np.float64(rt[a])
             r[i0 + t, 0] = acc
-        elif has_r:  # per key dimension
-            rr = r[i0 + t]
+        elif has_r:  # per key dimension (r's rows have unit stride: gradients.py allocates it so)
+            rr = as_contiguous(r[i0 + t])
             for a in range(d):
                 rr[a] = np.float64(yt[a]) * np.float64(rt[a])
         if fm == ELU:
