@@ -244,6 +244,28 @@ def test_scaled_composes(rng):
     assert_close(out, reference.masked(q * 0.25, k * 0.25, v), np.float64)
 
 
+@pytest.mark.parametrize("dtype", [np.float32, np.float64])
+@pytest.mark.parametrize("name", ["performer", "hedgehog", "t2r"])
+def test_scaled_projections_on_every_row_layout(rng, name, dtype):
+    """The projections scale their product (s x) W = s (x W) rather than a copy of the rows: the
+    formula of the scaled input for rows read in place and for gathered ones, and in the kernels."""
+    d, s = 5, 0.6
+    mp, formula = _maps(d)[name]
+    scaled = mp.scaled(s)
+    x = (rng.standard_normal((70, d)) * 1.5).astype(dtype)
+    want = formula(s * x.astype(np.float64))
+    wide = np.zeros((70, 2 * d), dtype)
+    wide[:, ::2] = x
+    for view, rows in [(x, want), (x[::-1], want[::-1]), (wide[:, ::2], want), (np.asfortranarray(x), want)]:
+        assert_close(scaled(view), rows, dtype)
+    q, k, v = make_qkv(rng, (2,), 65, d, 3, dtype)
+    q64, k64, v64 = (a.astype(np.float64) for a in (q, k, v))
+    ref = reference.masked(s * q64, s * k64, v64, feature_map=formula, normalize=name in POSITIVE)
+    for qv, kv in [(q, k), (q[:, ::-1].copy()[:, ::-1], np.asfortranarray(k))]:
+        out = linattn.causal_linear_attention(qv, kv, v, feature_map=scaled, normalize=name in POSITIVE)
+        assert_close(out, ref, dtype)
+
+
 def _callable(mp, formula):
     """The reference's phi: the written-out formula, or the map itself where the formula's D' differs."""
     return formula if formula is not None else mp

@@ -288,28 +288,31 @@ def _projection(fp, X, Z):
 
 @njit(helper=True)
 def _performer_block(code, fp, X, Y, work):
+    """(X not yet scaled, as for the other projections: (s x) W = s (x W), |s x|**2 = s**2 |x|**2.)"""
     d, m = X.shape[1], Y.shape[1]
     _projection(fp, X, Y)
-    inv = like(1.0 / math.sqrt(m), Y)
+    inv, s = like(1.0 / math.sqrt(m), Y), fp[0]
     for t in range(X.shape[0]):
+        x = as_contiguous(X[t])
         half = 0.0
         for a in range(d):
-            half += X[t, a] * X[t, a]
-        half = like(0.5 * half, Y)
+            half += x[a] * x[a]
+        half = like(0.5 * s * s * half, Y)
         y = as_contiguous(Y[t])
         for j in range(m):
-            y[j] = exp_any(y[j] - half) * inv
+            y[j] = exp_any(s * y[j] - half) * inv
 
 
 @njit(helper=True)
 def _t2r_block(code, fp, X, Y, work):
+    """(X not yet scaled: (s x) W = s (x W).)"""
     d, m = X.shape[1], Y.shape[1]
     _projection(fp, X, Y)
-    b = fp[HEAD + d * m:HEAD + d * m + m]
+    b, s = fp[HEAD + d * m:HEAD + d * m + m], fp[0]
     for t in range(X.shape[0]):
         y = as_contiguous(Y[t])
         for j in range(m):
-            y[j] = relu(y[j] + b[j])
+            y[j] = relu(s * y[j] + b[j])
 
 
 @njit(helper=True)
@@ -328,8 +331,8 @@ def _hedgehog_block(code, fp, X, Y, work):
     top_a, top_b = work[off:off + PAIR_ROWS], work[off + PAIR_ROWS:off + 2 * PAIR_ROWS]
     colsum = work[off + 2 * PAIR_ROWS:off + 3 * PAIR_ROWS + m]  # transpose_rows' sums, unused
     total = empty(PAIR_ROWS, np.float64)
-    _projection(fp, X, Z)
-    b = fp[HEAD + d * m:HEAD + d * m + m]
+    _projection(fp, X, Z)  # (X not yet scaled: (s x) W = s (x W))
+    b, s = fp[HEAD + d * m:HEAD + d * m + m], fp[0]
     two, zero = like(2.0, Y), like(0.0, Y)
     for s0 in range(0, c, PAIR_ROWS):
         nb = min(PAIR_ROWS, c - s0)
@@ -343,7 +346,7 @@ def _hedgehog_block(code, fp, X, Y, work):
         for j in range(m):
             z, bj = ZT[j], b[j]
             for t in range(nb):
-                v = z[t] + bj
+                v = s * z[t] + bj
                 z[t] = v
                 a, tt = abs(v), before[t]
                 after[t] = a if a > tt else tt  # (NaN in z: NaN in every feature of its row, by the sums)
@@ -376,7 +379,8 @@ def _rows(src, rs, cs, c, d, dst, drs, code, fp, nfp, work, family):
     contiguous rows (an element-by-element gather cost ~20 ns a row of 64); the elementwise maps
     then read them in place, with no copy (silu over identity 1.33 -> ~1.2 at B1 H8 N2048), and so do
     the other families' blocks (but ReBased's, which writes them) when the rows follow each other and
-    the input scale is 1 (T2R over identity 1.53-1.61 -> 1.49-1.53)."""
+    the input scale is 1 (T2R over identity 1.53-1.61 -> 1.49-1.53), or is applied by the block: the
+    projections (Performer, Hedgehog, T2R) scale their product instead of a copy of the rows."""
     raise NotImplementedError("runs inside Numba kernels only")
 
 
@@ -385,13 +389,16 @@ def _rows_overload(src, rs, cs, c, d, dst, drs, code, fp, nfp, work, family):
     block = _BLOCKS[family.literal_value]
     elementwise = family.literal_value == 0
     in_place = block is not _rebased_block  # the blocks that only read X (ReBased normalises it in place)
+    # the blocks that apply the input scale themselves: the elementwise maps, and the projections, which
+    # scale their product (one multiply per feature, no copy of a scaled block)
+    scales_itself = elementwise or block in (_performer_block, _hedgehog_block, _t2r_block)
 
     def impl(src, rs, cs, c, d, dst, drs, code, fp, nfp, work, family):
         params = carray(fp, (nfp,))
         dk = int(params[1])
         out = carray(dst, (c, drs))  # (the last row's tail past D' is never touched)
         buf = carray(work, (work_size(d, dk),))
-        scale = params[0] if not elementwise else like(1.0, params)  # (elementwise: applied by the block)
+        scale = params[0] if not scales_itself else like(1.0, params)
         in_rows = cs == 1 and rs >= 0
         flat = carray(src, ((c - 1) * rs + d if in_rows else 0,))  # the rows, when in_rows
         if elementwise and in_rows:
