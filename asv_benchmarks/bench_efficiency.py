@@ -4,7 +4,7 @@ import numpy as np
 
 import linattn
 
-from .common import SMOKE, best_of, gemm_pair, inputs
+from .common import SMOKE, best_of, gemm_pair, inputs, over_roof
 
 CASES = {  # the cases of ../shared/bench/run_peers.py
     "B1 H8 N2048 D64": (1, 8, 2048, 64),
@@ -31,8 +31,7 @@ class Efficiency:
         self.run()
 
     def track_ratio_to_gemm_roof(self, case):
-        ratios = [best_of(self.run, 3) / best_of(self.gemm, 3) for _ in range(3)]
-        return float(np.min(ratios))
+        return over_roof(self.run, self.gemm)
 
     track_ratio_to_gemm_roof.unit = "x GEMM time"
 

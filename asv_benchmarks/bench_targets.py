@@ -6,7 +6,7 @@ import numpy as np
 
 import linattn
 
-from .common import SMOKE, best_of, inputs
+from .common import SMOKE, gemm_pair, inputs, over_roof
 
 
 def _median(fn, repeat):
@@ -17,16 +17,6 @@ def _median(fn, repeat):
         fn()
         times.append(time.perf_counter() - t)
     return float(np.median(times))
-
-
-def _gemm_roof(shape, dtype):
-    """Best time of a BLAS GEMM doing the 4*N*D*Dv flops per head of the shape's heads."""
-    *lead, n, d = shape
-    rows = int(np.prod(lead)) * n
-    rng = np.random.default_rng(1)
-    a, b = rng.standard_normal((rows, d)).astype(dtype), rng.standard_normal((d, d)).astype(dtype)
-    c = np.empty((rows, d), dtype)
-    return best_of(lambda: (np.matmul(a, b, out=c), np.matmul(a, b, out=c)), 5)
 
 
 class AfterNumpyMatmul:
@@ -137,12 +127,12 @@ class RoofRatios:
     def setup(self, dtype):
         shape = (1, 8, 256 if SMOKE else 2048, 64)
         self.q, self.k, self.v = inputs(shape, np.dtype(dtype))
-        self.roof = _gemm_roof(shape, np.dtype(dtype))
+        self.roof = gemm_pair(shape, np.dtype(dtype))
 
     def track_noncausal_over_roof(self, dtype):
-        return best_of(lambda: linattn.linear_attention(self.q, self.k, self.v), 7) / self.roof
+        return over_roof(lambda: linattn.linear_attention(self.q, self.k, self.v), self.roof)
 
     def track_causal_over_roof(self, dtype):
-        return best_of(lambda: linattn.causal_linear_attention(self.q, self.k, self.v), 7) / self.roof
+        return over_roof(lambda: linattn.causal_linear_attention(self.q, self.k, self.v), self.roof)
 
     track_noncausal_over_roof.unit = track_causal_over_roof.unit = "x GEMM time"

@@ -69,3 +69,11 @@ def best_of(fn, repeat=7):
         fn()
         best = min(best, time.perf_counter() - t)
     return best
+
+
+def over_roof(fn, roof, rounds=5, repeat=3):
+    """fn's time over the roof's, as the median over ``rounds`` rounds of each one's best of ``repeat``
+    calls, the two measured back to back in every round: this machine's speed changes for seconds at
+    a time, so a roof timed once beside a kernel timed later gave ratios 1.2-2.1 for the same code."""
+    ratios = [best_of(fn, repeat) / best_of(roof, repeat) for _ in range(rounds)]
+    return float(np.median(ratios))
