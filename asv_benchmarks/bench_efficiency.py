@@ -4,7 +4,7 @@ import numpy as np
 
 import linattn
 
-from .common import SMOKE, best_of, gemm_pair, inputs, over_roof
+from .common import SMOKE, best_of, gemm_pair, inputs, interleaved_ratio
 
 CASES = {  # the cases of ../shared/bench/run_peers.py
     "B1 H8 N2048 D64": (1, 8, 2048, 64),
@@ -31,7 +31,7 @@ class Efficiency:
         self.run()
 
     def track_ratio_to_gemm_roof(self, case):
-        return over_roof(self.run, self.gemm)
+        return interleaved_ratio(self.run, self.gemm)
 
     track_ratio_to_gemm_roof.unit = "x GEMM time"
 

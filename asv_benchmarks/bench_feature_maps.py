@@ -10,8 +10,7 @@ import numpy as np
 import linattn
 from linattn import feature_maps as fm
 
-from .bench_gates import _interleaved_ratio
-from .common import SMOKE, inputs
+from .common import SMOKE, inputs, interleaved_ratio
 
 
 def taylor_numpy(x):
@@ -49,7 +48,7 @@ class TaylorFusedVsCallable:
         return linattn.causal_linear_attention(self.q, self.k, self.v, feature_map=fmap)
 
     def track_callable_over_fused_time(self):
-        return _interleaved_ratio(lambda: self.call(taylor_numpy), lambda: self.call(fm.Taylor()), 3 if SMOKE else 9)
+        return interleaved_ratio(lambda: self.call(taylor_numpy), lambda: self.call(fm.Taylor()), 3 if SMOKE else 9)
 
     track_callable_over_fused_time.unit = "x fused"
 
@@ -76,6 +75,47 @@ def builtin_maps(d):
     return maps
 
 
+def numpy_map(fmap):
+    """A learned or random-feature map as a NumPy user writes it, from the map's own weights (float32)."""
+    s = fmap.input_scale
+    w = (fmap.weight * s).astype(np.float32)  # (s x) W = x (s W)
+    if isinstance(fmap, fm.Performer):
+        half, inv = np.float32(s * s / 2), np.float32(1 / math.sqrt(w.shape[1]))
+        return lambda x: np.exp(x @ w - half * (x * x).sum(-1, keepdims=True)) * inv
+    b = fmap.bias.astype(np.float32)
+    if isinstance(fmap, fm.T2R):
+        return lambda x: np.maximum(x @ w + b, 0)
+
+    def hedgehog(x):
+        z = x @ w + b
+        z = np.concatenate([2 * z, -2 * z], -1)
+        e = np.exp(z - z.max(-1, keepdims=True))
+        return e / e.sum(-1, keepdims=True)
+
+    return hedgehog
+
+
+class LearnedFusedVsCallable:
+    """B1 H8 N2048 D64, Dv = 64, float32, causal: the learned and random-feature maps as NumPy callables
+    (the projection, then the map, then the kernel) over the same maps computed inside the kernels."""
+    params = ["Performer m64", "Hedgehog m32", "T2R m64"]
+    param_names = ["map"]
+    timeout = 600
+
+    def setup(self, name):
+        self.fmap, d = builtin_maps(64)[name]
+        self.numpy_map = numpy_map(self.fmap)
+        self.q, self.k, self.v = _qkv(d)
+
+    def track_callable_over_fused_time(self, name):
+        q, k, v = self.q, self.k, self.v
+        return interleaved_ratio(lambda: linattn.causal_linear_attention(q, k, v, feature_map=self.numpy_map),
+                                 lambda: linattn.causal_linear_attention(q, k, v, feature_map=self.fmap),
+                                 3 if SMOKE else 9)
+
+    track_callable_over_fused_time.unit = "x fused"
+
+
 class MapOverIdentity:
     """B1 H8 N2048, Dv = 64, float32, causal: each map's forward over identity on pre-mapped inputs."""
     params = list(builtin_maps(64))
@@ -89,9 +129,9 @@ class MapOverIdentity:
 
     def track_over_identity_premapped(self, name):
         q, k, v, qm, km = self.q, self.k, self.v, self.qm, self.km
-        return _interleaved_ratio(lambda: linattn.causal_linear_attention(q, k, v, feature_map=self.fmap),
-                                  lambda: linattn.causal_linear_attention(qm, km, v, feature_map="identity"),
-                                  3 if SMOKE else 9)
+        return interleaved_ratio(lambda: linattn.causal_linear_attention(q, k, v, feature_map=self.fmap),
+                                 lambda: linattn.causal_linear_attention(qm, km, v, feature_map="identity"),
+                                 3 if SMOKE else 9)
 
     track_over_identity_premapped.unit = "x identity"
 
@@ -131,6 +171,6 @@ class StepMapOverIdentity:
                     f()
             return run
 
-        return _interleaved_ratio(block(self._mapped), block(self._identity), 3 if SMOKE else 9)
+        return interleaved_ratio(block(self._mapped), block(self._identity), 3 if SMOKE else 9)
 
     track_over_identity_premapped.unit = "x identity"

@@ -2,28 +2,11 @@
 one process, interleaved (``track_``: the dashboard shows a regression as the ratio rising): causal
 forward with a constant decay (target <= 1.15), a scalar gate per position (<= 1.3), a gate per key
 dimension (<= 2.5); ``step`` with a gate (<= 1.2)."""
-import time
-
 import numpy as np
 
 import linattn
 
-from .common import SMOKE, inputs
-
-
-def _interleaved_ratio(fn, base, rounds, inner=3):
-    """Median over rounds of (best of ``inner`` calls of fn) / (best of ``inner`` calls of base)."""
-    fn(), base()
-
-    def best(f):
-        times = []
-        for _ in range(inner):
-            t = time.perf_counter()
-            f()
-            times.append(time.perf_counter() - t)
-        return min(times)
-
-    return float(np.median([best(fn) / best(base) for _ in range(rounds)]))
+from .common import SMOKE, inputs, interleaved_ratio
 
 
 class GatedForward:
@@ -45,8 +28,8 @@ class GatedForward:
 
     def track_over_ungated(self, shape, gating):
         q, k, v = self.q, self.k, self.v
-        return _interleaved_ratio(lambda: linattn.causal_linear_attention(q, k, v, **self.kwargs),
-                                  lambda: linattn.causal_linear_attention(q, k, v), 5 if SMOKE else 15)
+        return interleaved_ratio(lambda: linattn.causal_linear_attention(q, k, v, **self.kwargs),
+                                 lambda: linattn.causal_linear_attention(q, k, v), 5 if SMOKE else 15)
 
     track_over_ungated.unit = "x ungated"
 
@@ -68,7 +51,7 @@ class GatedStep:
 
     def track_over_ungated(self, batch, gating):
         q, k, v, st, out = self.q, self.k, self.v, self.state, self.out
-        return _interleaved_ratio(lambda: linattn.step(q, k, v, st, out=out, **self.kwargs),
-                                  lambda: linattn.step(q, k, v, st, out=out), 50 if SMOKE else 300)
+        return interleaved_ratio(lambda: linattn.step(q, k, v, st, out=out, **self.kwargs),
+                                 lambda: linattn.step(q, k, v, st, out=out), 50 if SMOKE else 300)
 
     track_over_ungated.unit = "x ungated"

@@ -4,8 +4,7 @@ autograd through the chunked PyTorch form of ../shared/bench/peers.py when torch
 (target: >= 2x faster)."""
 import linattn
 
-from .bench_gates import _interleaved_ratio
-from .common import SMOKE, inputs
+from .common import SMOKE, inputs, interleaved_ratio
 
 CHUNK = 64
 
@@ -42,8 +41,8 @@ class Backward:
 
     def track_backward_over_forward(self, shape):
         """(forward + backward - forward) / forward, from interleaved timings."""
-        ratio = _interleaved_ratio(self.forward_backward,
-                                   lambda: linattn.causal_linear_attention(self.q, self.k, self.v), 3 if SMOKE else 9)
+        ratio = interleaved_ratio(self.forward_backward,
+                                  lambda: linattn.causal_linear_attention(self.q, self.k, self.v), 3 if SMOKE else 9)
         return ratio - 1
 
     track_backward_over_forward.unit = "x forward"
@@ -91,8 +90,8 @@ class GatedBackward:
         def forward_backward():
             return linattn.causal_linear_attention_vjp(q, k, v, gate=g)[1](self.dout)
 
-        return _interleaved_ratio(forward_backward, lambda: linattn.causal_linear_attention(q, k, v, gate=g),
-                                  3 if SMOKE else 5) - 1
+        return interleaved_ratio(forward_backward, lambda: linattn.causal_linear_attention(q, k, v, gate=g),
+                                 3 if SMOKE else 5) - 1
 
     track_backward_over_forward.unit = "x forward"
 
@@ -115,8 +114,8 @@ class NoncausalBackward:
         return vjp(self.dout)
 
     def track_backward_over_forward(self, shape):
-        ratio = _interleaved_ratio(self.forward_backward, lambda: linattn.linear_attention(self.q, self.k, self.v),
-                                   3 if SMOKE else 9)
+        ratio = interleaved_ratio(self.forward_backward, lambda: linattn.linear_attention(self.q, self.k, self.v),
+                                  3 if SMOKE else 9)
         return ratio - 1
 
     track_backward_over_forward.unit = "x forward"
@@ -138,8 +137,8 @@ class TorchAutograd:
     forward_backward = Backward.forward_backward
 
     def track_torch_autograd_over_linattn(self, shape):
-        return _interleaved_ratio(lambda: torch_chunked_forward_backward(self.q, self.k, self.v, self.dout),
-                                  self.forward_backward, 3 if SMOKE else 5)
+        return interleaved_ratio(lambda: torch_chunked_forward_backward(self.q, self.k, self.v, self.dout),
+                                 self.forward_backward, 3 if SMOKE else 5)
 
     track_torch_autograd_over_linattn.unit = "x linattn"
 
@@ -159,8 +158,8 @@ class TinyBackward:
         Backward.forward_backward(self)
 
     def track_forward_backward_over_forward(self):
-        return _interleaved_ratio(lambda: Backward.forward_backward(self),
-                                  lambda: linattn.causal_linear_attention(self.q, self.k, self.v), 3 if SMOKE else 9,
-                                  inner=50)
+        return interleaved_ratio(lambda: Backward.forward_backward(self),
+                                 lambda: linattn.causal_linear_attention(self.q, self.k, self.v), 3 if SMOKE else 9,
+                                 inner=50)
 
     track_forward_backward_over_forward.unit = "x forward"

@@ -6,7 +6,7 @@ import numpy as np
 
 import linattn
 
-from .common import SMOKE, gemm_pair, inputs, over_roof
+from .common import SMOKE, gemm_pair, inputs, interleaved_ratio
 
 
 def _median(fn, repeat):
@@ -130,9 +130,9 @@ class RoofRatios:
         self.roof = gemm_pair(shape, np.dtype(dtype))
 
     def track_noncausal_over_roof(self, dtype):
-        return over_roof(lambda: linattn.linear_attention(self.q, self.k, self.v), self.roof)
+        return interleaved_ratio(lambda: linattn.linear_attention(self.q, self.k, self.v), self.roof)
 
     def track_causal_over_roof(self, dtype):
-        return over_roof(lambda: linattn.causal_linear_attention(self.q, self.k, self.v), self.roof)
+        return interleaved_ratio(lambda: linattn.causal_linear_attention(self.q, self.k, self.v), self.roof)
 
     track_noncausal_over_roof.unit = track_causal_over_roof.unit = "x GEMM time"

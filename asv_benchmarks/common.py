@@ -71,9 +71,19 @@ def best_of(fn, repeat=7):
     return best
 
 
-def over_roof(fn, roof, rounds=5, repeat=3):
-    """fn's time over the roof's, as the median over ``rounds`` rounds of each one's best of ``repeat``
-    calls, the two measured back to back in every round: this machine's speed changes for seconds at
-    a time, so a roof timed once beside a kernel timed later gave ratios 1.2-2.1 for the same code."""
-    ratios = [best_of(fn, repeat) / best_of(roof, repeat) for _ in range(rounds)]
-    return float(np.median(ratios))
+def interleaved_ratio(fn, base, rounds=5, inner=3):
+    """fn's time over base's: the median over ``rounds`` rounds of (best of ``inner`` calls of fn) / (best
+    of ``inner`` calls of base), the two measured back to back in every round. This machine's speed
+    changes for seconds at a time: a roof timed once beside a kernel timed later read 1.2-2.1 for the
+    same code."""
+    fn(), base()
+
+    def best(f):
+        times = []
+        for _ in range(inner):
+            t = time.perf_counter()
+            f()
+            times.append(time.perf_counter() - t)
+        return min(times)
+
+    return float(np.median([best(fn) / best(base) for _ in range(rounds)]))
