@@ -317,57 +317,33 @@ def _t2r_block(code, fp, X, Y, work):
 
 @njit(helper=True)
 def _hedgehog_block(code, fp, X, Y, work):
-    """softmax over [2z, -2z], z = x W + b: shifted by 2 max |z|, exponentials of numbers <= 0.
-    Computed transposed, PAIR_ROWS rows at a time (as _pairs): the row maxima and sums become
-    elementwise loops over rows (a max reduction over one row of m did not vectorise)."""
+    """softmax over [2z, -2z], z = x W + b: shifted by 2 max |z|, exponentials of numbers <= 0, row by
+    row into Y (a row's maximum is a scalar loop, ~8 ns for m = 32; transposing blocks of rows for
+    elementwise maxima and sums cost more: ~21% of the map)."""
     wide_vectors()
     c, d, m = X.shape[0], X.shape[1], Y.shape[1] // 2
     Z = work[:c * m].reshape(c, m)
-    off = c * m
-    ZT = work[off:off + m * PAIR_ROWS].reshape(m, PAIR_ROWS)
-    off += m * PAIR_ROWS
-    YT = work[off:off + 2 * m * PAIR_ROWS].reshape(2 * m, PAIR_ROWS)
-    off += 2 * m * PAIR_ROWS
-    top_a, top_b = work[off:off + PAIR_ROWS], work[off + PAIR_ROWS:off + 2 * PAIR_ROWS]
-    colsum = work[off + 2 * PAIR_ROWS:off + 3 * PAIR_ROWS + m]  # transpose_rows' sums, unused
-    total = empty(PAIR_ROWS, np.float64)
     _projection(fp, X, Z)  # (X not yet scaled: (s x) W = s (x W))
     b, s = fp[HEAD + d * m:HEAD + d * m + m], fp[0]
     two, zero = like(2.0, Y), like(0.0, Y)
-    for s0 in range(0, c, PAIR_ROWS):
-        nb = min(PAIR_ROWS, c - s0)
-        transpose_rows(Z[s0:s0 + nb], ZT, colsum, nb)
-        for t in range(nb):
-            top_a[t] = zero
-            total[t] = 0.0
-        # the running maxima go from one buffer to the other and back: read and written in place,
-        # LLVM stores only where the maximum changes, under a mask (vmaskmovps: slow on AMD)
-        before, after = top_a, top_b
+    for t in range(c):
+        z, y = as_contiguous(Z[t]), as_contiguous(Y[t])
+        top = zero
         for j in range(m):
-            z, bj = ZT[j], b[j]
-            for t in range(nb):
-                v = s * z[t] + bj
-                z[t] = v
-                a, tt = abs(v), before[t]
-                after[t] = a if a > tt else tt  # (NaN in z: NaN in every feature of its row, by the sums)
-            before, after = after, before
-        top = before
+            v = s * z[j] + b[j]
+            z[j] = v
+            a = abs(v)
+            top = a if a > top else top  # (NaN in z: NaN in every feature of its row, by the sum)
+        shift = two * top
         for j in range(m):
-            z, ya, ye = ZT[j], YT[j], YT[m + j]
-            for t in range(nb):  # (8 float32 lanes: the float64 sums in a loop of their own)
-                ya[t] = exp_le0(two * z[t] - two * top[t])
-                ye[t] = exp_le0(-two * z[t] - two * top[t])
-        for j in range(m):
-            ya, ye = YT[j], YT[m + j]
-            for t in range(nb):
-                total[t] += ya[t] + ye[t]
-        for t in range(nb):  # (top now holds each row's 1 / total)
-            top[t] = like(1.0 / total[t], Y)
+            y[j] = exp_le0(two * z[j] - shift)
+            y[m + j] = exp_le0(-two * z[j] - shift)
+        total = 0.0
         for j in range(2 * m):
-            y = YT[j]
-            for t in range(nb):
-                y[t] *= top[t]
-        transpose_rows(YT[:, :nb], Y[s0:s0 + nb], colsum, 2 * m)
+            total += y[j]
+        inv = like(1.0 / total, Y)
+        for j in range(2 * m):
+            y[j] *= inv
 
 
 def _rows(src, rs, cs, c, d, dst, drs, code, fp, nfp, work, family):
