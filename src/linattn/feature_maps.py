@@ -176,19 +176,20 @@ class FeatureMap:
     param_names = ()
 
     def vjp(self, x, dphi, y=None):
-        """The gradient of x from that of phi(x): dphi (..., D') -> dx (..., D), in dphi's dtype.
-        ``y``, phi(x) when the caller has it (saves computing it again). The parameters' gradients:
-        :meth:`param_vjp`."""
+        """The gradient of x from that of phi(x): dphi (..., D') -> dx (..., D), in dphi's dtype (float32
+        for float16, float64 for integers: as the kernels compute). ``y``, phi(x) when the caller has it
+        (saves computing it again). The parameters' gradients: :meth:`param_vjp`."""
         raise NotImplementedError
 
     def param_vjp(self, x, dphi, y=None):
         """The gradients of the map's parameters from that of phi(x) (summed over every row of x): a
-        dict by the names of :attr:`param_names`, each of its parameter's shape, in dphi's dtype; empty
-        for a map without parameters."""
+        dict by the names of :attr:`param_names`, each of its parameter's shape, in the dtype of
+        :meth:`vjp`'s result; empty for a map without parameters."""
         return {}
 
     def _checked(self, x, dphi):
-        """(x, dphi) checked, both in dphi's float dtype (float64 for integers)."""
+        """(x, dphi) checked, both in the dtype the kernels compute dphi's in: float32 for float16 and
+        float32, float64 for the others (integers, float64, longdouble)."""
         x, dphi = np.asarray(x), np.asarray(dphi)
         for name, arr in (("x", x), ("dphi", dphi)):
             if arr.dtype.kind not in "fiub":
@@ -198,12 +199,12 @@ class FeatureMap:
         want = x.shape[:-1] + (self.out_dim(x.shape[-1]),)
         if dphi.shape != want:
             raise ValueError(f"dphi: expected shape {want} (that of phi(x)), got {dphi.shape}")
-        dt = dphi.dtype if dphi.dtype.kind == "f" else np.dtype(np.float64)
+        dt = np.dtype(np.float32 if dphi.dtype in (np.float16, np.float32) else np.float64)
         return x.astype(dt, copy=False), dphi.astype(dt, copy=False)
 
     def _prepared(self, x, dphi, y=None, need_y=True):
-        """(u = scale x, dphi, y = phi(x)), checked, in dphi's float dtype (float64 for integers); y
-        computed when needed and not given."""
+        """(u = scale x, dphi, y = phi(x)), checked, in the dtype of _checked; y computed when needed
+        and not given."""
         x, dphi = self._checked(x, dphi)
         dt = dphi.dtype
         u = x * dt.type(self.input_scale)
