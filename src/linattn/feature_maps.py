@@ -31,7 +31,7 @@ import numbers
 import numpy as np
 
 from . import workspace
-from .cpu import map_grad, mapfns
+from .cpu import map_grad, mapfns, pair_grad
 from .cpu.elementwise import ELU, IDENTITY, RELU
 
 
@@ -91,15 +91,6 @@ def _pair_table(pairs):
 def _upper_pairs(d, diag, off, first=0):
     """(i, j, c) for i <= j < d, row by row: c = ``diag`` on the diagonal, ``off`` above it."""
     return [(i, j, diag if i == j else off) for i in range(first, d) for j in range(i, d)]
-
-
-def _pairs_vjp(u, g, table):
-    """du for features f = u[I] u[J] C (``table``: I, J, C concatenated) from their gradient g."""
-    i, j, c = table.reshape(3, -1)
-    i, j = i.astype(np.intp), j.astype(np.intp)
-    gc = g * c.astype(g.dtype)
-    onehot_i, onehot_j = (np.eye(u.shape[-1], dtype=g.dtype)[idx] for idx in (i, j))  # (D', len(u))
-    return (gc * u[..., j]) @ onehot_i + (gc * u[..., i]) @ onehot_j
 
 
 def _rows(x):
@@ -292,7 +283,7 @@ class Taylor(FeatureMap):
     def vjp(self, x, dphi, y=None):
         u, dphi, _ = self._prepared(x, dphi, need_y=False)
         u1 = np.concatenate([u, np.ones(u.shape[:-1] + (1,), u.dtype)], -1)
-        du = _pairs_vjp(u1, dphi, self._family_params(u.shape[-1]))
+        du = pair_grad.pairs_vjp(u1, dphi, self._family_params(u.shape[-1]))
         return du[..., :-1] * u.dtype.type(self.input_scale)
 
     def _family_params(self, d):
@@ -341,7 +332,7 @@ class ReBased(FeatureMap):
         r = 1 / np.sqrt((centred * centred).mean(-1, keepdims=True) + dt.type(self.eps))
         n = centred * r
         u = self.gamma.astype(dt) * n + self.beta.astype(dt)
-        return r, n, _pairs_vjp(u, dphi, self._family_params(d)[1 + 2 * d:])
+        return r, n, pair_grad.pairs_vjp(u, dphi, self._family_params(d)[1 + 2 * d:])
 
     def vjp(self, x, dphi, y=None):
         r, n, du = self._backward(x, dphi)
@@ -394,7 +385,8 @@ class DPFP(FeatureMap):
     def vjp(self, x, dphi, y=None):
         xs, dphi, _ = self._prepared(x, dphi, need_y=False)
         d = xs.shape[-1]
-        du = _pairs_vjp(np.concatenate([np.maximum(xs, 0), np.maximum(-xs, 0)], -1), dphi, self._family_params(d))
+        u = np.concatenate([np.maximum(xs, 0), np.maximum(-xs, 0)], -1)
+        du = pair_grad.pairs_vjp(u, dphi, self._family_params(d))
         return (du[..., :d] * (xs > 0) - du[..., d:] * (xs < 0)) * dphi.dtype.type(self.input_scale)
 
     def _args(self):
