@@ -178,6 +178,10 @@ class FeatureMap:
         :meth:`vjp`'s result; empty for a map without parameters."""
         return {}
 
+    def _vjps(self, x, dphi, y=None):
+        """(vjp, param_vjp) of the same arguments, computing what they share once."""
+        return self.vjp(x, dphi, y), self.param_vjp(x, dphi, y)
+
     def _checked(self, x, dphi):
         """(x, dphi) checked, both in the dtype the kernels compute dphi's in: float32 for float16 and
         float32, float64 for the others (integers, float64, longdouble)."""
@@ -334,16 +338,25 @@ class ReBased(FeatureMap):
         u = self.gamma.astype(dt) * n + self.beta.astype(dt)
         return r, n, pair_grad.pairs_vjp(u, dphi, self._family_params(d)[1 + 2 * d:])
 
-    def vjp(self, x, dphi, y=None):
-        r, n, du = self._backward(x, dphi)
+    def _dx(self, r, n, du):
         dn = du * self.gamma.astype(du.dtype)
         dxs = r * (dn - dn.mean(-1, keepdims=True) - n * (dn * n).mean(-1, keepdims=True))
         return dxs * du.dtype.type(self.input_scale)
 
-    def param_vjp(self, x, dphi, y=None):
-        _, n, du = self._backward(x, dphi)
+    @staticmethod
+    def _dparams(r, n, du):
         d = du.shape[-1]
         return {"gamma": (du * n).reshape(-1, d).sum(0), "beta": du.reshape(-1, d).sum(0)}
+
+    def vjp(self, x, dphi, y=None):
+        return self._dx(*self._backward(x, dphi))
+
+    def param_vjp(self, x, dphi, y=None):
+        return self._dparams(*self._backward(x, dphi))
+
+    def _vjps(self, x, dphi, y=None):
+        parts = self._backward(x, dphi)
+        return self._dx(*parts), self._dparams(*parts)
 
     def _args(self):
         return f"gamma=<{self.gamma.shape[0]}>, beta=<{self.beta.shape[0]}>, eps={self.eps!r}"
@@ -394,7 +407,18 @@ class DPFP(FeatureMap):
 
 
 class _Projection(FeatureMap):
-    """A map through a (D, m) matrix (and a bias of m)."""
+    """A map through a (D, m) matrix (and a bias of m): z = u W (+ b) with u the scaled input. Each map
+    gives ``_dz`` (u and the gradient of z), ``_dx`` and ``_dparams`` from them."""
+
+    def vjp(self, x, dphi, y=None):
+        return self._dx(*self._dz(x, dphi, y))
+
+    def param_vjp(self, x, dphi, y=None):
+        return self._dparams(*self._dz(x, dphi, y))
+
+    def _vjps(self, x, dphi, y=None):
+        parts = self._dz(x, dphi, y)
+        return self._dx(*parts), self._dparams(*parts)
 
     def _check_d(self, d):
         if d != self.weight.shape[0]:
@@ -456,15 +480,18 @@ class Performer(_Projection):
 
     param_names = ("omega",)
 
-    def vjp(self, x, dphi, y=None):
+    def _dz(self, x, dphi, y):
+        """(u, dz): the scaled input and the gradient of z = omega^T u (phi = exp(z - |u|^2 / 2) / sqrt(m))."""
         u, dphi, y = self._prepared(x, dphi, y)
-        t = dphi * y  # phi = exp(omega^T u - |u|^2 / 2) / sqrt(m)
+        return u, dphi * y
+
+    def _dx(self, u, t):
         du = t @ self.weight.T.astype(u.dtype) - u * t.sum(-1, keepdims=True)
         return du * u.dtype.type(self.input_scale)
 
-    def param_vjp(self, x, dphi, y=None):
-        u, dphi, y = self._prepared(x, dphi, y)
-        return {"omega": _rows(u).T @ _rows(dphi * y)}
+    @staticmethod
+    def _dparams(u, t):
+        return {"omega": _rows(u).T @ _rows(t)}
 
 
 class Hedgehog(_Projection):
@@ -502,12 +529,11 @@ class Hedgehog(_Projection):
         m = self.weight.shape[1]
         return u, 2 * (g[..., :m] - g[..., m:])
 
-    def vjp(self, x, dphi, y=None):
-        u, dz = self._dz(x, dphi, y)
+    def _dx(self, u, dz):
         return (dz @ self.weight.T.astype(u.dtype)) * u.dtype.type(self.input_scale)
 
-    def param_vjp(self, x, dphi, y=None):
-        u, dz = self._dz(x, dphi, y)
+    @staticmethod
+    def _dparams(u, dz):
         return {"weight": _rows(u).T @ _rows(dz), "bias": _rows(dz).sum(0)}
 
 

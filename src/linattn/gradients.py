@@ -75,16 +75,19 @@ def _map_vjp(fmap, x, dphi, y):
     return dx
 
 
-def _map_param_grads(fmap, xs, dphis, ys):
-    """The gradients of a map's parameters, summed over its applications (x, dphi, y = phi(x)), as a
-    dict by name (FeatureMap.param_vjp); None for a map without parameters."""
+def _map_grads(fmap, xs, dphis, ys):
+    """([dx for each application (x, dphi, y = phi(x)) of the map], the gradients of its parameters
+    summed over them as a dict by name (FeatureMap.param_vjp), or None for a map without parameters);
+    a map's vjp and param_vjp share their work (FeatureMap._vjps)."""
     if not (isinstance(fmap, FeatureMap) and fmap.param_names):
-        return None
-    total = {}
+        return [_map_vjp(fmap, x, dphi, y) for x, dphi, y in zip(xs, dphis, ys)], None
+    dxs, total = [], {}
     for x, dphi, y in zip(xs, dphis, ys):
-        for name, grad in fmap.param_vjp(x, dphi, y).items():
+        dx, grads = fmap._vjps(x, dphi, y)
+        dxs.append(dx)
+        for name, grad in grads.items():
             total[name] = total[name] + grad if name in total else grad
-    return total
+    return dxs, total
 
 
 def _check_grad(value, name, shape, dtype):
@@ -280,14 +283,11 @@ def _backward(q, k, v, fmap, code, lead, d, out_dt, normalize, s, initial_state,
             extra = _gate_gradients(rq, rk, lens_all, dS, dZ, final, gate, vector, decay_arr, log_decay, lead, comp)
         dmap = None
         if code is None:  # dq, dk: the gradients of phi(q), phi(k) so far
-            dqf, dkf = dq, dk
-            if valid is not None:  # (padding past a length may hold NaN, which a map's vjp would spread)
-                qv, kv = np.where(valid, q, 0), np.where(valid, k, 0)
-                dq, dk = (np.where(valid, _map_vjp(fmap, x, dx, y), 0) for x, dx, y in ((qv, dq, qf), (kv, dk, kf)))
-            else:
-                qv, kv = q, k
-                dq, dk = _map_vjp(fmap, q, dq, qf), _map_vjp(fmap, k, dk, kf)
-            dmap = _map_param_grads(fmap, (qv, kv), (dqf, dkf), (qf, kf))
+            # (padding past a length may hold NaN, which a map's vjp would spread)
+            qv, kv = (q, k) if valid is None else (np.where(valid, q, 0), np.where(valid, k, 0))
+            (dq, dk), dmap = _map_grads(fmap, (qv, kv), (dq, dk), (qf, kf))
+            if valid is not None:
+                dq, dk = np.where(valid, dq, 0), np.where(valid, dk, 0)
         grads = [half.astype(x, out_dt) for x in (dq, dk, dvv)]
         if has_state:
             grads.append(State(H_out.reshape(lead + (d, dv)), Z_out.reshape(lead + (d,))))
@@ -338,11 +338,12 @@ def linear_attention_vjp(q, k, v, *, feature_map="elu", eps=1e-6, normalize=True
             chunk, frac, nthreads, _ = plan(bh, n, dk_, dv, causal=False)
             noncausal_grad.backward(nthreads, *arrays[:5], fm, comp.type(s), comp.type(eps), normalize, chunk, frac,
                                     *arrays[5:])
+        dmap = None
         if code is not None:
             grads = (dqf, dkf, dvv)
         else:
-            grads = (_map_vjp(fmap, q, dqf, src[0]), _map_vjp(fmap, k, dkf, src[1]), dvv)
-        dmap = _map_param_grads(fmap, (q, k), (dqf, dkf), src)
+            (dq, dk), dmap = _map_grads(fmap, (q, k), (dqf, dkf), src)
+            grads = (dq, dk, dvv)
         return tuple(half.astype(x, out_dt) for x in grads) + ((dmap,) if dmap is not None else ())
 
     return half.astype(out, out_dt), vjp
