@@ -1,7 +1,8 @@
 """Feature maps (issue 12's targets), as ratios measured in one process, interleaved: Based's Taylor map
 at D = 16 computed inside the kernels vs the same map as a NumPy callable (time: target >= 2x faster;
 peak NumPy-level memory: target <= 1/4), and every built-in map's forward vs the identity map on
-inputs already mapped to the same D' (target <= 1.3x: what computing phi inside the kernel costs)."""
+inputs already mapped to the same D' (target <= 1.3x: what computing phi inside the kernel costs), and
+the same for forward and backward."""
 import math
 import tracemalloc
 
@@ -132,6 +133,32 @@ class MapOverIdentity:
         return interleaved_ratio(lambda: linattn.causal_linear_attention(q, k, v, feature_map=self.fmap),
                                  lambda: linattn.causal_linear_attention(qm, km, v, feature_map="identity"),
                                  3 if SMOKE else 9)
+
+    track_over_identity_premapped.unit = "x identity"
+
+
+class MapGradientOverIdentity:
+    """B1 H8 N2048, Dv = 64, float32, causal: forward and backward (``causal_linear_attention_vjp``, then
+    ``vjp(dout)``) with each map over the same with the identity map on pre-mapped inputs: what
+    differentiating through the map costs (the pair maps' and the learned maps' vjps run after the
+    kernel, the elementwise maps' inside it)."""
+    params = ["gelu", "Taylor D16", "ReBased D16", "DPFP nu1 D32", "Performer m64", "Hedgehog m32", "T2R m64"]
+    param_names = ["map"]
+    timeout = 600
+
+    def setup(self, name):
+        self.fmap, d = builtin_maps(64)[name]
+        self.q, self.k, self.v = _qkv(d)
+        self.qm, self.km = self.fmap(self.q), self.fmap(self.k)
+        self.dout = inputs(self.v.shape, seed=2)[0]
+
+    def _forward_backward(self, q, k, fmap):
+        _, vjp = linattn.causal_linear_attention_vjp(q, k, self.v, feature_map=fmap)
+        vjp(self.dout)
+
+    def track_over_identity_premapped(self, name):
+        return interleaved_ratio(lambda: self._forward_backward(self.q, self.k, self.fmap),
+                                 lambda: self._forward_backward(self.qm, self.km, "identity"), 3 if SMOKE else 7)
 
     track_over_identity_premapped.unit = "x identity"
 
