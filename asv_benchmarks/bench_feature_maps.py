@@ -137,19 +137,14 @@ class MapOverIdentity:
     track_over_identity_premapped.unit = "x identity"
 
 
-class MapGradientOverIdentity:
-    """B1 H8 N2048, Dv = 64, float32, causal: forward and backward (``causal_linear_attention_vjp``, then
-    ``vjp(dout)``) with each map over the same with the identity map on pre-mapped inputs: what
+class MapGradientOverIdentity(MapOverIdentity):
+    """The same, forward and backward (``causal_linear_attention_vjp``, then ``vjp(dout)``): what
     differentiating through the map costs (the pair maps' and the learned maps' vjps run after the
     kernel, the elementwise maps' inside it)."""
     params = ["gelu", "Taylor D16", "ReBased D16", "DPFP nu1 D32", "Performer m64", "Hedgehog m32", "T2R m64"]
-    param_names = ["map"]
-    timeout = 600
 
     def setup(self, name):
-        self.fmap, d = builtin_maps(64)[name]
-        self.q, self.k, self.v = _qkv(d)
-        self.qm, self.km = self.fmap(self.q), self.fmap(self.k)
+        super().setup(name)
         self.dout = inputs(self.v.shape, seed=2)[0]
 
     def _forward_backward(self, q, k, fmap):
