@@ -544,6 +544,54 @@ def test_pair_map_vjp_against_numpy(rng, dtype):
     assert pairs_vjp(np.ones((0, 3), dtype), np.ones((0, 6), dtype), fm.Taylor()._family_params(2)).shape == (0, 3)
 
 
+def _projection_grads_numpy(fmap, x, g):
+    """(dx, {name: gradient}) of Performer, Hedgehog, T2R written out in float64 NumPy."""
+    fm = linattn.feature_maps
+    x, g = x.astype(np.float64), g.astype(np.float64)
+    s, w, y = fmap.input_scale, fmap.weight, fmap(x.astype(np.float64))
+    u = s * x
+    if isinstance(fmap, fm.Performer):
+        t = g * y
+        dw = u.reshape(-1, u.shape[-1]).T @ t.reshape(-1, t.shape[-1])
+        return (t @ w.T - u * t.sum(-1, keepdims=True)) * s, {"omega": dw}
+    if isinstance(fmap, fm.T2R):
+        dz = g * (y > 0)
+    else:
+        p = y * (g - (y * g).sum(-1, keepdims=True))
+        dz = 2 * (p[..., :w.shape[1]] - p[..., w.shape[1]:])
+    dz2 = dz.reshape(-1, dz.shape[-1])
+    return (dz @ w.T) * s, {"weight": u.reshape(-1, u.shape[-1]).T @ dz2, "bias": dz2.sum(0)}
+
+
+@pytest.mark.parametrize("dtype", [np.float32, np.float64])
+def test_projection_map_grads_against_numpy(rng, dtype):
+    """cpu/projection_grad's compiled gradients of the maps through a matrix (blocks of 64 rows, each
+    thread's parameter gradients in a slot of its own) against them written out: rows around the
+    block size and enough for two threads, reversed and strided views, a scale, phi given or not."""
+    fm = linattn.feature_maps
+    d = 6
+    maps = [fm.Performer.random(d, 7, seed=1).scaled(0.6),
+            fm.Hedgehog(rng.standard_normal((d, 4)), rng.standard_normal(4)),
+            fm.T2R(rng.standard_normal((d, 5)), rng.standard_normal(5)).scaled(0.8)]
+    tol = 1e-5 if dtype == np.float32 else 1e-13
+    for fmap in maps:
+        dk = fmap.out_dim(d)
+        for rows in (1, 63, 65, 200, 120000):  # (the last: two threads)
+            x = rng.standard_normal((rows, 2 * d)).astype(dtype)
+            g = rng.standard_normal((rows, dk)).astype(dtype)
+            for xv, gv in ((x[:, :d], g), (x[::-1, ::2], g[::-1])):
+                want_dx, want = _projection_grads_numpy(fmap, xv, gv)
+                for y in (None, fmap(xv)):
+                    dx, grads = fmap._vjps(xv, gv, y)
+                    assert dx.dtype == dtype and rel_err(dx, want_dx) < tol, (fmap, rows)
+                    assert set(grads) == set(fmap.param_names)
+                    for name, grad in grads.items():
+                        assert grad.dtype == dtype and rel_err(grad, want[name]) < tol, (fmap, rows, name)
+        np.testing.assert_array_equal(fmap.vjp(x[:, :d], g), fmap._vjps(x[:, :d], g)[0])
+        with pytest.raises(ValueError, match=r"y: expected phi\(x\), of shape"):
+            fmap.vjp(x[:, :d], g, g[:, :1])
+
+
 def _elementwise_derivative(name, u):
     """phi'(u) of the elementwise maps, written out in float64 NumPy (math.erf for gelu's Phi)."""
     sig = 1 / (1 + np.exp(-u))

@@ -31,7 +31,7 @@ import numbers
 import numpy as np
 
 from . import workspace
-from .cpu import map_grad, mapfns, pair_grad
+from .cpu import map_grad, mapfns, pair_grad, projection_grad
 from .cpu.elementwise import ELU, IDENTITY, RELU
 
 
@@ -91,11 +91,6 @@ def _pair_table(pairs):
 def _upper_pairs(d, diag, off, first=0):
     """(i, j, c) for i <= j < d, row by row: c = ``diag`` on the diagonal, ``off`` above it."""
     return [(i, j, diag if i == j else off) for i in range(first, d) for j in range(i, d)]
-
-
-def _rows(x):
-    """x as (rows, last dim)."""
-    return x.reshape(-1, x.shape[-1])
 
 
 class FeatureMap:
@@ -407,18 +402,30 @@ class DPFP(FeatureMap):
 
 
 class _Projection(FeatureMap):
-    """A map through a (D, m) matrix (and a bias of m): z = u W (+ b) with u the scaled input. Each map
-    gives ``_dz`` (u and the gradient of z), ``_dx`` and ``_dparams`` from them."""
+    """A map through a (D, m) matrix (and a bias of m): z = u W (+ b) with u the scaled input. Its
+    gradients are compiled (cpu/projection_grad.py)."""
+
+    def _grads(self, x, dphi, y):
+        """(dx, dW, db)."""
+        x, dphi = self._checked(x, dphi)
+        y = self(x) if y is None else np.asarray(y)
+        if y.shape != dphi.shape:
+            raise ValueError(f"y: expected phi(x), of shape {dphi.shape}, got {y.shape}")
+        return projection_grad.projection_vjp(self.code, x, dphi, y.astype(dphi.dtype, copy=False), self.weight,
+                                              self.input_scale)
 
     def vjp(self, x, dphi, y=None):
-        return self._dx(*self._dz(x, dphi, y))
+        return self._grads(x, dphi, y)[0]
 
     def param_vjp(self, x, dphi, y=None):
-        return self._dparams(*self._dz(x, dphi, y))
+        return self._named(*self._grads(x, dphi, y)[1:])
 
     def _vjps(self, x, dphi, y=None):
-        parts = self._dz(x, dphi, y)
-        return self._dx(*parts), self._dparams(*parts)
+        dx, dw, db = self._grads(x, dphi, y)
+        return dx, self._named(dw, db)
+
+    def _named(self, dw, db):
+        return dict(zip(self.param_names, (dw, db)))
 
     def _check_d(self, d):
         if d != self.weight.shape[0]:
@@ -480,19 +487,6 @@ class Performer(_Projection):
 
     param_names = ("omega",)
 
-    def _dz(self, x, dphi, y):
-        """(u, dz): the scaled input and the gradient of z = omega^T u (phi = exp(z - |u|^2 / 2) / sqrt(m))."""
-        u, dphi, y = self._prepared(x, dphi, y)
-        return u, dphi * y
-
-    def _dx(self, u, t):
-        du = t @ self.weight.T.astype(u.dtype) - u * t.sum(-1, keepdims=True)
-        return du * u.dtype.type(self.input_scale)
-
-    @staticmethod
-    def _dparams(u, t):
-        return {"omega": _rows(u).T @ _rows(t)}
-
 
 class Hedgehog(_Projection):
     """Hedgehog's learned map (Zhang et al. 2024, "The Hedgehog & the Porcupine"), as in
@@ -522,20 +516,6 @@ class Hedgehog(_Projection):
 
     param_names = ("weight", "bias")
 
-    def _dz(self, x, dphi, y):
-        """(u, dz): the scaled input and the gradient of z = u W + b."""
-        u, dphi, p = self._prepared(x, dphi, y)
-        g = p * (dphi - (p * dphi).sum(-1, keepdims=True))  # through the softmax over [2z, -2z]
-        m = self.weight.shape[1]
-        return u, 2 * (g[..., :m] - g[..., m:])
-
-    def _dx(self, u, dz):
-        return (dz @ self.weight.T.astype(u.dtype)) * u.dtype.type(self.input_scale)
-
-    @staticmethod
-    def _dparams(u, dz):
-        return {"weight": _rows(u).T @ _rows(dz), "bias": _rows(dz).sum(0)}
-
 
 class T2R(Hedgehog):
     """T2R's learned map (Kasai et al. 2021, "Finetuning Pretrained Transformers into RNNs"):
@@ -552,10 +532,6 @@ class T2R(Hedgehog):
     def out_dim(self, d):
         self._check_d(d)
         return self.weight.shape[1]
-
-    def _dz(self, x, dphi, y):
-        u, dphi, y = self._prepared(x, dphi, y)
-        return u, dphi * (y > 0)
 
 
 #: The names ``feature_map=`` accepts.
