@@ -542,6 +542,16 @@ def test_pair_map_vjp_against_numpy(rng, dtype):
                 want = _pairs_vjp_numpy(u, g, table)
                 assert rel_err(got, want) < (1e-6 if dtype == np.float32 else 1e-14), (fmap, rows)
     assert pairs_vjp(np.ones((0, 3), dtype), np.ones((0, 6), dtype), fm.Taylor()._family_params(2)).shape == (0, 3)
+    # inf in a block's first value spreads to its own row only
+    fmap, d, nu = cases[0]
+    table = fmap._family_params(d)
+    u, g = rng.standard_normal((40, nu)).astype(dtype), rng.standard_normal((40, fmap.out_dim(d))).astype(dtype)
+    u[32, 0] = np.inf
+    got = pairs_vjp(u, g, table)
+    assert not np.isfinite(got[32]).all() and np.isfinite(np.delete(got, 32, 0)).all()
+    with np.errstate(invalid="ignore"):  # (the reference's own inf * 0)
+        want = _pairs_vjp_numpy(u, g, table)
+    assert rel_err(np.delete(got, 32, 0), np.delete(want, 32, 0)) < 1e-6
 
 
 def _projection_grads_numpy(fmap, x, g):

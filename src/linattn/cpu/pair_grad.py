@@ -13,6 +13,7 @@ from numba import types
 
 from .._jit import array, njit
 from .buffers import empty
+from .gating import like
 from .mapfns import PAIR_ROWS
 from .runtime import kernel_section, num_threads
 from .schedule import take
@@ -31,7 +32,7 @@ def _block(UT, GT, DT, table, coef, nb):
     """DT[:, :nb] = du^T of the block from UT = u^T and GT = g^T (rows of PAIR_ROWS); I, J from
     ``table``, C as ``coef`` (in the compute dtype)."""
     dk = GT.shape[0]
-    zero = UT[0, 0] - UT[0, 0]
+    zero = like(0.0, DT)
     for a in range(DT.shape[0]):
         row = DT[a]
         for t in range(nb):

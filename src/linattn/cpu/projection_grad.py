@@ -31,7 +31,7 @@ WORK_PER_THREAD = 1 << 21
 def _dz(code, g, y, dz, tsum):
     """dz[t] for the rows of g = dphi and y = phi (tsum[t]: Performer's sum of dz[t])."""
     m = dz.shape[1]
-    zero, two = like(0.0, dz), like(2.0, dz)
+    zero, one, two = like(0.0, dz), like(1.0, dz), like(2.0, dz)
     for t in range(dz.shape[0]):
         gt, yt, zt = as_contiguous(g[t]), as_contiguous(y[t]), as_contiguous(dz[t])
         if code == PERFORMER:
@@ -50,7 +50,7 @@ def _dz(code, g, y, dz, tsum):
                 zt[j] = two * (yt[j] * (gt[j] - c) - yt[m + j] * (gt[m + j] - c))
         else:  # T2R
             for j in range(m):
-                zt[j] = gt[j] if yt[j] > zero else zero
+                zt[j] = gt[j] * (one if yt[j] > zero else zero)  # (NaN in dphi stays NaN, as in NumPy)
 
 
 def _projection_vjp(x, g, y, wt, code, s, dx, dw, db, slots, counter):
