@@ -160,6 +160,26 @@ def test_gates_and_decay_against_finite_differences(rng, option):
         assert np.max(np.abs(got - want)) <= 1e-6 * np.max(np.abs(want)) + 1e-8, (key, rel_err(got, want))
 
 
+def test_map_gradients_ignore_padding_past_lengths(rng):
+    """NaN in q, k, v past a sequence's length changes no gradient, the maps' parameters' included (they
+    were NaN for Hedgehog and Performer: phi of the padding entered their sums)."""
+    fm = linattn.feature_maps
+    q, k, v, _ = _inputs(rng, (2,), 20, 4, 3)
+    lengths = np.array([20, 12])
+    padded = [x.copy() for x in (q, k, v)]
+    for x in padded:
+        x[1, 12:] = np.nan
+    W = rng.standard_normal((2, 20, 3))
+    W[1, 12:] = 0
+    for fmap in _maps(rng, 4):
+        clean = linattn.causal_linear_attention_vjp(q, k, v, feature_map=fmap, lengths=lengths)[1](W)
+        got = linattn.causal_linear_attention_vjp(*padded, feature_map=fmap, lengths=lengths)[1](W)
+        for a, b in zip(got[:3], clean[:3]):
+            np.testing.assert_allclose(a, b, rtol=1e-12, atol=1e-14, err_msg=repr(fmap))
+        for name in getattr(fmap, "param_names", ()):
+            np.testing.assert_allclose(got[3][name], clean[3][name], rtol=1e-12, atol=1e-14, err_msg=repr(fmap))
+
+
 @pytest.mark.parametrize("per_dim", [False, True])
 def test_gate_padding_past_lengths_is_not_read(rng, per_dim):
     """Gate values past a sequence's length are padding: the forward does not read them, nor does the

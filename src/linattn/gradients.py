@@ -283,9 +283,11 @@ def _backward(q, k, v, fmap, code, lead, d, out_dt, normalize, s, initial_state,
             extra = _gate_gradients(rq, rk, lens_all, dS, dZ, final, gate, vector, decay_arr, log_decay, lead, comp)
         dmap = None
         if code is None:  # dq, dk: the gradients of phi(q), phi(k) so far
-            # (padding past a length may hold NaN, which a map's vjp would spread)
-            qv, kv = (q, k) if valid is None else (np.where(valid, q, 0), np.where(valid, k, 0))
-            (dq, dk), dmap = _map_grads(fmap, (qv, kv), (dq, dk), (qf, kf))
+            # (padding past a length may hold NaN, which a map's vjp would spread: into the parameters'
+            # gradients too, through phi there; the kernel's dphi is 0 past a length)
+            xs, ys = ((q, k), (qf, kf)) if valid is None else \
+                tuple((np.where(valid, a, 0), np.where(valid, b, 0)) for a, b in ((q, k), (qf, kf)))
+            (dq, dk), dmap = _map_grads(fmap, xs, (dq, dk), ys)
             if valid is not None:
                 dq, dk = np.where(valid, dq, 0), np.where(valid, dk, 0)
         grads = [half.astype(x, out_dt) for x in (dq, dk, dvv)]
