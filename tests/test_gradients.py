@@ -562,6 +562,16 @@ def test_pair_map_vjp_against_numpy(rng, dtype):
                 want = _pairs_vjp_numpy(u, g, table)
                 assert rel_err(got, want) < (1e-6 if dtype == np.float32 else 1e-14), (fmap, rows)
     assert pairs_vjp(np.ones((0, 3), dtype), np.ones((0, 6), dtype), fm.Taylor()._family_params(2)).shape == (0, 3)
+    # DPFP's: [relu(x), relu(-x)] formed in the kernel, dx = s (du[:D] [x > 0] - du[D:] [x < 0])
+    for d, nu in ((3, 2), (5, 1)):
+        table = fm.DPFP(nu)._family_params(d)
+        x = rng.standard_normal((70, d)).astype(dtype)
+        x[0, 0] = 0.0
+        g = rng.standard_normal((70, 2 * d * nu)).astype(dtype)
+        du = _pairs_vjp_numpy(np.concatenate([np.maximum(x, 0), np.maximum(-x, 0)], -1), g, table)
+        want = (du[:, :d] * (x > 0) - du[:, d:] * (x < 0)) * 0.7
+        got = pairs_vjp(x, g, table, dpfp=True, scale=0.7)
+        assert got.dtype == dtype and rel_err(got, want) < (1e-6 if dtype == np.float32 else 1e-14)
     # inf in a block's first value spreads to its own row only
     fmap, d, nu = cases[0]
     table = fmap._family_params(d)

@@ -392,10 +392,7 @@ class DPFP(FeatureMap):
 
     def vjp(self, x, dphi, y=None):
         xs, dphi, _ = self._prepared(x, dphi, need_y=False)
-        d = xs.shape[-1]
-        u = np.concatenate([np.maximum(xs, 0), np.maximum(-xs, 0)], -1)
-        du = pair_grad.pairs_vjp(u, dphi, self._family_params(d))
-        return (du[..., :d] * (xs > 0) - du[..., d:] * (xs < 0)) * dphi.dtype.type(self.input_scale)
+        return pair_grad.pairs_vjp(xs, dphi, self._family_params(xs.shape[-1]), dpfp=True, scale=self.input_scale)
 
     def _args(self):
         return f"nu={self.nu}"

@@ -51,12 +51,37 @@ def _block(UT, GT, DT, table, coef, nb):
                 dj[t] += (gt[t] * c) * ui[t]
 
 
-def _pairs_vjp(u, g, table, du, counter):
+@njit(helper=True)
+def _dpfp_input(UT, d, nb):
+    """u^T = [relu(x), relu(-x)]^T from x^T in UT's first d rows."""
+    zero = like(0.0, UT)
+    for a in range(d):
+        pos, neg = UT[a], UT[d + a]
+        for t in range(nb):
+            x = pos[t]
+            pos[t] = zero if x <= zero else x  # (NaN stays NaN, as NumPy's maximum)
+            neg[t] = zero if x >= zero else -x
+
+
+@njit(helper=True)
+def _dpfp_output(UT, DT, d, nb, s):
+    """dx^T (in DT's first d rows) = s (du^T[:d] [x > 0] - du^T[d:] [x < 0]) (x > 0 where relu(x) > 0)."""
+    zero, one = like(0.0, DT), like(1.0, DT)
+    for a in range(d):
+        dpos, dneg, pos, neg = DT[a], DT[d + a], UT[a], UT[d + a]
+        for t in range(nb):
+            dpos[t] = s * (dpos[t] * (one if pos[t] > zero else zero) - dneg[t] * (one if neg[t] > zero else zero))
+
+
+def _pairs_vjp(u, g, table, dpfp, s, du, counter):
     """du[r] from u[r] and g[r] (rows of (R, len(u)) and (R, D') arrays, unit column stride; du
     C-contiguous) and table = I, J, C (D' each, float64), ROWS rows per work item taken from
-    ``counter`` (threaded.ThreadedKernel)."""
+    ``counter`` (threaded.ThreadedKernel). ``dpfp``: u holds DPFP's scaled input x instead (D values),
+    the kernel forms [relu(x), relu(-x)], and du is the gradient of x times s."""
     u, g, du = unowned((u, g, du))  # (row views not reference-counted: both threads would count on one)
-    rows, nu, dk = u.shape[0], u.shape[1], g.shape[1]
+    rows, dk = u.shape[0], g.shape[1]
+    d = u.shape[1]
+    nu = 2 * d if dpfp else d
     coef = empty(dk, du.dtype)
     for f in range(dk):
         coef[f] = table[2 * dk + f]
@@ -70,25 +95,30 @@ def _pairs_vjp(u, g, table, du, counter):
         for s0 in range(item * ROWS, end, PAIR_ROWS):
             nb = min(PAIR_ROWS, end - s0)
             transpose_rows(u[s0:s0 + nb], UT, colsum, nb)
+            if dpfp:
+                _dpfp_input(UT, d, nb)
             transpose_rows(g[s0:s0 + nb], GT, colsum, nb)
             _block(UT, GT, DT, table, coef, nb)
-            transpose_rows(DT[:, :nb], du[s0:s0 + nb], colsum, nu)
+            if dpfp:
+                _dpfp_output(UT, DT, d, nb, s)
+            transpose_rows(DT[:d, :nb], du[s0:s0 + nb], colsum, d)
         item = take(counter)
     keep_alive(owners)
 
 
 def _signature(dt, variant):
     rows = array(dt, 2, "A", readonly=True)
-    return types.void(rows, rows, array(types.float64, 1, readonly=True), array(dt, 2))
+    return types.void(rows, rows, array(types.float64, 1, readonly=True), types.boolean, dt, array(dt, 2))
 
 
-#: (nthreads, u, g, table, du): u and g with unit-stride rows, du C-contiguous.
+#: (nthreads, u, g, table, dpfp, s, du): u and g with unit-stride rows, du C-contiguous.
 pairs_vjp_kernel = ThreadedKernel(_pairs_vjp, _signature)
 
 
-def pairs_vjp(u, g, table):
+def pairs_vjp(u, g, table, dpfp=False, scale=1.0):
     """du (..., len(u)) for the features f = u[I] u[J] C (``table``: I, J, C concatenated) from their
-    gradient g (..., D'): u and g float32 or float64, of the same dtype and leading shape."""
+    gradient g (..., D'): u and g float32 or float64, of the same dtype and leading shape. ``dpfp``: u
+    is DPFP's scaled input x (..., D) and the result dx times ``scale`` (the pairs of [relu(x), relu(-x)])."""
     nu, dk = u.shape[-1], g.shape[-1]
     u2, g2 = unit_rows(u).reshape(-1, nu), unit_rows(g).reshape(-1, dk)
     du = np.empty(u.shape, u.dtype)
@@ -97,5 +127,5 @@ def pairs_vjp(u, g, table):
         nthreads = max(1, min(num_threads(), rows * dk // WORK_PER_THREAD))
         with kernel_section(nthreads):
             pairs_vjp_kernel.get(du.dtype, None)(nthreads, u2, g2, np.ascontiguousarray(table, np.float64),
-                                                 du.reshape(-1, nu))
+                                                 bool(dpfp), du.dtype.type(scale), du.reshape(-1, nu))
     return du
