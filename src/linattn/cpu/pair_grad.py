@@ -1,6 +1,6 @@
 """The vector-Jacobian product of the pair maps (Taylor, ReBased, DPFP): features y_f = u[I_f] u[J_f] C_f
 of a vector u, so du[I_f] += g_f C_f u[J_f] and du[J_f] += g_f C_f u[I_f], compiled (threads take
-blocks of rows).
+blocks of rows). For DPFP the kernel also forms u = [relu(x), relu(-x)] from x and turns du into dx.
 
 Computed transposed, as the forward (mapfns._pairs), PAIR_ROWS rows at a time: u^T and g^T (one row
 per element of u, per feature), then per feature two products of contiguous rows added into du^T
