@@ -14,7 +14,7 @@ from .elementwise import ELU, IDENTITY, RELU, exp_le0, relu
 from .gating import like
 from .mapfns import (GELU, SCALED_ELU, SCALED_IDENTITY, SCALED_RELU, SIGMOID, SILU, SOFTPLUS, SQUARED_RELU,
                      normal_cdf)
-from .runtime import kernel_section, num_threads
+from .runtime import kernel_section, threads_for
 from .schedule import take
 from .threaded import ThreadedKernel
 from .vector import wide_vectors
@@ -105,7 +105,7 @@ def times_derivative(x, dphi, code, scale, out):
     out C-contiguous (it may be dphi itself)."""
     d = x.shape[-1]
     x2, g2 = (unit_rows(a).reshape(-1, d) for a in (x, dphi))
-    nthreads = min(num_threads(), -(-x2.shape[0] * d // WORK_PER_THREAD))
+    nthreads = threads_for(x2.shape[0] * d, WORK_PER_THREAD)
     if x2.shape[0]:
         with kernel_section(nthreads):
             elementwise_vjp.get(out.dtype, None)(nthreads, x2, g2, code, out.dtype.type(scale), out.reshape(-1, d))

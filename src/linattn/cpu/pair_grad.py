@@ -15,7 +15,7 @@ from .._jit import array, njit
 from .buffers import empty
 from .gating import like
 from .mapfns import PAIR_ROWS
-from .runtime import kernel_section, num_threads
+from .runtime import kernel_section, threads_for
 from .schedule import take
 from .threaded import ThreadedKernel
 from .vector import transpose_rows
@@ -124,7 +124,7 @@ def pairs_vjp(u, g, table, dpfp=False, scale=1.0):
     du = np.empty(u.shape, u.dtype)
     rows = u2.shape[0]
     if rows:
-        nthreads = max(1, min(num_threads(), rows * dk // WORK_PER_THREAD))
+        nthreads = threads_for(rows * dk, WORK_PER_THREAD)
         with kernel_section(nthreads):
             pairs_vjp_kernel.get(du.dtype, None)(nthreads, u2, g2, np.ascontiguousarray(table, np.float64),
                                                  bool(dpfp), du.dtype.type(scale), du.reshape(-1, nu))

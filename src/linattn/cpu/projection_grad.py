@@ -15,7 +15,7 @@ from .._jit import array, njit
 from .buffers import empty
 from .gating import like
 from .mapfns import HEDGEHOG, PERFORMER
-from .runtime import kernel_section, num_threads
+from .runtime import kernel_section, threads_for
 from .schedule import take
 from .smallgemm import small_gemm, small_gemm_tn
 from .threaded import ThreadedKernel
@@ -108,7 +108,7 @@ def projection_vjp(code, x, dphi, y, weight, scale):
     x2, g2, y2 = unit_rows(x).reshape(-1, d), unit_rows(dphi).reshape(-1, dk), unit_rows(y).reshape(-1, dk)
     m = weight.shape[1]
     rows = x2.shape[0]
-    nthreads = max(1, min(num_threads(), rows * d * m // WORK_PER_THREAD))
+    nthreads = threads_for(rows * d * m, WORK_PER_THREAD)
     dx = np.empty(x.shape, dt)
     dw, db = np.zeros((nthreads, d, m)), np.zeros((nthreads, m))  # (float64: sums over every row)
     if rows:

@@ -148,6 +148,12 @@ def num_threads():
     return n if _cap is None or n <= _cap else _cap
 
 
+def threads_for(work, per_thread):
+    """Threads for a kernel of ``work`` units: one per ``per_thread`` of them (rounded up; waking a
+    thread costs more than less work), at least 1, at most num_threads()."""
+    return max(1, min(num_threads(), -(-work // per_thread)))
+
+
 def _read_cap():
     value = os.environ.get("LINATTN_NUM_THREADS", "").strip()
     if not value:
