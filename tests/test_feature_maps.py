@@ -376,6 +376,43 @@ def test_with_gates_and_weights(rng, name):
         linattn.causal_linear_attention(q, k, v, feature_map=mp, gate=gate[..., :d])
 
 
+def test_with_params_keeps_the_settings(rng):
+    """with_params: new parameter values, the input scale and the other settings kept, checked as
+    the constructor checks them."""
+    x = rng.standard_normal((5, 4))
+    w, b = rng.standard_normal((4, 3)), rng.standard_normal(3)
+    g, be = rng.standard_normal(4) + 1, rng.standard_normal(4)
+    cases = [(fm.Hedgehog(np.ones((4, 3))).scaled(0.5), {"weight": w, "bias": b}, lambda: _hedgehog(0.5 * x, w, b)),
+             (fm.T2R(np.ones((4, 3))).scaled(2.0), {"weight": w}, lambda: _relu(2 * x @ w)),
+             (fm.Performer(np.ones((4, 3))).scaled(0.3), {"omega": w}, lambda: _performer(0.3 * x, w)),
+             (fm.ReBased(np.ones(4), np.zeros(4), eps=0.5), {"gamma": g, "beta": be},
+              lambda: _upper_rows(_layer_norm(x, g, be, eps=0.5)))]
+    for fmap, values, want in cases:
+        new = fmap.with_params(**values)
+        assert type(new) is type(fmap) and new.input_scale == fmap.input_scale
+        assert set(new.param_values()) == set(fmap.param_names)
+        for name, value in values.items():
+            np.testing.assert_array_equal(new.param_values()[name], value)
+        assert_close(new(x), want(), np.float64)
+        np.testing.assert_array_equal(fmap(x), fmap.with_params()(x))  # (no values: the same map)
+    assert fm.Taylor().param_values() == {}
+    with pytest.raises(TypeError, match="Hedgehog has no parameter 'omega' \\(its parameters: weight, bias\\)"):
+        fm.Hedgehog(w).with_params(omega=w)
+    with pytest.raises(TypeError, match="Taylor has no parameter 'weight' \\(its parameters: none\\)"):
+        fm.Taylor().with_params(weight=w)
+    with pytest.raises(ValueError, match="weight: expected finite values"):
+        fm.Hedgehog(w).with_params(weight=np.full((4, 3), np.nan))
+    with pytest.raises(ValueError, match="bias: expected shape \\(3\\)"):
+        fm.Hedgehog(w).with_params(bias=np.ones(4))
+
+
+def _upper_rows(y):
+    """ReBased's features from its normalised rows y: y_i**2, then sqrt(2) y_i y_j for i < j (row by row)."""
+    d = y.shape[-1]
+    return np.stack([y[..., i] * y[..., j] * (1.0 if i == j else math.sqrt(2)) for i in range(d) for j in range(i, d)],
+                    -1)
+
+
 def test_bad_parameters(rng):
     d = 4
     q, k, v = make_qkv(rng, (2,), 10, d, 3, np.float32)

@@ -3,9 +3,10 @@ and against PyTorch autograd through a plain PyTorch implementation of the same 
 import numpy as np
 import pytest
 
-from linattn.feature_maps import DPFP, Taylor
+from linattn.feature_maps import DPFP, Hedgehog, Performer, ReBased, T2R, Taylor
 
 torch = pytest.importorskip("torch")
+import linattn  # noqa: E402
 import linattn.torch as lt  # noqa: E402
 
 
@@ -69,6 +70,88 @@ def test_gradcheck_with_gate_and_decay(per_dimension):
     assert torch.autograd.gradcheck(f, (q, k, v, gate))
 
 
+@pytest.mark.parametrize("shape", [(3,), ()])
+def test_gradcheck_decay_tensor(shape):
+    """A decay given as a tensor is differentiated (per head, or one for all), with and without a gate."""
+    q, k, v = _inputs((2, 3, 9, 3))
+    decay = torch.tensor([0.9, 0.8, 0.95][:shape[0]] if shape else 0.9, dtype=torch.float64).requires_grad_()
+    gate = (-torch.rand(2, 3, 9, dtype=torch.float64) - 0.01).requires_grad_()
+    assert torch.autograd.gradcheck(lambda q, k, v, d: lt.causal_linear_attention(q, k, v, decay=d), (q, k, v, decay))
+    assert torch.autograd.gradcheck(lambda q, k, v, d, g: lt.causal_linear_attention(q, k, v, decay=d, gate=g),
+                                    (q, k, v, decay, gate))
+    d32 = decay.detach().float().requires_grad_()  # (its gradient in its own dtype)
+    lt.causal_linear_attention(q, k, v, decay=d32).sum().backward()
+    assert d32.grad.dtype == torch.float32 and d32.grad.shape == d32.shape and torch.all(d32.grad != 0)
+
+
+def _learned_maps(d=3):
+    rng = np.random.default_rng(3)
+    return [Hedgehog(rng.standard_normal((d, 4)) * 0.5, rng.standard_normal(4) * 0.1),
+            T2R(rng.standard_normal((d, 4)), rng.standard_normal(4) * 0.1 + 0.3),
+            Performer.random(d, 5, seed=1).scaled(0.7),
+            ReBased(rng.standard_normal(d) + 1, rng.standard_normal(d) * 0.1)]
+
+
+@pytest.mark.parametrize("index", range(4))
+def test_gradcheck_trainable_maps(index):
+    """A TrainableMap's parameters get gradients through both attentions and through the map itself."""
+    fmap = lt.TrainableMap(_learned_maps()[index], dtype=torch.float64)
+    q, k, v = _inputs()
+    params = fmap.parameter_tensors()
+    assert [name for name, _ in fmap.named_parameters()] == list(fmap.template.param_names)
+    assert torch.autograd.gradcheck(lambda q, k, v, *p: lt.causal_linear_attention(q, k, v, feature_map=fmap),
+                                    (q, k, v) + params)
+    assert torch.autograd.gradcheck(lambda q, k, v, *p: lt.linear_attention(q, k, v, feature_map=fmap),
+                                    (q, k, v) + params)
+    assert torch.autograd.gradcheck(lambda x, *p: fmap(x), (q,) + params)
+
+
+def test_trainable_map_matches_numpy_and_trains():
+    """float32 parameters, float64 inputs: the gradients are linattn's vjp's (in the parameters'
+    dtype), an optimiser's steps change the map the kernels run and fit a teacher's output."""
+    base = _learned_maps(4)[0]
+    fmap = lt.TrainableMap(base)
+    q, k, v = _inputs((2, 20, 4), dv=3, seed=2)
+    teacher = base.with_params(weight=np.random.default_rng(4).standard_normal((4, 4)))  # (a target it can reach)
+    target = lt.causal_linear_attention(q, k, v, feature_map=teacher).detach()
+    out = lt.causal_linear_attention(q, k, v, feature_map=fmap, lengths=np.array([20, 13]))
+    ((out - target) ** 2).sum().backward()
+    _, vjp = linattn.causal_linear_attention_vjp(*(x.detach().numpy() for x in (q, k, v)), lengths=np.array([20, 13]),
+                                                 feature_map=base.with_params(**{n: p.detach().numpy() for n, p in
+                                                                                 fmap.named_parameters()}))
+    want = vjp(2 * (out - target).detach().numpy())[-1]
+    for name, p in fmap.named_parameters():
+        assert p.grad.dtype == torch.float32
+        np.testing.assert_allclose(p.grad.numpy(), want[name], rtol=1e-6, atol=1e-6)
+    opt = torch.optim.Adam(fmap.parameters(), lr=0.05)
+    losses = []
+    for _ in range(30):
+        opt.zero_grad()
+        loss = ((lt.causal_linear_attention(q.detach(), k.detach(), v.detach(), feature_map=fmap) - target) ** 2).sum()
+        loss.backward()
+        opt.step()
+        losses.append(loss.item())
+    assert losses[-1] < 0.3 * losses[0]  # (12.2 -> 2.3 here)
+    np.testing.assert_array_equal(fmap.numpy_map().weight, fmap.weight.detach().numpy().astype(np.float64))
+
+
+def test_inplace_change_after_forward_is_refused():
+    """The backward reads the inputs: torch's own error when one was changed in place after the forward."""
+    q, k, v = _inputs()
+    for fn in (lt.causal_linear_attention, lt.linear_attention):
+        out = fn(q, k, v)
+        with torch.no_grad():
+            k.add_(1)
+        with pytest.raises(RuntimeError, match="modified by an inplace operation"):
+            out.sum().backward()
+    fmap = lt.TrainableMap(_learned_maps()[1], dtype=torch.float64)
+    y = fmap(q)
+    with torch.no_grad():
+        y.mul_(2)
+    with pytest.raises(RuntimeError, match="modified by an inplace operation"):
+        y.sum().backward()
+
+
 def test_against_pytorch_autograd():
     q, k, v = _inputs((2, 3, 40, 4), dv=5, dtype=torch.float32, seed=1)
     out = lt.causal_linear_attention(q, k, v)
@@ -90,3 +173,16 @@ def test_bad_input():
         lt.causal_linear_attention(q.detach().long(), k, v)
     with pytest.raises(TypeError, match="k: expected a torch.Tensor"):
         lt.causal_linear_attention(q, np.zeros((2, 9, 3)), v)
+    with pytest.raises(TypeError, match="feature_map: expected a map of linattn.feature_maps with parameters"):
+        lt.TrainableMap(Taylor())
+    with pytest.raises(TypeError, match="feature_map: expected a map"):
+        lt.TrainableMap("elu")
+    with pytest.raises(TypeError, match="dtype: expected torch.float32 or torch.float64"):
+        lt.TrainableMap(_learned_maps()[0], dtype=torch.float16)
+    fmap = lt.TrainableMap(_learned_maps()[0])
+    with torch.no_grad():
+        fmap.weight[0, 0] = float("nan")
+    with pytest.raises(ValueError, match="weight: expected finite values"):
+        lt.causal_linear_attention(q, k, v, feature_map=fmap)
+    with pytest.raises(TypeError, match="decay: expected float32 or float64"):
+        lt.causal_linear_attention(q, k, v, decay=torch.tensor([1, 1]))

@@ -177,6 +177,27 @@ class FeatureMap:
         """(vjp, param_vjp) of the same arguments, computing what they share once."""
         return self.vjp(x, dphi, y), self.param_vjp(x, dphi, y)
 
+    def param_values(self):
+        """The map's parameters by the names of :attr:`param_names` (read-only float64 arrays); empty for
+        a map without parameters."""
+        return {name: getattr(self, name) for name in self.param_names}
+
+    def with_params(self, **values):
+        """The same map (its input scale and other settings) with new values for some of its parameters
+        (by the names of :attr:`param_names`), checked as the constructor checks them: shapes, finite
+        values. A training loop's map after each update of its weights (``linattn.torch.TrainableMap``)."""
+        unknown = sorted(set(values) - set(self.param_names))
+        if unknown:
+            raise TypeError(f"with_params: {type(self).__name__} has no parameter {unknown[0]!r} "
+                            f"(its parameters: {', '.join(self.param_names) or 'none'})")
+        new = type(self)(**{**self.param_values(), **values, **self._settings()})
+        new.input_scale = self.input_scale
+        return new
+
+    def _settings(self):
+        """The constructor's arguments other than the parameters and the input scale."""
+        return {}
+
     def _checked(self, x, dphi):
         """(x, dphi) checked, both in the dtype the kernels compute dphi's in: float32 for float16 and
         float32, float64 for the others (integers, float64, longdouble)."""
@@ -353,6 +374,9 @@ class ReBased(FeatureMap):
         parts = self._backward(x, dphi)
         return self._dx(*parts), self._dparams(*parts)
 
+    def _settings(self):
+        return {"eps": self.eps}
+
     def _args(self):
         return f"gamma=<{self.gamma.shape[0]}>, beta=<{self.beta.shape[0]}>, eps={self.eps!r}"
 
@@ -483,6 +507,11 @@ class Performer(_Projection):
         return self.weight.ravel()
 
     param_names = ("omega",)
+
+    @property
+    def omega(self):
+        """The projections, shape (D, m)."""
+        return self.weight
 
 
 class Hedgehog(_Projection):

@@ -4,11 +4,13 @@ torch is imported only by this module).
 ``causal_linear_attention`` and ``linear_attention`` take and return ``torch.Tensor`` s (float32 or
 float64, on the CPU) and are differentiable: the forward and the backward pass run linattn's kernels
 (see :mod:`linattn.gradients`), through ``.numpy()`` views where the layout allows (no copy).
+``TrainableMap`` makes a map's parameters (Hedgehog's, T2R's, ...) ``torch.nn.Parameter`` s.
 """
 import numpy as np
 import torch
 
 from . import gradients
+from .feature_maps import FeatureMap
 from .state import State
 
 
@@ -26,49 +28,157 @@ def _tensor(x):
     return None if x is None else torch.from_numpy(np.ascontiguousarray(x))
 
 
+def _grad_like(grad, like):
+    """A gradient from linattn (an array, or None) as a tensor for the input ``like`` (its dtype)."""
+    if grad is None or not isinstance(like, torch.Tensor):
+        return None
+    return _tensor(np.asarray(grad)).to(like.dtype).reshape(like.shape)
+
+
 class _Causal(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, q, k, v, S0, Z0, gate, options):
+    def forward(ctx, q, k, v, S0, Z0, gate, decay, fmap, options, *params):
         state = None if S0 is None else State(_array(S0, "initial_state.S"), _array(Z0, "initial_state.Z"))
         out, final, vjp = gradients.causal_linear_attention_vjp(
             _array(q, "q"), _array(k, "k"), _array(v, "v"), initial_state=state, return_state=True,
-            gate=None if gate is None else _array(gate, "gate"), **options)
-        ctx.vjp, ctx.has_state, ctx.has_gate = vjp, S0 is not None, gate is not None
+            gate=None if gate is None else _array(gate, "gate"),
+            decay=_array(decay, "decay") if isinstance(decay, torch.Tensor) else decay,
+            feature_map=_numpy_map(fmap), **options)
+        ctx.save_for_backward(q, k, v, gate)  # (the vjp reads them: torch refuses a backward if changed in place)
+        ctx.vjp, ctx.has_state, ctx.has_gate, ctx.has_decay = vjp, S0 is not None, gate is not None, decay is not None
+        ctx.decay, ctx.fmap, ctx.params = decay, fmap, params
         return _tensor(out), _tensor(final.S), _tensor(final.Z)
 
     @staticmethod
     def backward(ctx, dout, dS, dZ):
+        ctx.saved_tensors  # (raises if q, k, v or the gate changed since the forward)
         grads = list(ctx.vjp(dout.contiguous().numpy(), State(dS.contiguous().numpy(), dZ.contiguous().numpy())))
         dq, dk, dv = (_tensor(g) for g in grads[:3])
-        dS0 = dZ0 = dgate = None
         rest = grads[3:]
+        dS0 = dZ0 = dgate = ddecay = None
         if ctx.has_state:
             dS0, dZ0 = _tensor(rest[0].S), _tensor(rest[0].Z)
             rest = rest[1:]
         if ctx.has_gate:
-            dgate = _tensor(rest[0])
-        return dq, dk, dv, dS0, dZ0, dgate, None
+            dgate, rest = _tensor(rest[0]), rest[1:]
+        if ctx.has_decay:
+            ddecay, rest = _grad_like(rest[0], ctx.decay), rest[1:]
+        return (dq, dk, dv, dS0, dZ0, dgate, ddecay, None, None, *_param_grads(ctx.fmap, ctx.params, rest))
 
 
 class _NonCausal(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, q, k, v, options):
-        out, vjp = gradients.linear_attention_vjp(_array(q, "q"), _array(k, "k"), _array(v, "v"), **options)
-        ctx.vjp = vjp
+    def forward(ctx, q, k, v, fmap, options, *params):
+        out, vjp = gradients.linear_attention_vjp(_array(q, "q"), _array(k, "k"), _array(v, "v"),
+                                                  feature_map=_numpy_map(fmap), **options)
+        ctx.save_for_backward(q, k, v)  # (the vjp reads them: torch refuses a backward if changed in place)
+        ctx.vjp, ctx.fmap, ctx.params = vjp, fmap, params
         return _tensor(out)
 
     @staticmethod
     def backward(ctx, dout):
-        return (*(_tensor(g) for g in ctx.vjp(dout.contiguous().numpy())[:3]), None)  # (a map's weights: constants)
+        ctx.saved_tensors  # (raises if q, k or v changed since the forward)
+        grads = ctx.vjp(dout.contiguous().numpy())
+        return (*(_tensor(g) for g in grads[:3]), None, None, *_param_grads(ctx.fmap, ctx.params, grads[3:]))
+
+
+class _MapFunction(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, fmap, *params):
+        xa = _array(x, "x")
+        numpy_map = fmap.numpy_map()
+        y = _tensor(numpy_map(xa))
+        ctx.save_for_backward(x, y)  # (torch then refuses a backward after either was changed in place)
+        ctx.numpy_map, ctx.fmap, ctx.params = numpy_map, fmap, params
+        return y
+
+    @staticmethod
+    def backward(ctx, dy):
+        x, y = ctx.saved_tensors
+        dx, dparams = ctx.numpy_map._vjps(x.detach().numpy(), dy.contiguous().numpy(), y.detach().numpy())
+        return (_grad_like(dx, x), None, *_param_grads(ctx.fmap, ctx.params, [dparams]))
+
+
+class TrainableMap(torch.nn.Module):
+    """A feature map of :mod:`linattn.feature_maps` with parameters (``Hedgehog``, ``T2R``,
+    ``Performer``, ``ReBased``) whose parameters are ``torch.nn.Parameter`` s, trained through
+    :func:`causal_linear_attention` and :func:`linear_attention` (pass it as ``feature_map=``): the
+    kernels run the map with the parameters' current values and the backward returns their gradients.
+    Calling the module on a tensor x (..., D) returns phi(x), differentiable too.
+
+    Parameters
+    ----------
+    feature_map : linattn.feature_maps.FeatureMap
+        The map and the parameters' initial values (its input scale and other settings are kept).
+    dtype : torch.dtype, default torch.float32
+        The parameters' dtype (the kernels compute in the inputs' dtype either way).
+
+    Examples
+    --------
+    >>> import numpy as np, torch, linattn.torch
+    >>> from linattn.feature_maps import Hedgehog
+    >>> fmap = linattn.torch.TrainableMap(Hedgehog(np.eye(16, 8)))
+    >>> [name for name, _ in fmap.named_parameters()]
+    ['weight', 'bias']
+    >>> q, k, v = (torch.randn(2, 4, 64, 16) for _ in range(3))
+    >>> linattn.torch.causal_linear_attention(q, k, v, feature_map=fmap).square().sum().backward()
+    >>> fmap.weight.grad.shape
+    torch.Size([16, 8])
+    """
+
+    def __init__(self, feature_map, dtype=torch.float32):
+        super().__init__()
+        if not isinstance(feature_map, FeatureMap) or not feature_map.param_names:
+            raise TypeError(f"feature_map: expected a map of linattn.feature_maps with parameters (Hedgehog, T2R, "
+                            f"Performer, ReBased), got {feature_map!r}")
+        if dtype not in (torch.float32, torch.float64):
+            raise TypeError(f"dtype: expected torch.float32 or torch.float64, got {dtype}")
+        self.template = feature_map
+        for name, value in feature_map.param_values().items():
+            self.register_parameter(name, torch.nn.Parameter(torch.tensor(value, dtype=dtype)))
+
+    def parameter_tensors(self):
+        """The parameters, in the order of the map's ``param_names``."""
+        return tuple(getattr(self, name) for name in self.template.param_names)
+
+    def numpy_map(self):
+        """The map of :mod:`linattn.feature_maps` with the parameters' current values (a ValueError
+        names a parameter that has become non-finite)."""
+        return self.template.with_params(**{name: t.detach().cpu().numpy()
+                                            for name, t in zip(self.template.param_names, self.parameter_tensors())})
+
+    def forward(self, x):
+        return _MapFunction.apply(x, self, *self.parameter_tensors())
+
+    def extra_repr(self):
+        return repr(self.template)
+
+
+def _numpy_map(fmap):
+    return fmap.numpy_map() if isinstance(fmap, TrainableMap) else fmap
+
+
+def _map_params(fmap):
+    return fmap.parameter_tensors() if isinstance(fmap, TrainableMap) else ()
+
+
+def _param_grads(fmap, params, rest):
+    """The parameters' gradients (a TrainableMap's, from the dict linattn's vjp returns last)."""
+    if not params:
+        return ()
+    grads = rest[-1]
+    return tuple(_grad_like(grads[name], p) for name, p in zip(fmap.template.param_names, params))
 
 
 def causal_linear_attention(q, k, v, *, feature_map="elu", eps=1e-6, normalize=True, initial_state=None,
                             return_state=False, lengths=None, decay=None, gate=None, scale=None):
-    """:func:`linattn.causal_linear_attention` on CPU tensors, differentiable (q, k, v, the initial
-    state and ``gate``: a tensor of log gates, per position or per key dimension). ``initial_state``: a pair of tensors
-    (S, Z); ``return_state=True`` returns ``(out, (S, Z))``, differentiable too. ``decay``: constants
-    (not differentiated here). Feature maps: any of :mod:`linattn.feature_maps` (a learned map's
-    weights are constants here).
+    """:func:`linattn.causal_linear_attention` on CPU tensors, differentiable: q, k, v, the initial
+    state, ``gate`` (a tensor of log gates, per position or per key dimension), ``decay`` (a tensor of
+    decay factors, per head or of any shape that broadcasts to the leading dims) and the parameters of
+    a :class:`TrainableMap`. ``initial_state``: a pair of tensors (S, Z); ``return_state=True``
+    returns ``(out, (S, Z))``, differentiable too. Feature maps: any of :mod:`linattn.feature_maps`
+    (a map with parameters given as such: its parameters are constants; as a :class:`TrainableMap`:
+    trained).
 
     Examples
     --------
@@ -79,14 +189,13 @@ def causal_linear_attention(q, k, v, *, feature_map="elu", eps=1e-6, normalize=T
     torch.Size([2, 4, 64, 16])
     """
     S0, Z0 = (None, None) if initial_state is None else initial_state
-    if decay is not None and isinstance(decay, torch.Tensor):
-        decay = _array(decay, "decay")
-    options = dict(feature_map=feature_map, eps=eps, normalize=normalize, lengths=lengths, scale=scale,
-                   decay=decay)
-    out, S, Z = _Causal.apply(q, k, v, S0, Z0, gate, options)
+    options = dict(eps=eps, normalize=normalize, lengths=lengths, scale=scale)
+    out, S, Z = _Causal.apply(q, k, v, S0, Z0, gate, decay, feature_map, options, *_map_params(feature_map))
     return (out, (S, Z)) if return_state else out
 
 
 def linear_attention(q, k, v, *, feature_map="elu", eps=1e-6, normalize=True, scale=None):
-    """:func:`linattn.linear_attention` on CPU tensors, differentiable."""
-    return _NonCausal.apply(q, k, v, dict(feature_map=feature_map, eps=eps, normalize=normalize, scale=scale))
+    """:func:`linattn.linear_attention` on CPU tensors, differentiable (q, k, v and the parameters of a
+    :class:`TrainableMap`)."""
+    return _NonCausal.apply(q, k, v, feature_map, dict(eps=eps, normalize=normalize, scale=scale),
+                            *_map_params(feature_map))
