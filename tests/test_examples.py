@@ -37,9 +37,10 @@ def test_gpu_check_without_gpu_and_in_simulator(tmp_path):
     assert res.returncode == 0 and res.stdout.strip().endswith("OK"), res.stdout + res.stderr
 
 
-def test_training_example(tmp_path):
+@pytest.mark.parametrize("feature_map", ["elu", "hedgehog"])
+def test_training_example(tmp_path, feature_map):
     pytest.importorskip("torch")
-    res = subprocess.run([sys.executable, str(EXAMPLES / "train_tiny_lm.py"), "--small"], capture_output=True,
-                         text=True, cwd=tmp_path, timeout=600)
+    res = subprocess.run([sys.executable, str(EXAMPLES / "train_tiny_lm.py"), "--small", "--feature-map", feature_map],
+                         capture_output=True, text=True, cwd=tmp_path, timeout=600)
     assert res.returncode == 0, res.stdout + res.stderr  # it exits 1 when the losses disagree or do not fall
     assert "the losses agree and fall" in res.stdout

@@ -17,13 +17,14 @@ def _phi(x):
     return F.elu(x) + 1
 
 
-def chunked_linear_attention(q, k, v, chunk=CHUNK, eps=EPS):
-    """Causal linear attention (elu+1, normalised) of (..., N, D) tensors on their device, differentiable by
-    autograd; returns (out, (S, Z)). N need not be a multiple of ``chunk``: the features are padded with
-    zeros, which add nothing to the state."""
-    *lead, n, d = q.shape
+def chunked_linear_attention(q, k, v, chunk=CHUNK, eps=EPS, phi=_phi):
+    """Causal linear attention (normalised, feature map ``phi``: elu+1 by default) of (..., N, D) tensors
+    on their device, differentiable by autograd; returns (out, (S, Z)). N need not be a multiple of
+    ``chunk``: the features are padded with zeros, which add nothing to the state."""
+    qf, kf = phi(q), phi(k)
+    *lead, n, d = qf.shape
     pad = -n % chunk
-    qf, kf, vp = (F.pad(x, (0, 0, 0, pad)) if pad else x for x in (_phi(q), _phi(k), v))
+    qf, kf, vp = (F.pad(x, (0, 0, 0, pad)) if pad else x for x in (qf, kf, v))
     nc = (n + pad) // chunk
     qf, kf = qf.reshape(*lead, nc, chunk, d), kf.reshape(*lead, nc, chunk, d)
     vc = vp.reshape(*lead, nc, chunk, v.shape[-1])
