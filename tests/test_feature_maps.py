@@ -396,6 +396,8 @@ def test_with_params_keeps_the_settings(rng):
         assert_close(new(x), want(), np.float64)
         np.testing.assert_array_equal(fmap(x), fmap.with_params()(x))  # (no values: the same map)
     assert fm.Taylor().param_values() == {}
+    for fmap in (fm.Taylor(), fm.DPFP(2), fm.as_map("gelu")):  # (maps without parameters: themselves)
+        assert fmap.with_params() is fmap
     with pytest.raises(TypeError, match="Hedgehog has no parameter 'omega' \\(its parameters: weight, bias\\)"):
         fm.Hedgehog(w).with_params(omega=w)
     with pytest.raises(TypeError, match="Taylor has no parameter 'weight' \\(its parameters: none\\)"):

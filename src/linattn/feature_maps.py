@@ -190,6 +190,8 @@ class FeatureMap:
         if unknown:
             raise TypeError(f"with_params: {type(self).__name__} has no parameter {unknown[0]!r} "
                             f"(its parameters: {', '.join(self.param_names) or 'none'})")
+        if not values:
+            return self  # (maps do not change)
         new = type(self)(**{**self.param_values(), **values, **self._settings()})
         new.input_scale = self.input_scale
         return new

@@ -1,0 +1,195 @@
+"""The options together, drawn at random (hypothesis): feature map x decay and gates (with resets) x
+initial state x lengths x scale x normalize x dtype x layout, against the float64 masked reference;
+with split/resume through the state and prefill + ``step`` on the same draws."""
+import numpy as np
+from hypothesis import assume, given, settings
+from hypothesis import strategies as st
+
+import linattn
+from linattn import feature_maps as fm
+from linattn import reference
+
+from conftest import TOL, rel_err
+
+#: name -> (a map for inputs of D features from rng, whether its features are >= 0: normalisable)
+MAPS = {
+    "elu": (lambda d, rng: "elu", True),
+    "relu": (lambda d, rng: "relu", True),
+    "identity": (lambda d, rng: "identity", False),
+    "gelu": (lambda d, rng: "gelu", False),
+    "softplus": (lambda d, rng: "softplus", True),
+    "taylor": (lambda d, rng: fm.Taylor().scaled(0.7), True),
+    "dpfp": (lambda d, rng: fm.DPFP(2), True),
+    "rebased": (lambda d, rng: fm.ReBased(rng.standard_normal(d) * 0.5 + 1, rng.standard_normal(d) * 0.2), True),
+    "performer": (lambda d, rng: fm.Performer(rng.standard_normal((d, 5))).scaled(0.5), True),
+    "hedgehog": (lambda d, rng: fm.Hedgehog(rng.standard_normal((d, 3)), rng.standard_normal(3) * 0.1), True),
+    "t2r": (lambda d, rng: fm.T2R(rng.standard_normal((d, 4)), rng.standard_normal(4) * 0.1 + 0.5), True),
+}
+GATINGS = ["none", "decay", "position", "dimension", "decay+position"]
+
+
+def _layout(x, how):
+    """x as a C-contiguous array, a view with its last two axes transposed in memory, or every other row."""
+    if how == "transposed":
+        return np.ascontiguousarray(np.swapaxes(x, -1, -2)).swapaxes(-1, -2)
+    if how == "strided":
+        y = np.zeros(x.shape[:-2] + (2 * x.shape[-2], x.shape[-1]), x.dtype)
+        y[..., ::2, :] = x
+        return y[..., ::2, :]
+    return x
+
+
+def _reference(q, k, v, lengths, gate, decay, initial_state, **kw):
+    """reference.masked sequence by sequence, each cut at its length (0 past it); and the draw's condition
+    number: the largest |phi(q)|.|Z| / |phi(q).Z + eps| over the positions with normalisation (the
+    denominator's cancellation amplifies float rounding by as much where features have both signs:
+    ReBased's, Taylor's), else 1."""
+    lead, n, dv = q.shape[:-2], q.shape[-2], v.shape[-1]
+    out = np.zeros(lead + (n, dv))
+    lens = np.full(lead, n) if lengths is None else np.broadcast_to(lengths, lead)
+    dec = None if decay is None else np.broadcast_to(decay, lead)
+    fmap, cond = fm.as_map(kw["feature_map"]), 1.0
+    for idx in np.ndindex(*lead):
+        m = int(lens[idx])
+        if m == 0:
+            continue
+        state = None if initial_state is None else (initial_state.S[idx], initial_state.Z[idx])
+        args = dict(gate=None if gate is None else gate[idx][:m], decay=None if dec is None else dec[idx])
+        out[idx][:m] = reference.masked(q[idx][:m], k[idx][:m], v[idx][:m], initial_state=state, **args, **kw)
+        if kw["normalize"]:
+            ones = np.ones((m, 1))  # (phi(q).Z as the numerator of v = 1 with S0 = Z0)
+            dens = [reference.masked(q[idx][:m], k[idx][:m], ones, normalize=False, scale=kw["scale"], **args,
+                                     feature_map=f, initial_state=None if z is None else (z[:, None], z))
+                    for f, z in ((fmap, None if state is None else state[1]),
+                                 (lambda x: np.abs(fmap(x)), None if state is None else np.abs(state[1])))]
+            cond = max(cond, float(np.max(dens[1] / (np.abs(dens[0]) + 1e-6))))
+    return out, cond
+
+
+def _close(out, ref, dtype, cond):
+    err = rel_err(out, ref)
+    assert err <= TOL[np.dtype(dtype)] * cond, f"relative error {err:.3e} > {TOL[np.dtype(dtype)]:.1e} x {cond:.3g}"
+
+
+@settings(max_examples=150, deadline=None)
+@given(lead=st.sampled_from([(), (3,), (2, 2)]), n=st.integers(1, 70), d=st.integers(1, 5), dv=st.integers(1, 4),
+       f64=st.booleans(), map_name=st.sampled_from(sorted(MAPS)), gating=st.sampled_from(GATINGS),
+       reset=st.booleans(), with_state=st.booleans(), with_lengths=st.booleans(),
+       scale=st.sampled_from([None, 0.5]), layout=st.sampled_from(["c", "transposed", "strided"]),
+       split=st.floats(0, 1), seed=st.integers(0, 2**31))
+def test_options_together(lead, n, d, dv, f64, map_name, gating, reset, with_state, with_lengths, scale, layout,
+                          split, seed):
+    rng = np.random.default_rng(seed)
+    dtype = np.float64 if f64 else np.float32
+    make_map, positive = MAPS[map_name]
+    fmap = make_map(d, rng)
+    normalize = positive
+    q, k = ((rng.standard_normal(lead + (n, d)) * 0.5).astype(dtype) for _ in range(2))
+    v = rng.standard_normal(lead + (n, dv)).astype(dtype)
+    dk = fm.as_map(fmap).out_dim(d)
+    decay = gate = None
+    if "decay" in gating:
+        decay = rng.uniform(0.8, 1.0, lead[-1:] if lead else ()).astype(dtype)
+    if gating in ("position", "decay+position", "dimension"):
+        shape = lead + (n,) + ((dk,) if gating == "dimension" else ())
+        gate = np.log(rng.uniform(0.7, 1.0, shape)).astype(dtype)
+        if reset:  # a position (or one of its dimensions) that forgets everything before it
+            at = (rng.integers(n), rng.integers(dk)) if gating == "dimension" else (rng.integers(n),)
+            gate[(Ellipsis,) + at] = -np.inf
+    state = None
+    if with_state:
+        state = linattn.State((rng.standard_normal(lead + (dk, dv)) * 0.3).astype(dtype),
+                              rng.uniform(0.5, 1.5, lead + (dk,)).astype(dtype))
+    lengths = rng.integers(0, n + 1, lead) if with_lengths and lead else None
+    kw = dict(feature_map=fmap, normalize=normalize, scale=scale)
+    args = [_layout(x, layout) for x in (q, k, v)]
+    out = linattn.causal_linear_attention(*args, initial_state=state, lengths=lengths, decay=decay, gate=gate, **kw)
+    assert out.dtype == dtype and out.shape == lead + (n, dv)
+    want, cond = _reference(q, k, v, lengths, gate, decay, state, **kw)
+    _close(out, want, dtype, cond)
+    if lengths is not None:
+        return
+    # split/resume through the state, then prefill + step for the positions after the split
+    m = int(split * n)
+
+    def gate_at(positions):  # (the positions' axis: the last but one for a gate per key dimension)
+        return None if gate is None else gate[(Ellipsis, positions) + ((slice(None),) if gating == "dimension" else ())]
+
+    g1, g2 = gate_at(slice(None, m)), gate_at(slice(m, None))
+    a, mid = linattn.causal_linear_attention(q[..., :m, :], k[..., :m, :], v[..., :m, :], initial_state=state,
+                                             return_state=True, decay=decay, gate=g1, **kw)
+    b = linattn.causal_linear_attention(q[..., m:, :], k[..., m:, :], v[..., m:, :], initial_state=mid,
+                                        decay=decay, gate=g2, **kw)
+    _close(np.concatenate([a, b], -2), want, dtype, cond)
+    for t in range(m, min(n, m + 3)):
+        o = linattn.step(q[..., t, :], k[..., t, :], v[..., t, :], mid, decay=decay, gate=gate_at(t), **kw)
+        _close(o, want[..., t, :], dtype, cond)
+
+
+def _directional(f, x, dx, h=1e-5):
+    """The derivative of f at x along dx (dicts of arrays): central differences at h and h/2, extrapolated
+    (Richardson: their h**2 terms cancel, which matters where a denominator phi(q).Z + eps is small)."""
+    def central(h):
+        return (f({n: x[n] + h * dx[n] for n in x}) - f({n: x[n] - h * dx[n] for n in x})) / (2 * h)
+
+    return (4 * central(h / 2) - central(h)) / 3
+
+
+@settings(max_examples=100, deadline=None)
+@given(lead=st.sampled_from([(), (3,), (2, 2)]), n=st.integers(1, 70), d=st.integers(1, 4), dv=st.integers(1, 3),
+       map_name=st.sampled_from(sorted(MAPS)), gating=st.sampled_from(GATINGS), with_state=st.booleans(),
+       with_lengths=st.booleans(), scale=st.sampled_from([None, 0.5]), seed=st.integers(0, 2**31))
+def test_gradients_together(lead, n, d, dv, map_name, gating, with_state, with_lengths, scale, seed):
+    """vjp along a random direction of every input (q, k, v, the initial state, gate, decay and the map's
+    parameters) equals the forward's central difference, float64, the final state's gradient included."""
+    rng = np.random.default_rng(seed)
+    make_map, positive = MAPS[map_name]
+    fmap = fm.as_map(make_map(d, rng))
+    dk = fmap.out_dim(d)
+    x = {"q": rng.standard_normal(lead + (n, d)) * 0.5, "k": rng.standard_normal(lead + (n, d)) * 0.5,
+         "v": rng.standard_normal(lead + (n, dv))}
+    if with_state:
+        x["S"], x["Z"] = rng.standard_normal(lead + (dk, dv)) * 0.3, rng.uniform(0.5, 1.5, lead + (dk,))
+    if gating in ("position", "decay+position", "dimension"):
+        x["gate"] = np.log(rng.uniform(0.7, 0.98, lead + (n,) + ((dk,) if gating == "dimension" else ())))  # (< 0 along
+        # the difference)
+    if "decay" in gating:
+        x["decay"] = rng.uniform(0.8, 0.95, lead[-1:] if lead else ())
+    for name, value in fmap.param_values().items():
+        x["map." + name] = value
+    lengths = rng.integers(0, n + 1, lead) if with_lengths and lead else None
+    if map_name in ("relu", "dpfp", "t2r"):  # (a difference across relu's kink is not its derivative)
+        pre = [x["q"], x["k"]] if map_name != "t2r" else [y @ fmap.weight + fmap.bias for y in (x["q"], x["k"])]
+        assume(min(np.abs(p).min() for p in pre) > 1e-4)
+
+    def call(x, vjp=False):
+        fn = linattn.causal_linear_attention_vjp if vjp else linattn.causal_linear_attention
+        params = {name[4:]: value for name, value in x.items() if name.startswith("map.")}
+        state = linattn.State(x["S"], x["Z"]) if with_state else None
+        return fn(x["q"], x["k"], x["v"], feature_map=fmap.with_params(**params), normalize=positive, scale=scale,
+                  initial_state=state, return_state=True, lengths=lengths, gate=x.get("gate"), decay=x.get("decay"))
+
+    out, final, vjp = call(x, vjp=True)
+    g_out, g_S, g_Z = (rng.standard_normal(a.shape) for a in (out, final.S, final.Z))
+
+    def loss(x):
+        o, s = call(x)
+        return (g_out * o).sum() + (g_S * s.S).sum() + (g_Z * s.Z).sum()
+
+    grads = list(vjp(g_out, (g_S, g_Z)))
+    got = {"q": grads.pop(0), "k": grads.pop(0), "v": grads.pop(0)}
+    if with_state:
+        s0 = grads.pop(0)
+        got["S"], got["Z"] = s0.S, s0.Z
+    for name in ("gate", "decay"):
+        if name in x:
+            got[name] = grads.pop(0)
+    if fmap.param_names:
+        got.update({"map." + name: grad for name, grad in grads.pop(0).items()})
+    assert not grads and set(got) == set(x)
+    dx = {name: rng.standard_normal(np.shape(value)) for name, value in x.items()}
+    if "decay" in dx:
+        dx["decay"] *= 0.01  # (decay stays within (0, 1] along the difference)
+    want = _directional(loss, x, dx)
+    have = sum(float((got[name] * dx[name]).sum()) for name in x)
+    assert abs(have - want) <= 1e-6 * max(1.0, abs(want)), (have, want)
