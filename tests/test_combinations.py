@@ -1,6 +1,7 @@
 """The options together, drawn at random (hypothesis): feature map x decay and gates (with resets) x
 initial state x lengths x scale x normalize x dtype x layout, against the float64 masked reference;
-with split/resume through the state and prefill + ``step`` on the same draws."""
+with ``out=``, ``attention_weights``, the non-causal form, split/resume through the state and
+prefill + ``step`` on the same draws; and the gradients of every input on such draws."""
 import numpy as np
 from hypothesis import assume, given, settings
 from hypothesis import strategies as st
@@ -59,6 +60,7 @@ def _reference(q, k, v, lengths, gate, decay, initial_state, **kw):
         if kw["normalize"]:
             ones = np.ones((m, 1))  # (phi(q).Z as the numerator of v = 1 with S0 = Z0)
             dens = [reference.masked(q[idx][:m], k[idx][:m], ones, normalize=False, scale=kw["scale"], **args,
+                                     causal=kw.get("causal", True),
                                      feature_map=f, initial_state=None if z is None else (z[:, None], z))
                     for f, z in ((fmap, None if state is None else state[1]),
                                  (lambda x: np.abs(fmap(x)), None if state is None else np.abs(state[1])))]
@@ -107,6 +109,17 @@ def test_options_together(lead, n, d, dv, f64, map_name, gating, reset, with_sta
     assert out.dtype == dtype and out.shape == lead + (n, dv)
     want, cond = _reference(q, k, v, lengths, gate, decay, state, **kw)
     _close(out, want, dtype, cond)
+    buf = np.full(lead + (dv, n), np.nan, dtype)  # out= into a view with other strides: the same values
+    res = linattn.causal_linear_attention(*args, initial_state=state, lengths=lengths, decay=decay, gate=gate,
+                                          out=np.swapaxes(buf, -1, -2), **kw)
+    assert np.shares_memory(res, buf)
+    np.testing.assert_array_equal(np.swapaxes(buf, -1, -2), out)
+    if state is None and lengths is None and normalize:  # the weights it applies implicitly
+        w = linattn.attention_weights(q, k, decay=decay, gate=gate, feature_map=fmap, scale=scale)
+        _close(w.astype(np.float64) @ v, want, dtype, cond)
+    if gate is None and decay is None and state is None and lengths is None:  # non-causal
+        nc_want, nc_cond = _reference(q, k, v, None, None, None, None, causal=False, **kw)
+        _close(linattn.linear_attention(*args, **kw), nc_want, dtype, nc_cond)
     if lengths is not None:
         return
     # split/resume through the state, then prefill + step for the positions after the split
