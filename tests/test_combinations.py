@@ -2,7 +2,10 @@
 initial state x lengths x scale x normalize x dtype x layout, against the float64 masked reference;
 with ``out=``, ``attention_weights``, the non-causal form, split/resume through the state and
 prefill + ``step`` on the same draws; and the gradients of every input on such draws."""
+import re
+
 import numpy as np
+import pytest
 from hypothesis import assume, given, settings
 from hypothesis import strategies as st
 
@@ -206,3 +209,65 @@ def test_gradients_together(lead, n, d, dv, map_name, gating, with_state, with_l
     want = _directional(loss, x, dx)
     have = sum(float((got[name] * dx[name]).sum()) for name in x)
     assert abs(have - want) <= 1e-6 * max(1.0, abs(want)), (have, want)
+
+
+ARG_NAMES = ("q", "k", "v", "feature_map", "eps", "normalize", "initial_state", "state", "lengths", "decay", "gate",
+             "scale", "out", "dout", "dstate", "return_state", "causal")
+
+
+def _maybe_bad(draw, good, name):
+    """``good``, or (one time in four) something wrong in its place: another shape, dtype or kind."""
+    kind = draw(st.sampled_from(["good"] * 6 + ["shape", "dtype", "kind", "none", "scalar"]))
+    if kind == "good" or (good is None and kind == "none"):
+        return good, False
+    if name == "feature_map":  # (names, objects and callables that do not fit)
+        return draw(st.sampled_from(["tanh", 3, None, fm.T2R(np.ones((7, 2))), lambda x: x[..., :0],
+                                     lambda x: np.zeros(3), lambda x: x.astype(complex)])), True
+    if kind == "shape" and isinstance(good, np.ndarray):
+        return np.zeros(good.shape[:-1] + (good.shape[-1] + 1,) if good.ndim else (2,), good.dtype), True
+    if kind == "dtype" and isinstance(good, np.ndarray):
+        return good.astype(draw(st.sampled_from([np.complex64, object, "U3", bool]))), True
+    if kind == "kind":
+        return draw(st.sampled_from(["x", [[1, "a"]], {"a": 1}, object()])), True
+    if kind == "scalar":
+        return draw(st.sampled_from([np.nan, -1.0, 2.5, 0, np.inf])), True
+    return None, good is not None
+
+
+@pytest.mark.filterwarnings("error")  # (a warning, e.g. NumPy's when a complex array is cast to real, fails)
+@settings(max_examples=150, deadline=None)
+@given(data=st.data(), lead=st.sampled_from([(), (2,), (2, 3)]), n=st.integers(1, 20), d=st.integers(1, 4),
+       dv=st.integers(1, 3), f64=st.booleans())
+def test_bad_input_is_named(data, lead, n, d, dv, f64):
+    """Arguments swapped at random for wrong ones (shapes, dtypes, kinds, None, odd numbers): every call
+    either works or raises a ValueError or TypeError that names an argument; never another exception."""
+    rng = np.random.default_rng(0)
+    dtype = np.float64 if f64 else np.float32
+    q, k = ((rng.standard_normal(lead + (n, d)) * 0.5).astype(dtype) for _ in range(2))
+    v = rng.standard_normal(lead + (n, dv)).astype(dtype)
+    good = dict(q=q, k=k, v=v, gate=np.log(rng.uniform(0.5, 1, lead + (n,))).astype(dtype),
+                decay=np.full(lead[-1:], 0.9, dtype), lengths=np.full(lead[:1], n) if lead else None,
+                initial_state=linattn.State.zeros(lead, d, dv, dtype), scale=0.5, eps=1e-6,
+                out=np.zeros(lead + (n, dv), dtype), feature_map="elu", normalize=True)
+    draw = data.draw
+    args = {name: _maybe_bad(draw, value, name)[0] for name, value in good.items()}
+    fn = draw(st.sampled_from(["causal", "noncausal", "step", "weights", "vjp"]))
+    try:
+        if fn == "causal":
+            linattn.causal_linear_attention(**args)
+        elif fn == "noncausal":
+            linattn.linear_attention(**{a: args[a] for a in ("q", "k", "v", "scale", "eps", "out", "feature_map",
+                                                             "normalize")})
+        elif fn == "step":
+            state = args["initial_state"]
+            linattn.step(*(x[..., 0, :] if isinstance(x, np.ndarray) and x.ndim >= 2 else x
+                           for x in (args["q"], args["k"], args["v"])), state, scale=args["scale"], eps=args["eps"],
+                         decay=args["decay"], feature_map=args["feature_map"], normalize=args["normalize"])
+        elif fn == "weights":
+            linattn.attention_weights(args["q"], args["k"], gate=args["gate"], decay=args["decay"],
+                                      scale=args["scale"], feature_map=args["feature_map"])
+        else:
+            out, vjp = linattn.causal_linear_attention_vjp(*(good[a] for a in "qkv"))
+            vjp(args["v"] if isinstance(args["v"], np.ndarray) and args["v"].ndim == out.ndim else args["v"])
+    except (ValueError, TypeError) as exc:
+        assert re.match(rf"({'|'.join(ARG_NAMES)})(\.\w+|\(\w+\))?: ", str(exc)), str(exc)  # (names it first)

@@ -252,6 +252,10 @@ def test_step_bad_gates_leave_the_state_alone(rng):
         for decay in (1.5, np.array([0.5, 0.0, 0.9])):
             with pytest.raises(ValueError, match=r"decay: expected values in \(0, 1\]"):
                 linattn.step(q, k, v, state, decay=decay)
+        for decay in (np.array([0.9 + 0.5j] * 3), np.ones(3, bool)):  # (the fast path took their real part, 1.0)
+            with pytest.raises(TypeError, match=f"decay: expected a real number or an array of them, got an array "
+                                                f"of dtype {decay.dtype}"):
+                linattn.step(q, k, v, state, decay=decay)
         with pytest.raises(ValueError, match=r"gate: expected shape \(2, 3\) .* or \(2, 3, 4\)"):
             linattn.step(q, k, v, state, gate=np.zeros((2, 3, 5), np.float32))
         np.testing.assert_array_equal(state.S, 0)

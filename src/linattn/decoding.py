@@ -68,6 +68,8 @@ def _decay_view(decay, lead):
     if decay is last[0] and lead == last[1] and getattr(decay, "shape", None) == last[2]:
         return last[3]
     if type(decay) is _ndarray and decay.dtype != np.float64:
+        if decay.dtype.kind not in "fiu":  # (complex, bool, ...: the checked path's TypeError)
+            return None
         try:
             return np.broadcast_to(decay.astype(np.float64), lead)
         except ValueError:

@@ -24,7 +24,8 @@ def check_decay(decay, lead):
     over ``lead``)."""
     arr = np.asarray(decay) if not isinstance(decay, (str, bytes)) else np.asarray(None)
     if arr.dtype.kind not in "fiu":
-        raise TypeError(f"decay: expected a real number or an array of them, got {type(decay).__name__}")
+        got = f"an array of dtype {arr.dtype}" if isinstance(decay, np.ndarray) else type(decay).__name__
+        raise TypeError(f"decay: expected a real number or an array of them, got {got}")
     try:
         full = np.broadcast_to(arr.astype(np.float64), lead)
     except ValueError:
