@@ -35,7 +35,7 @@ GATINGS = ["none", "decay", "position", "dimension", "decay+position"]
 def _layout(x, how):
     """x as a C-contiguous array, a view with its last two axes transposed in memory, or every other row."""
     if how == "transposed":
-        return np.ascontiguousarray(np.swapaxes(x, -1, -2)).swapaxes(-1, -2)
+        return np.swapaxes(x, -1, -2).copy().swapaxes(-1, -2)
     if how == "strided":
         y = np.zeros(x.shape[:-2] + (2 * x.shape[-2], x.shape[-1]), x.dtype)
         y[..., ::2, :] = x
@@ -281,3 +281,46 @@ def test_bad_input_is_named(data, lead, n, d, dv, f64):
             vjp(args["v"] if isinstance(args["v"], np.ndarray) and args["v"].ndim == out.ndim else args["v"])
     except (ValueError, TypeError) as exc:
         assert re.match(rf"({'|'.join(ARG_NAMES)})(\.\w+|\(\w+\))?: ", str(exc)), str(exc)  # (names it first)
+
+
+@settings(max_examples=100, deadline=None)
+@given(lead=st.sampled_from([(), (1,), (3,), (2, 3), (5, 8)]), n=st.integers(1, 6), d=st.integers(1, 5),
+       dv=st.integers(1, 4), dtype=st.sampled_from([np.float32, np.float64, np.float16]),
+       map_name=st.sampled_from(sorted(MAPS)), gating=st.sampled_from(GATINGS),
+       state_layout=st.sampled_from(["c", "transposed"]), with_out=st.booleans(), seed=st.integers(0, 2**31))
+def test_steps_together(lead, n, d, dv, dtype, map_name, gating, state_layout, with_out, seed):
+    """Steps from a state in any layout, into ``out=`` or not, equal the causal call on the whole, and
+    leave the state it returns."""
+    rng = np.random.default_rng(seed)
+    make_map, positive = MAPS[map_name]
+    fmap = make_map(d, rng)
+    dk = fm.as_map(fmap).out_dim(d)
+    q, k = ((rng.standard_normal(lead + (n, d)) * 0.5).astype(dtype) for _ in range(2))
+    v = rng.standard_normal(lead + (n, dv)).astype(dtype)
+    decay = rng.uniform(0.8, 1.0, lead[-1:] if lead else ()) if "decay" in gating else None
+    gate = None
+    if gating in ("position", "decay+position", "dimension"):
+        gate = np.log(rng.uniform(0.7, 1.0, lead + (n,) + ((dk,) if gating == "dimension" else ()))).astype(dtype)
+    sdt = np.float32 if dtype == np.float16 else dtype
+    S0, Z0 = (rng.standard_normal(lead + (dk, dv)) * 0.3).astype(sdt), rng.uniform(0.5, 1.5, lead + (dk,)).astype(sdt)
+    kw = dict(feature_map=fmap, normalize=positive, decay=decay)
+    whole, final = linattn.causal_linear_attention(q, k, v, initial_state=linattn.State(S0, Z0), return_state=True,
+                                                   gate=gate, **kw)
+    if state_layout == "transposed":  # S with its last two axes swapped in memory
+        S = np.swapaxes(S0, -1, -2).copy().swapaxes(-1, -2)
+    else:
+        S = S0.copy()
+    state = linattn.State(S, Z0.copy())
+    steps = np.empty(whole.shape, dtype)
+    for t in range(n):
+        g = None if gate is None else gate[(Ellipsis, t) + ((slice(None),) if gating == "dimension" else ())]
+        buf = np.full(lead + (dv,), np.nan, dtype) if with_out else None
+        o = linattn.step(q[..., t, :], k[..., t, :], v[..., t, :], state, gate=g, out=buf, **kw)
+        assert o.dtype == dtype and o.shape == lead + (dv,) and (buf is None or o is buf)
+        steps[..., t, :] = o
+    want, cond = _reference(q, k, v, None, gate, decay, linattn.State(S0, Z0), feature_map=fmap, normalize=positive,
+                            scale=None)
+    _close(whole, want, dtype, cond)
+    _close(steps, want, dtype, cond)
+    _close(state.S, final.S, sdt, 1.0)
+    _close(state.Z, final.Z, sdt, 1.0)
