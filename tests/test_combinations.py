@@ -121,10 +121,18 @@ def test_options_together(lead, n, d, dv, dtype, map_name, gating, reset, with_s
     want, cond = _reference(q, k, v, lengths, gate, decay, state, **kw)
     _close(out, want, dtype, cond)
     buf = np.full(lead + (dv, n), np.nan, dtype)  # out= into a view with other strides: the same values
-    res = linattn.causal_linear_attention(*args, initial_state=state, lengths=lengths, decay=decay, gate=gate,
-                                          out=np.swapaxes(buf, -1, -2), **kw)
+    res, final = linattn.causal_linear_attention(*args, initial_state=state, lengths=lengths, decay=decay, gate=gate,
+                                                 out=np.swapaxes(buf, -1, -2), return_state=True, **kw)
     assert np.shares_memory(res, buf)
     np.testing.assert_array_equal(np.swapaxes(buf, -1, -2), out)
+    lens = None if lengths is None else np.broadcast_to(np.reshape(lengths, np.shape(lengths) + (1,) * (
+        len(lead) - np.ndim(lengths))), lead)  # (the final state: each sequence's at its length)
+    _, (S_ref, Z_ref) = reference.loop(q, k, v, initial_state=state, return_state=True, decay=decay, gate=gate,
+                                       lengths=lens, **kw)
+    sdt = np.float32 if dtype == np.float16 else dtype
+    assert final.S.dtype == sdt and final.S.shape == S_ref.shape and final.Z.shape == Z_ref.shape
+    _close(final.S, S_ref, sdt, 1.0)
+    _close(final.Z, Z_ref, sdt, 1.0)
     # the weights it applies implicitly (not float16's: rounded to 2**-11 each, their product with v is
     # as far from out as max |v| / 2000, which can exceed the tolerance relative to max |out|)
     if state is None and lengths is None and normalize and dtype != np.float16:
