@@ -5,6 +5,8 @@ import os
 
 import numpy as np
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 import linattn
 
@@ -56,6 +58,18 @@ def test_causal_and_noncausal(cuda, dtype, feature_map):
         close(out.copy_to_host(), linattn.causal_linear_attention(q, k, v, **kw), dtype)
         out = linattn.linear_attention(dq, dk, dv, **kw)
         close(out.copy_to_host(), linattn.linear_attention(q, k, v, **kw), dtype)
+
+
+def test_scale_on_device(cuda):
+    """scale multiplies phi(q) in both forms on the device (the non-causal kernel ignored it: 2x its result
+    at scale 0.5 without normalisation)."""
+    rng = np.random.default_rng(8)
+    q, k, v = qkv(rng, (2,), 7, 3, 2, np.float64)
+    for normalize in (True, False):
+        for fn in (linattn.causal_linear_attention, linattn.linear_attention):
+            kw = dict(scale=0.5, normalize=normalize, eps=0.1)
+            close(fn(*(dev(cuda, x) for x in (q, k, v)), **kw).copy_to_host(), fn(q, k, v, **kw), np.float64)
+            close(fn(q, k, v, device="cuda", **kw), fn(q, k, v, **kw), np.float64)
 
 
 @pytest.mark.parametrize("feature_map", ["relu", "squared_relu", "softplus"])
@@ -274,3 +288,50 @@ def test_gates_on_device(cuda, dtype):
     bad[1, 4] = 0.5
     with pytest.raises(ValueError, match=r"gate: expected log gates <= 0 .* at sequence \(1,\), position 4"):
         linattn.causal_linear_attention(dq, dk, dv, gate=bad)
+
+
+@settings(max_examples=40 if SIM else 100, deadline=None)
+@given(lead=st.sampled_from([(), (2,)]), n=st.integers(1, 10), d=st.integers(1, 3), dv=st.integers(1, 3),
+       f64=st.booleans(), fmap=st.sampled_from(["elu", "relu", "softplus", "taylor", "dpfp", "hedgehog"]),
+       gating=st.sampled_from(["none", "decay", "position", "dimension"]), with_state=st.booleans(),
+       with_lengths=st.booleans(), scale=st.sampled_from([None, 0.5]), seed=st.integers(0, 2**31))
+def test_options_together_on_device(cuda, lead, n, d, dv, f64, fmap, gating, with_state, with_lengths, scale, seed):
+    """The options drawn together (hypothesis) on device arrays: the output, the final state, a step after it
+    and the non-causal form equal the CPU path's (which tests/test_combinations.py checks against the
+    reference the same way)."""
+    rng = np.random.default_rng(seed)
+    dtype = np.float64 if f64 else np.float32
+    fm = linattn.feature_maps
+    fmap = {"taylor": fm.Taylor(), "dpfp": fm.DPFP(1),
+            "hedgehog": fm.Hedgehog(rng.standard_normal((d, 2)), rng.standard_normal(2) * 0.1)}.get(fmap, fmap)
+    dk = fm.as_map(fmap).out_dim(d)
+    q, k, v = qkv(rng, lead, n, d, dv, dtype)
+    kw = dict(feature_map=fmap, scale=scale)
+    if gating == "decay":
+        kw["decay"] = rng.uniform(0.7, 1.0, lead[-1:] if lead else ())
+    elif gating != "none":
+        kw["gate"] = np.log(rng.uniform(0.6, 1.0, lead + (n,) + ((dk,) if gating == "dimension" else ()))).astype(dtype)
+    if with_state:
+        kw["initial_state"] = linattn.State((rng.standard_normal(lead + (dk, dv)) * 0.3).astype(dtype),
+                                            rng.uniform(0.5, 1.5, lead + (dk,)).astype(dtype))
+    if with_lengths and lead:
+        kw["lengths"] = rng.integers(0, n + 1, lead)
+    ref, st_ref = linattn.causal_linear_attention(q, k, v, return_state=True, **kw)
+    dkw = dict(kw)
+    if with_state:
+        dkw["initial_state"] = linattn.State(dev(cuda, kw["initial_state"].S), dev(cuda, kw["initial_state"].Z))
+    out, st = linattn.causal_linear_attention(*(dev(cuda, x) for x in (q, k, v)), return_state=True, **dkw)
+    close(out.copy_to_host(), ref, dtype)
+    close(st.S.copy_to_host(), st_ref.S, dtype)
+    close(st.Z.copy_to_host(), st_ref.Z, dtype)
+    # one more position with step, from the final states (on the device, and on the host)
+    extra = {key: kw[key] for key in ("feature_map", "scale", "decay") if key in kw}
+    if "gate" in kw:
+        extra["gate"] = kw["gate"][(Ellipsis, -1) + ((slice(None),) if gating == "dimension" else ())]
+    one = [x[..., -1, :] for x in (q, k, v)]
+    o = linattn.step(*(dev(cuda, x) for x in one), st, **extra)
+    close(o.copy_to_host(), linattn.step(*one, st_ref, **extra), dtype)
+    close(st.S.copy_to_host(), st_ref.S, dtype)
+    if gating == "none" and not with_state and not with_lengths:  # and the non-causal form
+        close(linattn.linear_attention(*(dev(cuda, x) for x in (q, k, v)), **kw).copy_to_host(),
+              linattn.linear_attention(q, k, v, **kw), dtype)

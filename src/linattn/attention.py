@@ -510,7 +510,7 @@ def linear_attention(q, k, v, *, feature_map="elu", eps=1e-6, normalize=True, sc
         from .cuda import api as cuda_api
 
         res = cuda_api.noncausal(_flat(q, bh, 2), _flat(k, bh, 2), _flat(v, bh, 2),
-                                 code, eps, normalize, comp)
+                                 code, eps, normalize, comp, scale)
         res = res.reshape(lead + (n, dv))
     else:
         res = _result_array(out, lead, n, dv, comp, (q, k, v))

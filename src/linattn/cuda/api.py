@@ -96,8 +96,9 @@ def causal(q, k, v, fmap, eps, normalize, lengths, S0, Z0, want_state, dtype, ga
     return _result(out, host), _result(S, host), _result(Z, host), status.copy_to_host()
 
 
-def noncausal(q, k, v, fmap, eps, normalize, dtype):
-    """Non-causal forward of (BH, N, D) arrays with feature map ``fmap`` (as ``causal``)."""
+def noncausal(q, k, v, fmap, eps, normalize, dtype, scale=1.0):
+    """Non-causal forward of (BH, N, D) arrays with feature map ``fmap`` (as ``causal``); ``scale``
+    multiplies phi(q)."""
     cuda = cuda_module()
     from .kernels import noncausal as kern
     host = not is_device_array(q)
@@ -109,7 +110,7 @@ def noncausal(q, k, v, fmap, eps, normalize, dtype):
     if bh and n:
         c, te = tiles(d, dv)
         kern[(bh, -(-dv // te)), (te, c), 0, shared_doubles(c, te, d) * 8](
-            q, k, v, code, fp, float(eps), bool(normalize), out, c, te)
+            q, k, v, code, fp, float(eps), bool(normalize), out, c, te, float(scale))
     return _result(out, host)
 
 

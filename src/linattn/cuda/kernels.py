@@ -215,7 +215,7 @@ def add_decayed_chunk(Ks, Vs, Ss, Zs, c, C, TE, d, tx, ty, tid, nthreads, Gs, Rs
 
 
 @cuda.jit
-def noncausal(q, k, v, fm, fp, eps, normalize, out, C, TE):
+def noncausal(q, k, v, fm, fp, eps, normalize, out, C, TE, scale):
     h, e0, tx, ty, tid, nthreads = block_position(C, TE)
     n, d, dv = q.shape[1], int(fp[1]), v.shape[2]
     Qs, Ks, Vs, _, Ss, Zs, dens, Ms = carve(cuda.shared.array(0, float64), C, TE, d)
@@ -245,7 +245,7 @@ def noncausal(q, k, v, fm, fp, eps, normalize, out, C, TE):
             num += Qs[ty * d + a] * Ss[a * TE + tx]
         cuda.syncthreads()
         if ty < c and e < dv:
-            out[h, i0 + ty, e] = num / (dens[ty] + eps) if normalize else num
+            out[h, i0 + ty, e] = scale * num / (scale * dens[ty] + eps) if normalize else scale * num
         cuda.syncthreads()
 
 
