@@ -290,7 +290,7 @@ def test_gates_on_device(cuda, dtype):
         linattn.causal_linear_attention(dq, dk, dv, gate=bad)
 
 
-@settings(max_examples=40 if SIM else 100, deadline=None)
+@settings(max_examples=25 if SIM else 100, deadline=None)
 @given(lead=st.sampled_from([(), (2,)]), n=st.integers(1, 10), d=st.integers(1, 3), dv=st.integers(1, 3),
        f64=st.booleans(), fmap=st.sampled_from(["elu", "relu", "softplus", "taylor", "dpfp", "hedgehog"]),
        gating=st.sampled_from(["none", "decay", "position", "dimension"]), with_state=st.booleans(),

@@ -7,6 +7,8 @@ import sys
 
 import numpy as np
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 import linattn
 
@@ -211,3 +213,45 @@ def test_importing_linattn_does_not_import_dask():
     code = "import sys, linattn; linattn.causal_linear_attention; print('dask' in sys.modules)"
     res = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
     assert res.stdout.strip() == "False", res.stdout + res.stderr
+
+
+@settings(max_examples=40, deadline=None)
+@given(lead=st.sampled_from([(), (2,), (2, 2)]), n=st.integers(1, 40), d=st.integers(1, 4), dv=st.integers(1, 3),
+       f64=st.booleans(), fmap=st.sampled_from(["elu", "relu", "softplus", "taylor", "dpfp", "hedgehog"]),
+       gating=st.sampled_from(["none", "decay", "position", "dimension", "decay+position"]),
+       with_state=st.booleans(), with_lengths=st.booleans(), scale=st.sampled_from([None, 0.5]),
+       cuts=st.lists(st.integers(1, 39), max_size=4), lead_chunk=st.booleans(), seed=st.integers(0, 2**31))
+def test_options_and_chunks_together(lead, n, d, dv, f64, fmap, gating, with_state, with_lengths, scale, cuts,
+                                     lead_chunk, seed):
+    """The options drawn together with random chunks along N (and the leading dims): the dask result and
+    final state equal one NumPy call's."""
+    rng = np.random.default_rng(seed)
+    dtype = np.float64 if f64 else np.float32
+    fm = linattn.feature_maps
+    fmap = {"taylor": fm.Taylor(), "dpfp": fm.DPFP(1),
+            "hedgehog": fm.Hedgehog(rng.standard_normal((d, 2)), rng.standard_normal(2) * 0.1)}.get(fmap, fmap)
+    dk = fm.as_map(fmap).out_dim(d)
+    q, k, v = _qkv(rng, lead, n, d, dv, dtype)
+    kw = dict(feature_map=fmap, scale=scale)
+    if "decay" in gating:
+        kw["decay"] = rng.uniform(0.7, 1.0, lead[-1:] if lead else ())
+    if gating in ("position", "decay+position", "dimension"):
+        kw["gate"] = np.log(rng.uniform(0.6, 1.0, lead + (n,) + ((dk,) if gating == "dimension" else ()))).astype(dtype)
+    if with_state:
+        kw["initial_state"] = linattn.State((rng.standard_normal(lead + (dk, dv)) * 0.3).astype(dtype),
+                                            rng.uniform(0.5, 1.5, lead + (dk,)).astype(dtype))
+    if with_lengths and lead:
+        kw["lengths"] = rng.integers(0, n + 1, lead)
+    bounds = sorted({c for c in cuts if c < n})
+    along_n = tuple(np.diff([0] + bounds + [n]))
+    lead_chunks = tuple(1 if lead_chunk else s for s in lead)
+    lazy = [_lazy(x, lead_chunks + (along_n, x.shape[-1])) for x in (q, k, v)]
+    lazy_kw = dict(kw)
+    if "gate" in kw:
+        g = kw["gate"]
+        lazy_kw["gate"] = _lazy(g, lead_chunks + (along_n,) + g.shape[len(lead) + 1:])
+    ref, st_ref = linattn.causal_linear_attention(q, k, v, return_state=True, **kw)
+    out, st = linattn.causal_linear_attention(*lazy, return_state=True, **lazy_kw)
+    assert_close(out.compute(), ref, dtype)
+    assert_close(st.S.compute(), st_ref.S, dtype)
+    assert_close(st.Z.compute(), st_ref.Z, dtype)
