@@ -227,6 +227,24 @@ def test_gradients_together(lead, n, d, dv, map_name, gating, with_state, with_l
     want = _directional(loss, x, dx)
     have = sum(float((got[name] * dx[name]).sum()) for name in x)
     assert abs(have - want) <= 1e-6 * max(1.0, abs(want)), (have, want)
+    if with_state or lengths is not None or "gate" in x or "decay" in x:
+        return
+    # the non-causal form's gradients the same way
+
+    def noncausal(x, vjp=False):
+        params = {name[4:]: value for name, value in x.items() if name.startswith("map.")}
+        fn = linattn.linear_attention_vjp if vjp else linattn.linear_attention
+        return fn(x["q"], x["k"], x["v"], feature_map=fmap.with_params(**params), normalize=positive, scale=scale)
+
+    out, vjp = noncausal(x, vjp=True)
+    grads = list(vjp(g_out))
+    got = dict(zip("qkv", grads[:3]))
+    if fmap.param_names:
+        got.update({"map." + name: grad for name, grad in grads[3].items()})
+    assert len(grads) == 3 + bool(fmap.param_names) and set(got) == set(x)
+    want = _directional(lambda x: (g_out * noncausal(x)).sum(), x, dx)
+    have = sum(float((got[name] * dx[name]).sum()) for name in x)
+    assert abs(have - want) <= 1e-6 * max(1.0, abs(want)), (have, want)
 
 
 ARG_NAMES = ("q", "k", "v", "feature_map", "eps", "normalize", "initial_state", "state", "lengths", "decay", "gate",
