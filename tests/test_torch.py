@@ -2,6 +2,8 @@
 and against PyTorch autograd through a plain PyTorch implementation of the same formula."""
 import numpy as np
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from linattn.feature_maps import DPFP, Hedgehog, Performer, ReBased, T2R, Taylor
 
@@ -186,3 +188,56 @@ def test_bad_input():
         lt.causal_linear_attention(q, k, v, feature_map=fmap)
     with pytest.raises(TypeError, match="decay: expected float32 or float64"):
         lt.causal_linear_attention(q, k, v, decay=torch.tensor([1, 1]))
+
+
+@settings(max_examples=40, deadline=None)
+@given(lead=st.sampled_from([(2,), (2, 3)]), n=st.integers(1, 40), d=st.integers(1, 4), dv=st.integers(1, 3),
+       f64=st.booleans(), map_index=st.sampled_from([None, 0, 1, 2, 3]),
+       gating=st.sampled_from(["none", "decay", "position", "dimension"]), with_state=st.booleans(),
+       with_lengths=st.booleans(), scale=st.sampled_from([None, 0.5]), seed=st.integers(0, 2**31))
+def test_options_together_match_numpy(lead, n, d, dv, f64, map_index, gating, with_state, with_lengths, scale, seed):
+    """The options drawn together (hypothesis): linattn.torch's outputs and every gradient (a TrainableMap's
+    parameters, a decay tensor's included) equal linattn's NumPy vjp on the same arrays."""
+    rng = np.random.default_rng(seed)
+    dtype = torch.float64 if f64 else torch.float32
+    ndt = np.float64 if f64 else np.float32
+    base = None if map_index is None else _learned_maps(d)[map_index]
+    fmap = "elu" if base is None else lt.TrainableMap(base, dtype=dtype)
+    dk = d if base is None else base.out_dim(d)
+    arrays = {"q": rng.standard_normal(lead + (n, d)) * 0.5, "k": rng.standard_normal(lead + (n, d)) * 0.5,
+              "v": rng.standard_normal(lead + (n, dv))}
+    if with_state:
+        arrays["S"], arrays["Z"] = rng.standard_normal(lead + (dk, dv)) * 0.3, rng.uniform(0.5, 1.5, lead + (dk,))
+    if gating in ("position", "dimension"):
+        arrays["gate"] = np.log(rng.uniform(0.6, 0.98, lead + (n,) + ((dk,) if gating == "dimension" else ())))
+    if gating == "decay":
+        arrays["decay"] = rng.uniform(0.7, 0.95, lead[-1:])
+    arrays = {name: a.astype(ndt) for name, a in arrays.items()}
+    lengths = rng.integers(0, n + 1, lead) if with_lengths else None
+    t = {name: torch.tensor(a, requires_grad=True) for name, a in arrays.items()}
+    out, (S, Z) = lt.causal_linear_attention(t["q"], t["k"], t["v"], feature_map=fmap, scale=scale, lengths=lengths,
+                                             initial_state=(t["S"], t["Z"]) if with_state else None,
+                                             gate=t.get("gate"), decay=t.get("decay"), return_state=True)
+    g_out, g_S, g_Z = (rng.standard_normal(x.shape).astype(ndt) for x in (out, S, Z))
+    ((out * torch.from_numpy(g_out)).sum() + (S * torch.from_numpy(g_S)).sum()
+     + (Z * torch.from_numpy(g_Z)).sum()).backward()
+    ref, final, vjp = linattn.causal_linear_attention_vjp(
+        arrays["q"], arrays["k"], arrays["v"], feature_map="elu" if base is None else fmap.numpy_map(), scale=scale,
+        lengths=lengths, initial_state=linattn.State(arrays["S"], arrays["Z"]) if with_state else None,
+        gate=arrays.get("gate"), decay=arrays.get("decay"), return_state=True)
+    np.testing.assert_array_equal(out.detach().numpy(), ref)
+    grads = list(vjp(g_out, (g_S, g_Z)))
+    want = dict(zip("qkv", grads[:3]))
+    rest = grads[3:]
+    if with_state:
+        want["S"], want["Z"] = rest[0].S, rest[0].Z
+        rest = rest[1:]
+    for name in ("gate", "decay"):
+        if name in arrays:
+            want[name], rest = rest[0], rest[1:]
+    for name, grad in want.items():
+        assert t[name].grad.dtype == dtype
+        np.testing.assert_allclose(t[name].grad.numpy(), grad, rtol=1e-5 if not f64 else 1e-12, atol=1e-6)
+    if base is not None:
+        for name, p in fmap.named_parameters():
+            np.testing.assert_allclose(p.grad.numpy(), rest[0][name], rtol=1e-5 if not f64 else 1e-12, atol=1e-6)
