@@ -15,8 +15,34 @@ from linattn import reference
 
 from conftest import TOL
 
+
+class CoshPair:
+    """A user's callable map with its derivative: phi(x) = [exp(x), exp(-x)] / 2 (D' = 2D, > 0), applied
+    with NumPy before the kernels."""
+
+    def __call__(self, x):
+        return np.concatenate([np.exp(x), np.exp(-x)], -1) / 2
+
+    def vjp(self, x, dphi):
+        d = x.shape[-1]
+        return (dphi[..., :d] * np.exp(x) - dphi[..., d:] * np.exp(-x)) / 2
+
+    # (as the maps of linattn.feature_maps, for the tests below)
+    param_names = ()
+
+    def out_dim(self, d):
+        return 2 * d
+
+    def param_values(self):
+        return {}
+
+    def with_params(self):
+        return self
+
+
 #: name -> (a map for inputs of D features from rng, whether its features are >= 0: normalisable)
 MAPS = {
+    "callable": (lambda d, rng: CoshPair(), True),
     "elu": (lambda d, rng: "elu", True),
     "relu": (lambda d, rng: "relu", True),
     "identity": (lambda d, rng: "identity", False),
@@ -129,10 +155,16 @@ def test_options_together(lead, n, d, dv, dtype, map_name, gating, reset, with_s
         len(lead) - np.ndim(lengths))), lead)  # (the final state: each sequence's at its length)
     _, (S_ref, Z_ref) = reference.loop(q, k, v, initial_state=state, return_state=True, decay=decay, gate=gate,
                                        lengths=lens, **kw)
+    # (its sums cancel where features or v have both signs: the tolerance grows by sum |terms| / max |sum|)
+    mag = dict(kw, feature_map=lambda x: np.abs(fm.as_map(fmap)(x)))
+    _, (S_abs, Z_abs) = reference.loop(q, k, np.abs(v), return_state=True, decay=decay, gate=gate, lengths=lens,
+                                       initial_state=None if state is None else (np.abs(state.S), np.abs(state.Z)),
+                                       **mag)
     sdt = np.float32 if dtype == np.float16 else dtype
     assert final.S.dtype == sdt and final.S.shape == S_ref.shape and final.Z.shape == Z_ref.shape
-    _close(final.S, S_ref, sdt, 1.0)
-    _close(final.Z, Z_ref, sdt, 1.0)
+    for got, ref, size in ((final.S, S_ref, S_abs), (final.Z, Z_ref, Z_abs)):
+        largest = max(float(np.max(np.abs(ref), initial=0.0)), 1e-300)
+        _close(got, ref, sdt, max(1.0, float(np.max(size, initial=0.0)) / largest))
     # the weights it applies implicitly (not float16's: rounded to 2**-11 each, their product with v is
     # as far from out as max |v| / 2000, which can exceed the tolerance relative to max |out|)
     if state is None and lengths is None and normalize and dtype != np.float16:
