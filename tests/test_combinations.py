@@ -192,13 +192,24 @@ def test_options_together(lead, n, d, dv, dtype, map_name, gating, reset, with_s
         _close(o, want[..., t, :], dtype, cond)
 
 
-def _directional(f, x, dx, h=1e-5):
+def _directional(f, x, dx, h):
     """The derivative of f at x along dx (dicts of arrays): central differences at h and h/2, extrapolated
     (Richardson: their h**2 terms cancel, which matters where a denominator phi(q).Z + eps is small)."""
     def central(h):
         return (f({n: x[n] + h * dx[n] for n in x}) - f({n: x[n] - h * dx[n] for n in x})) / (2 * h)
 
     return (4 * central(h / 2) - central(h)) / 3
+
+
+def _assert_derivative(have, f, x, dx):
+    """have == the derivative of f along dx, to 1e-6 relative, at h = 1e-5 or, where the function curves
+    too fast for it (ReBased's norm of two features that nearly agree: 1 / sqrt(var + eps) ~ 300), 1e-6."""
+    wants = []
+    for h in (1e-5, 1e-6):
+        wants.append(_directional(f, x, dx, h))
+        if abs(have - wants[-1]) <= 1e-6 * max(1.0, abs(wants[-1])):
+            return
+    raise AssertionError(f"vjp along dx {have!r}, differences {wants!r}")
 
 
 @settings(max_examples=100, deadline=None)
@@ -256,9 +267,7 @@ def test_gradients_together(lead, n, d, dv, map_name, gating, with_state, with_l
     dx = {name: rng.standard_normal(np.shape(value)) for name, value in x.items()}
     if "decay" in dx:
         dx["decay"] *= 0.01  # (decay stays within (0, 1] along the difference)
-    want = _directional(loss, x, dx)
-    have = sum(float((got[name] * dx[name]).sum()) for name in x)
-    assert abs(have - want) <= 1e-6 * max(1.0, abs(want)), (have, want)
+    _assert_derivative(sum(float((got[name] * dx[name]).sum()) for name in x), loss, x, dx)
     if with_state or lengths is not None or "gate" in x or "decay" in x:
         return
     # the non-causal form's gradients the same way
@@ -274,9 +283,8 @@ def test_gradients_together(lead, n, d, dv, map_name, gating, with_state, with_l
     if fmap.param_names:
         got.update({"map." + name: grad for name, grad in grads[3].items()})
     assert len(grads) == 3 + bool(fmap.param_names) and set(got) == set(x)
-    want = _directional(lambda x: (g_out * noncausal(x)).sum(), x, dx)
-    have = sum(float((got[name] * dx[name]).sum()) for name in x)
-    assert abs(have - want) <= 1e-6 * max(1.0, abs(want)), (have, want)
+    _assert_derivative(sum(float((got[name] * dx[name]).sum()) for name in x), lambda x: (g_out * noncausal(x)).sum(),
+                       x, dx)
 
 
 ARG_NAMES = ("q", "k", "v", "feature_map", "eps", "normalize", "initial_state", "state", "lengths", "decay", "gate",
