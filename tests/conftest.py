@@ -38,3 +38,26 @@ def make_qkv(rng, lead, n, d, dv, dtype=np.float32, scale=0.5):
 @pytest.fixture
 def rng():
     return np.random.default_rng(12345)
+
+
+def random_options(rng, lead, n, d, dv, dtype, fmap, gating, with_state, with_lengths, scale):
+    """(map, D', keyword arguments) of a causal call with options drawn by a random test: ``fmap`` a name
+    ("taylor", "dpfp", "hedgehog" or a built-in name), ``gating`` "none", "decay", "position",
+    "dimension" or "decay+position"; a state, lengths (with leading dims) and ``scale`` as asked."""
+    import linattn
+
+    fm = linattn.feature_maps
+    fmap = {"taylor": fm.Taylor(), "dpfp": fm.DPFP(1),
+            "hedgehog": fm.Hedgehog(rng.standard_normal((d, 2)), rng.standard_normal(2) * 0.1)}.get(fmap, fmap)
+    dk = fm.as_map(fmap).out_dim(d)
+    kw = dict(feature_map=fmap, scale=scale)
+    if "decay" in gating:
+        kw["decay"] = rng.uniform(0.7, 1.0, lead[-1:] if lead else ())
+    if gating in ("position", "decay+position", "dimension"):
+        kw["gate"] = np.log(rng.uniform(0.6, 1.0, lead + (n,) + ((dk,) if gating == "dimension" else ()))).astype(dtype)
+    if with_state:
+        kw["initial_state"] = linattn.State((rng.standard_normal(lead + (dk, dv)) * 0.3).astype(dtype),
+                                            rng.uniform(0.5, 1.5, lead + (dk,)).astype(dtype))
+    if with_lengths and lead:
+        kw["lengths"] = rng.integers(0, n + 1, lead)
+    return fmap, dk, kw

@@ -9,6 +9,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import linattn
+from conftest import random_options
 
 SIM = os.environ.get("NUMBA_ENABLE_CUDASIM", "0") not in ("", "0")
 
@@ -301,21 +302,8 @@ def test_options_together_on_device(cuda, lead, n, d, dv, f64, fmap, gating, wit
     reference the same way)."""
     rng = np.random.default_rng(seed)
     dtype = np.float64 if f64 else np.float32
-    fm = linattn.feature_maps
-    fmap = {"taylor": fm.Taylor(), "dpfp": fm.DPFP(1),
-            "hedgehog": fm.Hedgehog(rng.standard_normal((d, 2)), rng.standard_normal(2) * 0.1)}.get(fmap, fmap)
-    dk = fm.as_map(fmap).out_dim(d)
     q, k, v = qkv(rng, lead, n, d, dv, dtype)
-    kw = dict(feature_map=fmap, scale=scale)
-    if gating == "decay":
-        kw["decay"] = rng.uniform(0.7, 1.0, lead[-1:] if lead else ())
-    elif gating != "none":
-        kw["gate"] = np.log(rng.uniform(0.6, 1.0, lead + (n,) + ((dk,) if gating == "dimension" else ()))).astype(dtype)
-    if with_state:
-        kw["initial_state"] = linattn.State((rng.standard_normal(lead + (dk, dv)) * 0.3).astype(dtype),
-                                            rng.uniform(0.5, 1.5, lead + (dk,)).astype(dtype))
-    if with_lengths and lead:
-        kw["lengths"] = rng.integers(0, n + 1, lead)
+    fmap, _, kw = random_options(rng, lead, n, d, dv, dtype, fmap, gating, with_state, with_lengths, scale)
     ref, st_ref = linattn.causal_linear_attention(q, k, v, return_state=True, **kw)
     dkw = dict(kw)
     if with_state:

@@ -12,7 +12,7 @@ from hypothesis import strategies as st
 
 import linattn
 
-from conftest import assert_close
+from conftest import assert_close, random_options
 
 da = pytest.importorskip("dask.array")
 dask = pytest.importorskip("dask")
@@ -227,21 +227,8 @@ def test_options_and_chunks_together(lead, n, d, dv, f64, fmap, gating, with_sta
     final state equal one NumPy call's."""
     rng = np.random.default_rng(seed)
     dtype = np.float64 if f64 else np.float32
-    fm = linattn.feature_maps
-    fmap = {"taylor": fm.Taylor(), "dpfp": fm.DPFP(1),
-            "hedgehog": fm.Hedgehog(rng.standard_normal((d, 2)), rng.standard_normal(2) * 0.1)}.get(fmap, fmap)
-    dk = fm.as_map(fmap).out_dim(d)
     q, k, v = _qkv(rng, lead, n, d, dv, dtype)
-    kw = dict(feature_map=fmap, scale=scale)
-    if "decay" in gating:
-        kw["decay"] = rng.uniform(0.7, 1.0, lead[-1:] if lead else ())
-    if gating in ("position", "decay+position", "dimension"):
-        kw["gate"] = np.log(rng.uniform(0.6, 1.0, lead + (n,) + ((dk,) if gating == "dimension" else ()))).astype(dtype)
-    if with_state:
-        kw["initial_state"] = linattn.State((rng.standard_normal(lead + (dk, dv)) * 0.3).astype(dtype),
-                                            rng.uniform(0.5, 1.5, lead + (dk,)).astype(dtype))
-    if with_lengths and lead:
-        kw["lengths"] = rng.integers(0, n + 1, lead)
+    fmap, _, kw = random_options(rng, lead, n, d, dv, dtype, fmap, gating, with_state, with_lengths, scale)
     bounds = sorted({c for c in cuts if c < n})
     along_n = tuple(np.diff([0] + bounds + [n]))
     lead_chunks = tuple(1 if lead_chunk else s for s in lead)
