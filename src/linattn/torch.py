@@ -45,7 +45,7 @@ class _Causal(torch.autograd.Function):
             decay=_array(decay, "decay") if isinstance(decay, torch.Tensor) else decay,
             feature_map=_numpy_map(fmap), **options)
         ctx.save_for_backward(q, k, v, gate)  # (the vjp reads them: torch refuses a backward if changed in place)
-        ctx.vjp, ctx.has_state, ctx.has_gate, ctx.has_decay = vjp, S0 is not None, gate is not None, decay is not None
+        ctx.vjp, ctx.has_state, ctx.has_gate = vjp, S0 is not None, gate is not None
         ctx.decay, ctx.fmap, ctx.params = decay, fmap, params
         return _tensor(out), _tensor(final.S), _tensor(final.Z)
 
@@ -61,7 +61,7 @@ class _Causal(torch.autograd.Function):
             rest = rest[1:]
         if ctx.has_gate:
             dgate, rest = _tensor(rest[0]), rest[1:]
-        if ctx.has_decay:
+        if ctx.decay is not None:
             ddecay, rest = _grad_like(rest[0], ctx.decay), rest[1:]
         return (dq, dk, dv, dS0, dZ0, dgate, ddecay, None, None, *_param_grads(ctx.fmap, ctx.params, rest))
 
