@@ -43,6 +43,7 @@ from .elementwise import exp_le0
 from . import symbols
 from .smallgemm import small_gemm
 from .vector import transpose_rows, wide_vectors
+from .views import as_contiguous
 
 
 #: status[0] after a kernel: 0, or the first bad gate's kind (1: positive, 2: NaN); status[1]: its
@@ -243,9 +244,18 @@ def _call_vector_factors(typingctx, gates, h1, h2, i0, c, extra, a, sums, e, w, 
 def masked_product(QA, KT, d_, c):
     """QA[:c, d_:d_+c] = phi(Q) phi(K)^T (QA[:c, :d_] and KT), zero above the diagonal."""
     small_gemm(QA[:c, :d_], KT[:, :c], QA[:c, d_:d_ + c], False, -1, 0)  # to the diagonal's tile
+    zero_above_diagonal(QA, d_, c)
+
+
+@njit(helper=True)
+def zero_above_diagonal(QA, d_, c):
+    """QA[t, d_ + u] = 0 for t < u < c, as a unit-stride view of each row's part indexed from 0: indexed
+    as QA[t, d_ + u] (or from t + 1), LLVM cannot rule out a negative index (Numba's wraparound) and
+    stores element by element or by scatter (a quarter of the plain causal worker's own samples)."""
     for t in range(c):
-        for u in range(t + 1, c):
-            QA[t, d_ + u] = 0
+        row = as_contiguous(QA[t, d_ + t + 1:d_ + c])
+        for u in range(row.shape[0]):
+            row[u] = 0
 
 
 @overload(gate_scores, jit_options=OVERLOAD_OPTIONS)
@@ -295,21 +305,19 @@ def _vector_scores(QA, Kf, a, fac, qb, kh, kt, d_, c, tiny):
     factor row and a block's scaled queries and keys."""
     wide_vectors()
     one, zero = tiny / tiny, tiny - tiny  # in the compute dtype
-    for t in range(c):
-        for s in range(c):
-            QA[t, d_ + s] = 0
+    zero_above_diagonal(QA, d_, c)  # (the blocks below write every score at or below it)
     for i0 in range(0, c, SUB):
         i1 = min(i0 + SUB, c)
         for t in range(i0, i1):  # within the block: every score its own sum of D' decayed terms
             for j in range(d_):
                 fac[j] = one
-            qt = QA[t, :d_]
+            qt, scores = QA[t, :d_], as_contiguous(QA[t, d_:d_ + c])
             for s in range(t, i0 - 1, -1):
                 ks, as_ = Kf[s], a[s]
                 acc = zero
                 for j in range(d_):
                     acc += qt[j] * ks[j] * fac[j]
-                QA[t, d_ + s] = acc
+                scores[s] = acc
                 for j in range(d_):
                     x = fac[j] * as_[j]
                     fac[j] = x if x >= tiny else zero
