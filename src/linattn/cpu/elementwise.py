@@ -3,8 +3,9 @@ and the exp of decay factors (exp_le0) from the same polynomials."""
 import math
 
 import numpy as np
+from llvmlite import ir
 from numba import types
-from numba.extending import overload
+from numba.extending import intrinsic, overload
 
 from .._jit import OVERLOAD_OPTIONS, njit
 from .buffers import empty
@@ -125,6 +126,24 @@ def _elu1_overload(x):
     if x == types.float64:
         return lambda x: _elu1_f64(x)
     return lambda x: _elu1_any(x)
+
+
+@intrinsic
+def fma(typingctx, x, y, z):
+    """x * y + z rounded once (LLVM's llvm.fma), for three floats of one type. With contraction allowed,
+    LLVM fuses a multiply into the add that follows or not, and not always alike in a vectorised loop and
+    its scalar remainder (seen: softplus's last add on an AVX-512 CPU), so that one value mapped alone or
+    among others could differ in its last bit; an explicit fma is the same everywhere. Only callable from
+    Numba code."""
+    if not (isinstance(x, types.Float) and x == y == z):
+        return None
+
+    def codegen(context, builder, sig, args):
+        ty = context.get_value_type(sig.return_type)
+        fn = builder.module.declare_intrinsic("llvm.fma", [ty], ir.FunctionType(ty, [ty, ty, ty]))
+        return builder.call(fn, args)
+
+    return x(x, y, z), codegen
 
 
 @njit(helper=True)

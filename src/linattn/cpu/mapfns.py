@@ -37,7 +37,7 @@ from .._jit import OVERLOAD_OPTIONS, Kernel, array, njit, run_before_kernels
 from .. import workspace
 from .buffers import empty
 from . import symbols
-from .elementwise import elu1, exp_f32_parts, exp_le0, load_rows, relu
+from .elementwise import elu1, exp_f32_parts, exp_le0, fma, load_rows, relu
 from .gating import like
 from .smallgemm import noinline, small_gemm
 from .vector import transpose_rows, wide_vectors
@@ -77,12 +77,13 @@ def _exp_any_overload(x):
     return lambda x: math.exp(x)
 
 
-def _log1p_01(e):
-    """log(1 + e) for 0 <= e <= 1, in code that vectorises: in float32 e p(e) with p a degree-9
+def _plus_log1p_01(x, e):
+    """x + log(1 + e) for 0 <= e <= 1, in code that vectorises: in float32 e p(e) with p a degree-9
     least-squares fit of log1p(x) / x on [0, 1] (Chebyshev nodes; truncation 5e-9, 1.7e-7 relative
     with float32 rounding; no division: softplus over identity 1.24-1.26 instead of 1.27-1.30 with
-    the series below); in float64 2 atanh(u) with u = e / (2 + e) <= 1/3, a series to u**35. NaN stays NaN.
-    Only callable from Numba code."""
+    the series below); in float64 2 atanh(u) with u = e / (2 + e) <= 1/3, a series to u**35. The last
+    product and the sum with x are one fma (elementwise.fma: the same in vectorised and scalar code).
+    NaN stays NaN. Only callable from Numba code."""
     raise NotImplementedError("runs inside Numba kernels only")
 
 
@@ -91,29 +92,29 @@ _LOG1P_F32 = tuple(np.float32(c) for c in (
     -0.1531186310530405, 0.10614264692310249, -0.05706420081439122, 0.01990716095508309, -0.003256378479573084))
 
 
-def _log1p_f32(e):
+def _plus_log1p_f32(x, e):
     p = _LOG1P_F32[9]
     for j in range(8, -1, -1):
         p = p * e + _LOG1P_F32[j]
-    return e * p
+    return fma(e, p, x)
 
 
 def _series(dtype, terms):
-    def impl(e):
+    def impl(x, e):
         two = dtype(2.0)
         u = e / (two + e)
         u2 = u * u
         p = dtype(1.0 / (2 * terms + 1))
         for j in range(terms - 1, -1, -1):
             p = p * u2 + dtype(1.0 / (2 * j + 1))
-        return two * u * p
+        return fma(two * u, p, x)
     return impl
 
 
-@overload(_log1p_01, jit_options=OVERLOAD_OPTIONS)
-def _log1p_overload(e):
+@overload(_plus_log1p_01, jit_options=OVERLOAD_OPTIONS)
+def _plus_log1p_overload(x, e):
     if e == types.float32:
-        return _log1p_f32
+        return _plus_log1p_f32
     return _series(np.float64, 17)
 
 
@@ -187,7 +188,7 @@ def _elementwise(code, scale, x, y):
     else:  # SOFTPLUS: max(v, 0) + log(1 + exp(-|v|))
         for a in range(x.shape[0]):
             v = scale * x[a]
-            y[a] = relu(v) + _log1p_01(exp_le0(-abs(v)))
+            y[a] = _plus_log1p_01(relu(v), exp_le0(-abs(v)))
 
 
 # One function per family for a block of rows: Y[t, :D'] = phi(X[t]) (X: rows of D values already
