@@ -22,74 +22,98 @@ FLAT_BELOW = 64
 def elu1(x):
     """elu(x) + 1 without cancellation: x + 1 for x > 0, exp(x) otherwise (NaN stays NaN).
 
-    The exp is a polynomial that LLVM vectorises (Numba's np.exp is scalar libm without SVML):
-    Cephes' in float32 (relative error ~1.2e-7), a Taylor series to r**13 in float64 (~2e-16).
+    The exp is a polynomial that LLVM vectorises (Numba's np.exp is scalar libm without SVML), 1 ulp
+    at most: a fitted degree-6 one in float32, a Taylor series to r**13 in float64 (see _reduced_f32).
     Only callable from Numba code.
     """
     raise NotImplementedError("runs inside Numba kernels only")
 
 
+#: 1.5 * 2**23 + 127: t = x / ln2 + this, rounded, holds round(x / ln2) + 127 in its low mantissa bits
+#: (the floats in [2**23, 2**24) are the integers), so that t's bits shifted left by 23 are the float32
+#: 2**round(x / ln2) (for round(x / ln2) in [-126, 127]); t minus this is round(x / ln2).
+_SHIFTER_F32 = 12583039.0
+
+
+@njit(helper=True)
+def _reduced_f32(xn):
+    """(exp(r), t) for |xn| <= 88.7 (the caller clamps; NaN gives NaNs): t = xn / ln2 + _SHIFTER_F32
+    rounded by one fma, n = t - _SHIFTER_F32 = round(xn / ln2) (no floor, no conversion to an
+    integer), r = xn - n ln2 with ln2 in two parts (Cephes'), |r| <= ln2/2, exp(r) by a degree-6
+    polynomial fitted to its relative error there (1.7e-8 with float32 coefficients). Each step is an
+    explicit fma: with reassociation allowed, LLVM folded the two parts of ln2 into one (errors up to
+    2.9e-7 relative, 4 ulp, where n is large), and a value could round differently in a vectorised
+    loop and in its scalar remainder."""
+    t = fma(xn, np.float32(1.44269504088896341), np.float32(_SHIFTER_F32))
+    n = t - np.float32(_SHIFTER_F32)  # (an fma's result: not reassociated away)
+    r = fma(n, np.float32(-0.693359375), xn)
+    r = fma(n, np.float32(2.12194440e-4), r)
+    p = fma(np.float32(1.3846145011484623e-3), r, np.float32(8.37411917746067e-3))
+    p = fma(p, r, np.float32(4.1667960584163666e-2))
+    p = fma(p, r, np.float32(0.16666431725025177))
+    p = fma(p, r, np.float32(0.4999999403953552))
+    p = fma(p, r, np.float32(1.0))
+    p = fma(p, r, np.float32(1.0))
+    return p, t
+
+
 @njit(helper=True)
 def _exp_f32(xn):
-    """exp(xn) for -87.33654 <= xn <= 0 (the caller clamps): 2**n * exp(r), n = round(xn / ln2),
-    |r| <= ln2/2, degree-6 polynomial (Cephes expf)."""
-    p, n = exp_f32_parts(xn)
-    return p * np.int32((np.int32(n) + np.int32(127)) << np.int32(23)).view(np.float32)
+    """exp(xn) for -87.33654 <= xn <= 0 (the caller clamps; NaN gives NaN), 1 ulp at most: exp(r)
+    times 2**n made from t's bits (_reduced_f32)."""
+    p, t = _reduced_f32(xn)
+    return p * np.int32(np.float32(t).view(np.int32) << np.int32(23)).view(np.float32)
 
 
 @njit(helper=True)
 def exp_f32_parts(xn):
-    """(exp(r), n) with xn = n ln2 + r, n = round(xn / ln2), |r| <= ln2/2 (Cephes expf), for
+    """(exp(r), n) with xn = n ln2 + r, n = round(xn / ln2) as a float, |r| <= ln2/2, for
     |xn| <= 88.7 (the caller clamps)."""
-    n = np.floor(xn * np.float32(1.44269504088896341) + np.float32(0.5))
-    r = xn - n * np.float32(0.693359375)
-    r = r - n * np.float32(-2.12194440e-4)
-    p = np.float32(1.9875691500e-4)
-    p = p * r + np.float32(1.3981999507e-3)
-    p = p * r + np.float32(8.3334519073e-3)
-    p = p * r + np.float32(4.1665795894e-2)
-    p = p * r + np.float32(1.6666665459e-1)
-    p = p * r + np.float32(5.0000001201e-1)
-    p = p * r * r + r + np.float32(1.0)
-    return p, n
+    p, t = _reduced_f32(xn)
+    return p, t - np.float32(_SHIFTER_F32)
+
+
+#: 1.5 * 2**52 + 1023: as _SHIFTER_F32, for float64 (its bits shifted left by 52: 2**round(x / ln2)).
+_SHIFTER_F64 = 6755399441056767.0
 
 
 @njit(helper=True)
 def _exp_f64(xn):
-    """exp(xn) for -708.39 <= xn <= 0 (the caller clamps): 2**n * exp(r), n = round(xn / ln2),
-    |r| <= ln2/2, ln2 in two parts so that n * hi is exact; exp(r) by its Taylor series to r**13
-    (truncation < 5e-18 relative: below float64's eps)."""
-    n = np.floor(xn * 1.4426950408889634 + 0.5)
-    r = xn - n * 0.6931471803691238
-    r = r - n * 1.9082149292705877e-10
-    p = 1.6059043836821613e-10
-    p = p * r + 2.08767569878681e-09
-    p = p * r + 2.505210838544172e-08
-    p = p * r + 2.755731922398589e-07
-    p = p * r + 2.7557319223985893e-06
-    p = p * r + 2.48015873015873e-05
-    p = p * r + 0.0001984126984126984
-    p = p * r + 0.001388888888888889
-    p = p * r + 0.008333333333333333
-    p = p * r + 0.041666666666666664
-    p = p * r + 0.16666666666666666
-    p = p * r + 0.5
-    p = p * r * r + r + 1.0
-    return p * np.int64((np.int64(n) + np.int64(1023)) << np.int64(52)).view(np.float64)
+    """exp(xn) for -708.39 <= xn <= 0 (the caller clamps; NaN gives NaN): 2**n * exp(r) as in
+    _exp_f32, ln2 in two parts so that n * hi is exact, exp(r) by its Taylor series to r**13
+    (truncation < 5e-18 relative: below float64's eps), each step an explicit fma."""
+    t = fma(xn, 1.4426950408889634, _SHIFTER_F64)
+    n = t - _SHIFTER_F64  # (an fma's result: not reassociated away)
+    r = fma(n, -0.6931471803691238, xn)
+    r = fma(n, -1.9082149292705877e-10, r)
+    p = fma(1.6059043836821613e-10, r, 2.08767569878681e-09)
+    p = fma(p, r, 2.505210838544172e-08)
+    p = fma(p, r, 2.755731922398589e-07)
+    p = fma(p, r, 2.7557319223985893e-06)
+    p = fma(p, r, 2.48015873015873e-05)
+    p = fma(p, r, 0.0001984126984126984)
+    p = fma(p, r, 0.001388888888888889)
+    p = fma(p, r, 0.008333333333333333)
+    p = fma(p, r, 0.041666666666666664)
+    p = fma(p, r, 0.16666666666666666)
+    p = fma(p, r, 0.5)
+    p = fma(p, r, 1.0)
+    p = fma(p, r, 1.0)
+    return p * np.int64(np.float64(t).view(np.int64) << np.int64(52)).view(np.float64)
 
 
 @njit(helper=True)
 def _elu1_f32(x):
-    e = _exp_f32(max(min(x, np.float32(0.0)), np.float32(-87.33654)))  # exp(-87.34): the smallest normal
-    y = x + np.float32(1.0) if x > np.float32(0.0) else e
-    return y if x == x else x
+    t = np.float32(0.0) if x >= np.float32(0.0) else x  # (comparisons that a NaN fails: it goes through)
+    t = np.float32(-87.33654) if t < np.float32(-87.33654) else t  # exp(-87.34): the smallest normal
+    return x + np.float32(1.0) if x > np.float32(0.0) else _exp_f32(t)
 
 
 @njit(helper=True)
 def _elu1_f64(x):
-    e = _exp_f64(max(min(x, 0.0), -708.39))  # exp(-708.39): about the smallest normal float64
-    y = x + 1.0 if x > 0.0 else e
-    return y if x == x else x
+    t = 0.0 if x >= 0.0 else x  # (as in _elu1_f32)
+    t = -708.39 if t < -708.39 else t  # exp(-708.39): about the smallest normal float64
+    return x + 1.0 if x > 0.0 else _exp_f64(t)
 
 
 def exp_le0(x):
