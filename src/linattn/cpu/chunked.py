@@ -304,7 +304,8 @@ def _causal_forward(q, k, v, fm, fp, fa, eps, normalize, scale, lengths, chunk, 
     """
     g2, n, d_ = q.shape[1], q.shape[2], mapped_dim(fm, fp, q.shape[3])
     dv, dt = v.shape[3], out.dtype
-    mp = map_state(fm, fp, fa, q.shape[3], d_, dt)
+    mapper = map_state(fm, fp, fa, q.shape[3], d_, dt)
+    mp = unowned(mapper)  # (its parameters are shared by the threads: each view's atomic add contended)
     nseg = frac.shape[0] - 1
     items = q.shape[0] * g2 * nseg
     decayed = bool(gates.ndim > 1)  # bool()/int(): run-time values, not literals (see _jit)
@@ -409,7 +410,7 @@ def _causal_forward(q, k, v, fm, fp, fa, eps, normalize, scale, lengths, chunk, 
         keep_alive(sbuf)
         item = take(counter)
     store_fence()  # the kept states' streaming stores, before the backward's threads read them
-    keep_alive((owners, gbuf))
+    keep_alive((owners, gbuf, mapper))
 
 
 @njit(helper=True)
@@ -442,7 +443,8 @@ def _noncausal_sum(k, v, mp, chunk, c0, c1, Kf, V, sbuf):
     accumulators of ``sbuf`` (_state_buffers' tuple: acc and accz; zero when there are no chunks)."""
     P, Pz = sbuf[0], sbuf[3]
     n = k.shape[0]
-    no_gates = empty(0, P.dtype)
+    owner = empty(0, P.dtype)
+    no_gates = unowned(owner)  # (views of an owned array: an atomic add and subtract each)
     no_f = (no_gates, no_gates, no_gates, no_gates)
     has_acc = bool(False)  # bool()/int(): run-time values, not literals (see _jit)
     for ci in range(c0, c1):
@@ -451,6 +453,7 @@ def _noncausal_sum(k, v, mp, chunk, c0, c1, Kf, V, sbuf):
         _add_prefix(k, v, i0, min(chunk, n - i0), mp, Kf, V, P, Pz, beta, no_gates, no_f)
         has_acc = folded_after(ci, c0, c1, sbuf, has_acc)
     zero_unless_summed(has_acc, sbuf)
+    keep_alive(owner)
 
 
 @njit(helper=True)
@@ -487,7 +490,8 @@ def _noncausal_segment(q, k, v, out, mp, eps, normalize, scale, chunk, c0, c1, Q
     of its segments' partial sums ``parts`` (nseg, D', Dv + 1) when it has rows, else summed here."""
     n, d_ = q.shape[0], Kf.shape[1]
     dv = v.shape[1]
-    sbuf = _state_buffers(d_, dv, out.dtype)
+    owners = _state_buffers(d_, dv, out.dtype)
+    sbuf = unowned(owners)
     P, B, acc, Pz, Bz, Z, accz, lam = sbuf
     if parts.shape[0] > 0:
         _summed_parts(parts, acc, accz)
@@ -506,6 +510,7 @@ def _noncausal_segment(q, k, v, out, mp, eps, normalize, scale, chunk, c0, c1, Q
             _normalize_rows(out, i0, c, QA, Z, d_, eps, scale, QA[0, :0])
         elif scale != 1:
             _scale_rows(out, i0, c, scale)
+    keep_alive(owners)
 
 
 def _noncausal_forward(q, k, v, fm, fp, fa, eps, normalize, scale, chunk, frac, out, phase, parts, counter):
@@ -518,7 +523,8 @@ def _noncausal_forward(q, k, v, fm, fp, fa, eps, normalize, scale, chunk, frac, 
     """
     g2, n, d_ = q.shape[1], q.shape[2], mapped_dim(fm, fp, q.shape[3])
     dv, dt = v.shape[3], out.dtype
-    mp = map_state(fm, fp, fa, q.shape[3], d_, dt)
+    mapper = map_state(fm, fp, fa, q.shape[3], d_, dt)
+    mp = unowned(mapper)  # (its parameters are shared by the threads: each view's atomic add contended)
     nseg = frac.shape[0] - 1
     nchunks = (n + chunk - 1) // chunk
     items = q.shape[0] * g2 * nseg
@@ -531,14 +537,16 @@ def _noncausal_forward(q, k, v, fm, fp, fa, eps, normalize, scale, chunk, frac, 
         h, s, c0, c1 = _segment(item, nseg, frac, nchunks)
         h1, h2 = h // g2, h % g2
         if phase == 0:
-            sbuf = _state_buffers(d_, dv, dt)
+            sums = _state_buffers(d_, dv, dt)
+            sbuf = unowned(sums)
             _noncausal_sum(k[h1, h2], v[h1, h2], mp, chunk, c0, c1, Kf, V, sbuf)
             _write_parts(sbuf[2], sbuf[6], parts[h, s])
+            keep_alive(sums)
         elif c0 < c1:
             _noncausal_segment(q[h1, h2], k[h1, h2], v[h1, h2], out[h1, h2], mp, eps, normalize, scale, chunk, c0,
                                c1, QA, Kf, V, S, parts[h] if parts.shape[0] > 0 else parts[0, :0])
         item = take(counter)
-    keep_alive(owners)
+    keep_alive((owners, mapper))
 
 
 def _gates_type(dt, kind):

@@ -78,11 +78,12 @@ def _pairs_vjp(u, g, table, dpfp, s, du, counter):
     C-contiguous) and table = I, J, C (D' each, float64), ROWS rows per work item taken from
     ``counter`` (threaded.ThreadedKernel). ``dpfp``: u holds DPFP's scaled input x instead (D values),
     the kernel forms [relu(x), relu(-x)], and du is the gradient of x times s."""
-    u, g, du = unowned((u, g, du))  # (row views not reference-counted: both threads would count on one)
+    u, g, du, table = unowned((u, g, du, table))  # (views not reference-counted: both threads would count on one)
     rows, dk = u.shape[0], g.shape[1]
     d = u.shape[1]
     nu = 2 * d if dpfp else d
-    coef = empty(dk, du.dtype)
+    coefs = empty(dk, du.dtype)
+    coef = unowned(coefs)
     for f in range(dk):
         coef[f] = table[2 * dk + f]
     owners = (empty((nu, PAIR_ROWS), du.dtype), empty((dk, PAIR_ROWS), du.dtype), empty((nu, PAIR_ROWS), du.dtype),
@@ -103,7 +104,7 @@ def _pairs_vjp(u, g, table, dpfp, s, du, counter):
                 _dpfp_output(UT, DT, d, nb, s)
             transpose_rows(DT[:d, :nb], du[s0:s0 + nb], colsum, d)
         item = take(counter)
-    keep_alive(owners)
+    keep_alive((owners, coefs))
 
 
 def _signature(dt, variant):

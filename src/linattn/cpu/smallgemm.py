@@ -179,7 +179,6 @@ def _codegen(trans_a):
         def const(x):
             return ir.Constant(i64, x)
 
-
         def ptr(base, stride, row, col, ty):
             return builder.bitcast(builder.gep(base, [builder.add(builder.mul(row, stride), col)]), ty.as_pointer())
 

@@ -43,7 +43,6 @@ def wide_vectors(typingctx):
     return types.none(), codegen
 
 
-
 @intrinsic
 def state_pass(typingctx, S, Z, v, q, k, out, row_stride, eps, normalize, decay, qscale):
     """One decoding step of one head: for every row a and column e of S (D' x Dv, rows

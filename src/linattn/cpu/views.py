@@ -47,13 +47,14 @@ def as_contiguous(typingctx, x):
     return sig, codegen
 
 
-def _unowned_ok(t):
-    return isinstance(t, types.Array) or (isinstance(t, types.BaseTuple) and all(_unowned_ok(x) for x in t))
+def _unowned_ok(t, inner=False):
+    return (isinstance(t, types.Array) or (inner and isinstance(t, types.Number))
+            or (isinstance(t, types.BaseTuple) and all(_unowned_ok(x, True) for x in t)))
 
 
 @intrinsic
 def unowned(typingctx, x):
-    """x (an array, or a tuple of arrays and such tuples) without its memory's owner (a null meminfo):
+    """x (an array, or a tuple of arrays, numbers and such tuples) without its memory's owner (a null meminfo):
     the same data, shape and strides, and views of it are not reference counted. Every view Numba
     makes of an owned array adds and drops a reference with an atomic add (~20 cycles; the kernels'
     per-row views made that ~20% of a chunk's time, seen with perf). The caller keeps the owner alive
@@ -69,6 +70,8 @@ def unowned(typingctx, x):
             context.populate_array(out, data=arr.data, shape=arr.shape, strides=arr.strides, itemsize=arr.itemsize,
                                    meminfo=None)
             return out._getvalue()
+        if isinstance(ty, types.Number):
+            return value
         items = [strip(context, builder, t, builder.extract_value(value, i)) for i, t in enumerate(ty)]
         return context.make_tuple(builder, ty, items)
 
