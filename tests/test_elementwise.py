@@ -3,7 +3,7 @@ import numpy as np
 import pytest
 from numba import njit
 
-from linattn.cpu.elementwise import ELU, IDENTITY, RELU, elu1, exp_le0, load_rows
+from linattn.cpu.elementwise import ELU, IDENTITY, RELU, abs_bits, elu1, exp_le0, float_of_bits, load_rows
 from linattn.cpu.mapfns import exp_any
 
 
@@ -55,6 +55,30 @@ def test_exps_over_their_range():
     _exps(special, le0, anywhere)
     assert list(le0) == [1, 1, 0, 0, 1, 1]
     assert list(anywhere[:4]) == [1, 1, 0, 0] and list(anywhere[4:]) == [np.inf, np.inf]
+
+
+@njit
+def _largest_magnitude(x):
+    top = abs_bits(x[0] - x[0])
+    for i in range(x.shape[0]):
+        a = abs_bits(x[i])
+        top = a if a > top else top
+    return float_of_bits(top, x[0])
+
+
+@pytest.mark.parametrize("dtype", [np.float32, np.float64])
+def test_abs_bits_order_as_magnitudes(rng, dtype):
+    """The largest of abs_bits over an array, back as a float, is its largest |x| (signed zeros,
+    subnormals, infinities included), or NaN where it holds one."""
+    tiny = np.finfo(dtype).smallest_subnormal
+    for x in (rng.standard_normal(1000), np.array([-0.0, 0.0, tiny, -2 * tiny]), np.array([-3.0, 2.0, -np.inf, 1.0]),
+              rng.standard_normal(37) * 1e-310, np.array([1.0, np.nan, -np.inf, 5.0])):
+        x = x.astype(dtype)
+        got = _largest_magnitude(x)
+        if np.isnan(x).any():
+            assert np.isnan(got)
+        else:
+            assert got == np.abs(x).max() and not np.signbit(got)
 
 
 @njit

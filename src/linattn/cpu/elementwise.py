@@ -170,6 +170,35 @@ def fma(typingctx, x, y, z):
     return x(x, y, z), codegen
 
 
+@intrinsic
+def abs_bits(typingctx, x):
+    """The bits of |x| as a signed integer of x's width: ordered as |x| is (every NaN above inf), so
+    that a maximum over them is an integer maximum, which LLVM vectorises (a float one it does not
+    without "nnan"). Only callable from Numba code."""
+    if not isinstance(x, types.Float):
+        return None
+    ity = types.int32 if x.bitwidth == 32 else types.int64
+
+    def codegen(context, builder, sig, args):
+        lty = ir.IntType(x.bitwidth)
+        return builder.and_(builder.bitcast(args[0], lty), ir.Constant(lty, (1 << (x.bitwidth - 1)) - 1))
+
+    return ity(x), codegen
+
+
+@intrinsic
+def float_of_bits(typingctx, b, like):
+    """The float of ``like``'s type whose bits are the integer ``b`` (of its width): abs_bits' inverse.
+    Only callable from Numba code."""
+    if not (isinstance(like, types.Float) and isinstance(b, types.Integer) and b.bitwidth == like.bitwidth):
+        return None
+
+    def codegen(context, builder, sig, args):
+        return builder.bitcast(args[0], context.get_value_type(like))
+
+    return like(b, like), codegen
+
+
 @njit(helper=True)
 def relu(x):
     """max(x, 0) that keeps NaN, in x's type (+0 for every x <= 0: x * 0 gave NaN for -inf, and

@@ -37,7 +37,7 @@ from .._jit import OVERLOAD_OPTIONS, Kernel, array, njit, run_before_kernels
 from .. import workspace
 from .buffers import empty
 from . import symbols
-from .elementwise import elu1, exp_f32_parts, exp_le0, fma, load_rows, relu
+from .elementwise import abs_bits, elu1, exp_f32_parts, exp_le0, float_of_bits, fma, load_rows, relu
 from .gating import like
 from .smallgemm import noinline, small_gemm
 from .vector import transpose_rows, wide_vectors
@@ -319,8 +319,9 @@ def _t2r_block(code, fp, X, Y, work):
 @njit(helper=True)
 def _hedgehog_block(code, fp, X, Y, work):
     """softmax over [2z, -2z], z = x W + b: shifted by 2 max |z|, exponentials of numbers <= 0, row by
-    row into Y (a row's maximum is a scalar loop, ~8 ns for m = 32; transposing blocks of rows for
-    elementwise maxima and sums cost more: ~21% of the map)."""
+    row into Y (a row's maximum over the bits of |z|: an integer maximum, which vectorises, where a
+    float one was a scalar loop; transposing blocks of rows for elementwise maxima and sums cost more:
+    ~21% of the map)."""
     wide_vectors()
     c, d, m = X.shape[0], X.shape[1], Y.shape[1] // 2
     Z = work[:c * m].reshape(c, m)
@@ -329,20 +330,20 @@ def _hedgehog_block(code, fp, X, Y, work):
     two, zero = like(2.0, Y), like(0.0, Y)
     for t in range(c):
         z, y = as_contiguous(Z[t]), as_contiguous(Y[t])
-        top = zero
+        top = abs_bits(zero)
         for j in range(m):
             v = s * z[j] + b[j]
             z[j] = v
-            a = abs(v)
-            top = a if a > top else top  # (NaN in z: NaN in every feature of its row, by the sum)
-        shift = two * top
+            a = abs_bits(v)
+            top = a if a > top else top  # (NaN in z: the maximum, and NaN in every feature of its row)
+        shift = two * float_of_bits(top, zero)
         for j in range(m):
             y[j] = exp_le0(two * z[j] - shift)
             y[m + j] = exp_le0(-two * z[j] - shift)
-        total = 0.0
+        total = zero  # (in Y's dtype: the 2m terms are summed in vector lanes, no conversions)
         for j in range(2 * m):
             total += y[j]
-        inv = like(1.0 / total, Y)
+        inv = like(1.0, Y) / total
         for j in range(2 * m):
             y[j] *= inv
 
