@@ -34,7 +34,7 @@ from .mapfns import load_features, map_state, mapped_dim
 from .schedule import take
 from .smallgemm import small_gemm, small_gemm_tn
 from .threaded import ThreadedKernel
-from .views import as_contiguous, keep_alive, prefetch_rows, unowned
+from .views import as_contiguous, keep_alive, prefetch_rows, prefetch_rows_for_writing, unowned
 from .vector import store_fence, stream_copy, transpose_rows
 
 #: Chunks between folds of the pending float32 sums into the float64 state.
@@ -376,6 +376,7 @@ def _causal_forward(q, k, v, fm, fp, fa, eps, normalize, scale, lengths, chunk, 
                 prefetch_rows(qh, i0 + chunk, cn)
                 prefetch_rows(kh, i0 + chunk, cn)
                 prefetch_rows(vh, i0 + chunk, cn)
+                prefetch_rows_for_writing(oh, i0 + chunk, cn)
             if kept.shape[0] > 0:
                 keep_state(SV, Z, d_, kept[ci], ST, sums)
             chunk_gates(gates, h, ld, i0, c, G, R, F, status)

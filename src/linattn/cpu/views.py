@@ -108,34 +108,46 @@ def flat_rows(typingctx, x, i0, c):
     return sig, codegen
 
 
-@intrinsic
-def prefetch_rows(typingctx, x, i0, c):
-    """Ask the CPU to bring rows [i0, i0 + c) of the 2-D array x into its caches (one prefetch per
-    64-byte line of each row; a hint: nothing is read or checked). Rows far apart, as in the head
-    views of a fused QKV projection, are each on a page of their own, which the hardware's own
-    prefetchers do not cross. Only callable from Numba code."""
-    if not (isinstance(x, types.Array) and x.ndim == 2):
-        return None
-    sig = types.void(x, types.intp, types.intp)
+def _prefetcher(write, name, doc):
+    """An intrinsic ``name(x, i0, c)``: llvm.prefetch of every 64-byte line of rows [i0, i0 + c) of the
+    2-D array x, for reading or (``write``) for writing."""
 
-    def codegen(context, builder, sig, args):
-        arr = context.make_array(sig.args[0])(context, builder, args[0])
-        i8p = ir.IntType(8).as_pointer()
-        i32 = ir.IntType(32)
-        fnty = ir.FunctionType(ir.VoidType(), [i8p, i32, i32, i32])
-        fn = builder.module.declare_intrinsic("llvm.prefetch", [i8p], fnty)
-        base = builder.bitcast(arr.data, i8p)
-        row_stride = builder.extract_value(arr.strides, 0)
-        row_bytes = builder.mul(builder.extract_value(arr.shape, 1), builder.extract_value(arr.strides, 1))
-        with cgutils.for_range(builder, args[2]) as rows:
-            start = builder.gep(base, [builder.mul(builder.add(args[1], rows.index), row_stride)])
-            with cgutils.for_range_slice(builder, ir.Constant(row_bytes.type, 0), row_bytes,
-                                         ir.Constant(row_bytes.type, 64)) as (off, _):
-                builder.call(fn, [builder.gep(start, [off]), ir.Constant(i32, 0), ir.Constant(i32, 2),
-                                  ir.Constant(i32, 1)])
-        return context.get_dummy_value()
+    def typer(typingctx, x, i0, c):
+        if not (isinstance(x, types.Array) and x.ndim == 2):
+            return None
+        sig = types.void(x, types.intp, types.intp)
 
-    return sig, codegen
+        def codegen(context, builder, sig, args):
+            arr = context.make_array(sig.args[0])(context, builder, args[0])
+            i8p = ir.IntType(8).as_pointer()
+            i32 = ir.IntType(32)
+            fnty = ir.FunctionType(ir.VoidType(), [i8p, i32, i32, i32])
+            fn = builder.module.declare_intrinsic("llvm.prefetch", [i8p], fnty)
+            base = builder.bitcast(arr.data, i8p)
+            row_stride = builder.extract_value(arr.strides, 0)
+            row_bytes = builder.mul(builder.extract_value(arr.shape, 1), builder.extract_value(arr.strides, 1))
+            with cgutils.for_range(builder, args[2]) as rows:
+                start = builder.gep(base, [builder.mul(builder.add(args[1], rows.index), row_stride)])
+                with cgutils.for_range_slice(builder, ir.Constant(row_bytes.type, 0), row_bytes,
+                                             ir.Constant(row_bytes.type, 64)) as (off, _):
+                    builder.call(fn, [builder.gep(start, [off]), ir.Constant(i32, int(write)), ir.Constant(i32, 2),
+                                      ir.Constant(i32, 1)])
+            return context.get_dummy_value()
+
+        return sig, codegen
+
+    typer.__name__ = typer.__qualname__ = name
+    typer.__doc__ = doc
+    return intrinsic(typer)
+
+
+prefetch_rows = _prefetcher(False, "prefetch_rows", """Ask the CPU to bring rows [i0, i0 + c) of the 2-D array x
+    into its caches (one prefetch per 64-byte line of each row; a hint: nothing is read or checked). Rows far
+    apart, as in the head views of a fused QKV projection, are each on a page of their own, which the
+    hardware's own prefetchers do not cross. Only callable from Numba code.""")
+
+prefetch_rows_for_writing = _prefetcher(True, "prefetch_rows_for_writing", """prefetch_rows for rows about to be
+    written (the lines fetched for ownership). Only callable from Numba code.""")
 
 
 def head_row(x, h):
