@@ -1,4 +1,10 @@
 """The feature-map loops of the kernels against NumPy, value by value (their exp is a polynomial)."""
+import os
+import platform
+import subprocess
+import sys
+from pathlib import Path
+
 import numpy as np
 import pytest
 from numba import njit
@@ -102,3 +108,15 @@ def test_load_rows_every_layout(rng, d, view, extra):
         _load(src, 11, 7, fm, dst)
         np.testing.assert_allclose(dst[:7, :d], ref[11:18], rtol=3e-7, atol=0)
         assert np.all(dst[:, d:] == -5.0) and np.all(dst[7:] == -5.0)
+
+
+@pytest.mark.skipif(platform.machine().lower() not in ("x86_64", "amd64"), reason="an x86 CPU model to compile for")
+def test_without_fma(tmp_path):
+    """Compiled for an x86 CPU without fused multiply-adds (some Atom, Celeron and Pentium cores), the fmas
+    are a product and a sum that LLVM may not rewrite: the exps stay within 1.5 ulp (float32) and 1 ulp
+    (float64), and every value maps to the same bits in any code path (tests/no_fma_check.py). With the
+    kernels' fast-math flags on those two operations, LLVM folded the exp's rounding away (errors of 1e6 ulp)."""
+    env = dict(os.environ, NUMBA_CPU_NAME="x86-64-v2", NUMBA_CPU_FEATURES="", NUMBA_CACHE_DIR=str(tmp_path))
+    script = Path(__file__).with_name("no_fma_check.py")
+    done = subprocess.run([sys.executable, str(script)], env=env, capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0 and done.stdout.strip().endswith("ok"), done.stdout + done.stderr

@@ -3,6 +3,7 @@ and the exp of decay factors (exp_le0) from the same polynomials."""
 import math
 
 import numpy as np
+from llvmlite import binding as llvm_binding
 from llvmlite import ir
 from numba import types
 from numba.extending import intrinsic, overload
@@ -45,7 +46,7 @@ def _reduced_f32(xn):
     2.9e-7 relative, 4 ulp, where n is large), and a value could round differently in a vectorised
     loop and in its scalar remainder."""
     t = fma(xn, np.float32(1.44269504088896341), np.float32(_SHIFTER_F32))
-    n = t - np.float32(_SHIFTER_F32)  # (an fma's result: not reassociated away)
+    n = strict_sub(t, np.float32(_SHIFTER_F32))  # (not simplified back to xn / ln2)
     r = fma(n, np.float32(-0.693359375), xn)
     r = fma(n, np.float32(2.12194440e-4), r)
     p = fma(np.float32(1.3846145011484623e-3), r, np.float32(8.37411917746067e-3))
@@ -70,7 +71,7 @@ def exp_f32_parts(xn):
     """(exp(r), n) with xn = n ln2 + r, n = round(xn / ln2) as a float, |r| <= ln2/2, for
     |xn| <= 88.7 (the caller clamps)."""
     p, t = _reduced_f32(xn)
-    return p, t - np.float32(_SHIFTER_F32)
+    return p, strict_sub(t, np.float32(_SHIFTER_F32))
 
 
 #: 1.5 * 2**52 + 1023: as _SHIFTER_F32, for float64 (its bits shifted left by 52: 2**round(x / ln2)).
@@ -84,7 +85,7 @@ def _exp_f64(xn):
     |r| <= ln2/2 (mpmath.chebyfit: 3.2e-18, below float64's eps; the Taylor series needed r**13), each
     step an explicit fma."""
     t = fma(xn, 1.4426950408889634, _SHIFTER_F64)
-    n = t - _SHIFTER_F64  # (an fma's result: not reassociated away)
+    n = strict_sub(t, _SHIFTER_F64)  # (not simplified back to xn / ln2)
     r = fma(n, -0.6931471803691238, xn)
     r = fma(n, -1.9082149292705877e-10, r)
     p = fma(2.5110037605963777e-08, r, 2.763263963904103e-07)
@@ -151,22 +152,54 @@ def _elu1_overload(x):
     return lambda x: _elu1_any(x)
 
 
+#: The one fast-math flag of the operations below that must keep their rounding: Numba gives its
+#: flags (``reassoc``, ``contract``, ...) to every float operation of a kernel that has none, and with
+#: them LLVM rewrites (a + b) - b to a, folds the exp's two-part reduction into one, and fuses a
+#: multiply into an add in one code path and not another. ``arcp`` only concerns divisions.
+_KEEP = ("arcp",)
+
+
+def target_has_fma(context):
+    """Whether the CPU Numba compiles for has a fused multiply-add: on x86 from its features (FMA3:
+    Intel since Haswell, AMD since Piledriver; not some Atom, Celeron and Pentium cores); every other
+    target Numba supports (aarch64, ppc64le) has one in its base instruction set."""
+    if not llvm_binding.get_process_triple().startswith(("x86", "i386", "i686")):
+        return True
+    try:
+        features = context.codegen()._tm_features
+    except AttributeError:
+        features = llvm_binding.get_host_cpu_features().flatten()
+    return "+fma" in features.split(",")
+
+
 @intrinsic
 def fma(typingctx, x, y, z):
-    """x * y + z rounded once (LLVM's llvm.fma), for three floats of one type. With contraction allowed,
-    LLVM fuses a multiply into the add that follows or not, and not always alike in a vectorised loop and
-    its scalar remainder (seen: softplus's last add on an AVX-512 CPU), so that one value mapped alone or
-    among others could differ in its last bit; an explicit fma is the same everywhere. Only callable from
-    Numba code."""
+    """x * y + z, for three floats of one type, computed alike in every code path: rounded once
+    (llvm.fma) where the CPU has a fused multiply-add, else a product and a sum that LLVM may not
+    rewrite or fuse (there, llvm.fma would call libm's fma for every value and no loop would
+    vectorise). With contraction allowed, LLVM fused a multiply into the add after it in a vectorised
+    loop and not in its scalar remainder (seen: softplus's last add on an AVX-512 CPU), so a value
+    mapped alone or among others could differ in its last bit. Only callable from Numba code."""
     if not (isinstance(x, types.Float) and x == y == z):
         return None
 
     def codegen(context, builder, sig, args):
+        if not target_has_fma(context):
+            return builder.fadd(builder.fmul(args[0], args[1], flags=_KEEP), args[2], flags=_KEEP)
         ty = context.get_value_type(sig.return_type)
         fn = builder.module.declare_intrinsic("llvm.fma", [ty], ir.FunctionType(ty, [ty, ty, ty]))
         return builder.call(fn, args)
 
     return x(x, y, z), codegen
+
+
+@intrinsic
+def strict_sub(typingctx, x, y):
+    """x - y, for two floats of one type, that LLVM may not rewrite with the operations around it (see
+    _KEEP: (x + y) - y would become x). Only callable from Numba code."""
+    if not (isinstance(x, types.Float) and x == y):
+        return None
+    return x(x, y), lambda context, builder, sig, args: builder.fsub(args[0], args[1], flags=_KEEP)
 
 
 @intrinsic
