@@ -10,6 +10,7 @@ from pathlib import Path
 
 import numba
 import numpy as np
+from llvmlite import binding as llvm_binding
 from numba.core import types
 
 from ._linkonly import PIPELINE
@@ -118,6 +119,15 @@ def prune_stale_cache(path):
             except OSError:  # (gone already, or not ours to delete)
                 pass
     return deleted
+
+
+def target_features(context):
+    """The features of the CPU a Numba target context compiles for, as LLVM's "+name,-name,..." string
+    (the host's where the context does not say)."""
+    try:
+        return context.codegen()._tm_features
+    except AttributeError:
+        return ",".join(f"+{k}" for k, v in llvm_binding.get_host_cpu_features().items() if v)
 
 
 def array(dtype, ndim, layout="C", readonly=False):

@@ -13,13 +13,12 @@ inner dimension stops at ``kband + r0 + ROWS`` (the chunk's masked scores times 
 rest of the triangle). The product with A transposed has one (``small_gemm_tn_lower``): for a lower
 triangular A the inner dimension of a tile starts at its first row.
 """
-from llvmlite import binding as llvm_binding
 from llvmlite import ir
 from numba.core import cgutils, types
 from numba.extending import intrinsic
 from numba.np.numpy_support import as_dtype
 
-from .._jit import before_kernels
+from .._jit import before_kernels, target_features
 from . import symbols
 
 #: Rows of A (and of C) per register tile.
@@ -30,11 +29,7 @@ _FLAGS = ("contract", "reassoc", "nsz", "arcp")
 def _vector_bytes(context):
     """64 (512-bit vectors) where the target has AVX-512, else 32: LLVM splits wider vectors into
     halves, which would double the tile's registers past the 16 that AVX2 has."""
-    try:
-        features = context.codegen()._tm_features
-    except AttributeError:
-        features = ",".join(f"+{k}" for k, v in llvm_binding.get_host_cpu_features().items() if v)
-    return 64 if "+avx512f" in features else 32
+    return 64 if "+avx512f" in target_features(context) else 32
 
 
 def _typed(a, b, c):
