@@ -6,11 +6,13 @@ import subprocess
 import sys
 from concurrent.futures import ThreadPoolExecutor
 
+import numba
 import numpy as np
 import pytest
+from numba import carray, cfunc, types
 
 import linattn
-from linattn.cpu import runtime
+from linattn.cpu import blas_pool, runtime
 
 _PROBE = r"""
 import os, sys, threading, time
@@ -103,3 +105,64 @@ def test_threads_calling_blas_and_kernels_at_once():
             for (mm, a), e in zip(ex.map(work, range(6)), expected):
                 np.testing.assert_array_equal(mm, e)
                 np.testing.assert_array_equal(a, att)
+
+
+@cfunc(types.void(types.int32, types.CPointer(types.int64), types.int32))
+def _waiting_job(job, data, numjobs):
+    """A job as OpenBLAS's threaded GEMM's: it waits for every other job to run (here at most 5 s, then
+    it fails). data: [jobs arrived, jobs failed, ran job 0, ran job 1, ...]."""
+    state = carray(data, 2 + numjobs)
+    blas_pool._arrive(state, 0)
+    start = blas_pool._now_ns()
+    while blas_pool._arrived(state, 0) < numjobs:
+        if blas_pool._now_ns() - start > 5_000_000_000:
+            blas_pool._arrive(state, 1)
+            return
+    blas_pool._arrive(state, 2 + job)
+
+
+@pytest.mark.parametrize("numjobs, pool_threads, numba_threads", [
+    (2, 2, 2),  # Numba's pool has a thread for each job
+    (4, 1, 1),  # it has fewer: jobs 1..3 on threads of their own
+    (3, 3, 1),  # it says it has enough, but its team has one thread (as a nested region's): the wait
+])
+def test_jobs_that_wait_for_each_other_all_run_at_once(numjobs, pool_threads, numba_threads):
+    runtime.start_threads()
+    blas_pool._resolve_team_size(numba.threading_layer())  # as sharing a BLAS does
+    state = np.zeros(2 + numjobs, np.int64)
+    before = numba.get_num_threads()
+    numba.set_num_threads(min(numba_threads, numba.config.NUMBA_NUM_THREADS))
+    try:
+        blas_pool._run_all(_waiting_job.address, numjobs, 0, state.ctypes.data, numjobs, pool_threads)
+    finally:
+        numba.set_num_threads(before)
+    assert state[0] == numjobs and state[1] == 0
+    assert list(state[2:]) == [1] * numjobs
+
+
+_FEWER_THREADS = r"""
+import sys
+import numba, numpy as np
+from threadpoolctl import threadpool_limits
+import linattn
+linattn.causal_linear_attention(*(np.ones((1, 2, 64, 8), np.float32),) * 3)  # starts Numba's pool
+rng = np.random.default_rng(0)
+a, b = rng.standard_normal((600, 500)).astype(np.float32), rng.standard_normal((500, 700)).astype(np.float32)
+expected = a.astype(np.float64) @ b.astype(np.float64)
+numba.set_num_threads(1)  # fewer Numba threads than OpenBLAS's
+np.testing.assert_allclose(a @ b, expected, rtol=1e-4, atol=1e-3)
+numba.set_num_threads(numba.config.NUMBA_NUM_THREADS)
+with threadpool_limits(numba.config.NUMBA_NUM_THREADS + 2):  # more OpenBLAS threads than Numba's pool
+    np.testing.assert_allclose(a @ b, expected, rtol=1e-4, atol=1e-3)
+print("shared", any(linattn.cpu.runtime.blas_sharing().values()))
+"""
+
+
+def test_blas_with_fewer_numba_threads_than_its_own():
+    # OpenBLAS's jobs wait for each other: run one after another on too few of Numba's threads, a
+    # matmul never returned (numba.set_num_threads(1), then `a @ b`).
+    res = subprocess.run([sys.executable, "-c", _FEWER_THREADS], capture_output=True, text=True, timeout=120,
+                         check=False)
+    assert res.returncode == 0, res.stderr
+    if res.stdout.split()[-1] != "True":
+        pytest.skip("this NumPy's BLAS cannot share Numba's pool (not OpenBLAS 0.3.27 or later)")

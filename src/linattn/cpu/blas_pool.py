@@ -14,11 +14,25 @@ older OpenBLAS) is left as it is; ``LINATTN_SHARE_BLAS_THREADS=0`` leaves every 
 The callback holds a mutex while it runs (OpenBLAS's per-thread buffers are indexed by job, so two
 threaded calls at once would share them), and a forked child gets OpenBLAS's own threads back (GNU
 OpenMP does not survive fork()).
+
+OpenBLAS's jobs wait for each other (a threaded GEMM's jobs exchange packed panels): they must all
+run at once, or the call never returns. Numba's pool runs them only where it has a thread for each:
+the calling thread's number of Numba threads (``numba.set_num_threads``, ``NUMBA_NUM_THREADS``) may be
+smaller than OpenBLAS's (``OPENBLAS_NUM_THREADS``, threadpoolctl), and a parallel region entered from
+one of Numba's threads (a BLAS call inside a user's ``prange``) may get a single thread. So the
+jobs beyond the calling thread's number of threads start on threads of their own (``pthread_create``,
+joined before the callback returns). On Numba's pool, a job runs at once where the team running it
+has a thread per job (OpenMP's ``omp_get_num_threads``; the OpenMP loop gives each thread one
+iteration); otherwise (a smaller team, or the tbb layer, whose teams are not known) a job first waits
+until every job has been taken, and one that waits ``_ARRIVAL_TIMEOUT_NS`` starts the jobs not yet
+taken on threads of their own (each job is taken once: a compare-and-swap per job).
 """
 import ctypes
 import os
+import sys
 
 import numpy as np
+from llvmlite import binding as llvm
 from llvmlite import ir
 from numba import cfunc, prange, types
 from numba.core import cgutils
@@ -71,25 +85,249 @@ def _unlock(typingctx):
     return types.void(), codegen
 
 
+#: Nanoseconds a pool thread that took a job waits for the other jobs to be taken before it starts
+#: them on threads of its own (the pool's threads wake in microseconds; a job never taken would wait
+#: forever).
+_ARRIVAL_TIMEOUT_NS = 500_000
+
+#: clock_gettime's id of the monotonic clock.
+_CLOCK_MONOTONIC = 6 if sys.platform == "darwin" else 1
+
+_I8P = ir.IntType(8).as_pointer()
+_I32 = ir.IntType(32)
+_I64 = ir.IntType(64)
+_JOB = ir.FunctionType(ir.VoidType(), [_I32, _I8P, _I32])  # OpenBLAS's dojob(thread_num, jobdata, dojob_data)
+
+
 @intrinsic
 def _dojob(typingctx, fn, job, data, dojob_data):
     """Call OpenBLAS's ``void dojob(int thread_num, void *jobdata, int dojob_data)`` at address fn."""
     sig = types.void(types.intp, types.int32, types.intp, types.int32)
 
     def codegen(context, builder, sig, args):
-        i32, i8p = ir.IntType(32), ir.IntType(8).as_pointer()
-        fnty = ir.FunctionType(ir.VoidType(), [i32, i8p, i32])
-        builder.call(builder.inttoptr(args[0], fnty.as_pointer()), [args[1], builder.inttoptr(args[2], i8p), args[3]])
+        builder.call(builder.inttoptr(args[0], _JOB.as_pointer()), [args[1], builder.inttoptr(args[2], _I8P), args[3]])
         return context.get_dummy_value()
 
     return sig, codegen
 
 
+def _slot(context, builder, arrty, arr, index):
+    return cgutils.get_item_pointer(context, builder, arrty, context.make_array(arrty)(context, builder, arr), [index])
+
+
+def _int64_array(arr):
+    return isinstance(arr, types.Array) and arr.ndim == 1 and arr.dtype == types.int64
+
+
+@intrinsic
+def _take_job(typingctx, claims, index, how):
+    """Atomically claims[index] = how where it is 0; True when this call did it (the job is its caller's)."""
+    if not _int64_array(claims):
+        return None
+
+    def codegen(context, builder, sig, args):
+        ptr = _slot(context, builder, claims, args[0], args[1])
+        swapped = builder.cmpxchg(ptr, ir.Constant(_I64, 0), args[2], "acq_rel", "acquire")
+        return builder.extract_value(swapped, 1)
+
+    return types.boolean(claims, types.intp, types.int64), codegen
+
+
+@intrinsic
+def _arrive(typingctx, claims, index):
+    """Atomically claims[index] += 1."""
+    if not _int64_array(claims):
+        return None
+
+    def codegen(context, builder, sig, args):
+        builder.atomic_rmw("add", _slot(context, builder, claims, args[0], args[1]), ir.Constant(_I64, 1), "acq_rel")
+        return context.get_dummy_value()
+
+    return types.void(claims, types.intp), codegen
+
+
+@intrinsic
+def _arrived(typingctx, claims, index):
+    """claims[index], read atomically."""
+    if not _int64_array(claims):
+        return None
+
+    def codegen(context, builder, sig, args):
+        return builder.load_atomic(_slot(context, builder, claims, args[0], args[1]), "acquire", 8)
+
+    return types.int64(claims, types.intp), codegen
+
+
+@intrinsic
+def _now_ns(typingctx):
+    """The monotonic clock, in nanoseconds."""
+
+    def codegen(context, builder, sig, args):
+        spec = cgutils.alloca_once(builder, ir.ArrayType(_I64, 2))
+        _libc_call(builder, "clock_gettime", ir.Constant(_I32, _CLOCK_MONOTONIC), builder.bitcast(spec, _I8P))
+        sec = builder.load(builder.gep(spec, [ir.Constant(_I32, 0), ir.Constant(_I32, 0)]))
+        nsec = builder.load(builder.gep(spec, [ir.Constant(_I32, 0), ir.Constant(_I32, 1)]))
+        return builder.add(builder.mul(sec, ir.Constant(_I64, 1_000_000_000)), nsec)
+
+    return types.int64(), codegen
+
+
+def _thread_main(module):
+    """``void *linattn_blas_job(void *p)``: a thread of our own that runs one job, p pointing to int64
+    (dojob, job number, job data, dojob_data)."""
+    name = "linattn_blas_job"
+    try:
+        return module.get_global(name)
+    except KeyError:
+        pass
+    fn = ir.Function(module, ir.FunctionType(_I8P, [_I8P]), name)
+    fn.linkage = "internal"
+    builder = ir.IRBuilder(fn.append_basic_block())
+    p = builder.bitcast(fn.args[0], _I64.as_pointer())
+    dojob, job, data, dojob_data = (builder.load(builder.gep(p, [ir.Constant(_I64, i)])) for i in range(4))
+    builder.call(builder.inttoptr(dojob, _JOB.as_pointer()),
+                 [builder.trunc(job, _I32), builder.inttoptr(data, _I8P), builder.trunc(dojob_data, _I32)])
+    builder.ret(ir.Constant(_I8P, None))
+    return fn
+
+
+@intrinsic
+def _start_thread(typingctx, tids, params, job):
+    """Start a thread of our own for the job whose (dojob, job, data, dojob_data) are params[4 job:];
+    its id goes to tids[job]. True when it started."""
+    if not (_int64_array(tids) and _int64_array(params)):
+        return None
+
+    def codegen(context, builder, sig, args):
+        tid = builder.bitcast(_slot(context, builder, tids, args[0], args[2]), _I8P)
+        four = builder.mul(args[2], ir.Constant(args[2].type, 4))
+        p = builder.bitcast(_slot(context, builder, params, args[1], four), _I8P)
+        main = builder.bitcast(_thread_main(builder.module), _I8P)
+        rc = _libc_call(builder, "pthread_create", tid, ir.Constant(_I8P, None), main, p)
+        return builder.icmp_signed("==", rc, ir.Constant(_I32, 0))
+
+    return types.boolean(tids, params, types.intp), codegen
+
+
+@intrinsic
+def _join_thread(typingctx, tids, job):
+    """Wait for the thread of tids[job] to end."""
+    if not _int64_array(tids):
+        return None
+
+    def codegen(context, builder, sig, args):
+        tid = builder.load(_slot(context, builder, tids, args[0], args[1]))
+        _libc_call(builder, "pthread_join", tid, ir.Constant(_I8P, None))
+        return context.get_dummy_value()
+
+    return types.void(tids, types.intp), codegen
+
+
+_OWN = 2  # claims[job]: 0 not taken, 1 taken by a pool thread, _OWN run on a thread of our own
+
+
+@njit(helper=True)
+def _start_the_rest(claims, tids, params, numjobs):
+    """Start every job not taken yet on a thread of its own (pthread_create fails only while the
+    system is out of threads for a moment: it is tried again)."""
+    for job in range(numjobs):
+        if _take_job(claims, job, _OWN):
+            while not _start_thread(tids, params, job):
+                pass
+
+
+#: Symbol of the function that gives the size of the team running the calling thread (see
+#: _resolve_team_size).
+_TEAM_SIZE = "linattn_blas_pool_team_size"
+
+
+@intrinsic
+def _team_size(typingctx):
+    """Threads in the team running this code (0 where the threading layer does not say)."""
+
+    def codegen(context, builder, sig, args):
+        fn = cgutils.get_or_insert_function(builder.module, ir.FunctionType(_I32, []), _TEAM_SIZE)
+        return builder.sext(builder.call(fn, []), _I64)
+
+    return types.int64(), codegen
+
+
+def _unknown_team():
+    return np.int32(0)
+
+
+def _resolve_team_size(layer):
+    """Point _TEAM_SIZE at the OpenMP runtime's omp_get_num_threads under Numba's omp layer, else at a
+    function that returns 0 (before the callback is compiled or loaded from the cache)."""
+    address = None
+    if layer == "omp":
+        try:
+            from numba.np.ufunc import omppool
+
+            address = ctypes.cast(ctypes.CDLL(omppool.__file__).omp_get_num_threads, ctypes.c_void_p).value
+        except (ImportError, OSError, AttributeError):
+            address = None
+    if address is None:
+        address = _cfunc(types.int32(), _unknown_team).address
+    llvm.add_symbol(_TEAM_SIZE, address)
+
+
 @njit(parallel=True)
-def _run_jobs(dojob, numjobs, elsize, jobdata, dojob_data):
-    """Run OpenBLAS's jobs 0..numjobs-1 on Numba's threads (the calling thread's number of them)."""
-    for i in prange(numjobs):
-        _dojob(dojob, np.int32(i), jobdata + i * elsize, dojob_data)
+def _run_jobs(numjobs, params, claims, tids):
+    """Run OpenBLAS's jobs 0..numjobs-1 on Numba's threads; where the team is smaller than numjobs (or
+    not known), each once every job has been taken (see the module's docstring); claims[numjobs]
+    counts the jobs taken by pool threads."""
+    for job in prange(numjobs):
+        if _team_size() >= numjobs:
+            _dojob(params[4 * job], np.int32(job), params[4 * job + 2], np.int32(params[4 * job + 3]))
+        elif _take_job(claims, job, 1):
+            _arrive(claims, numjobs)
+            start, spins = 0, 0
+            while _arrived(claims, numjobs) < numjobs:
+                spins += 1
+                if spins % 64 == 1:  # the clock every 64 looks (the others arrive in microseconds)
+                    if start == 0:
+                        start = _now_ns()
+                    elif _now_ns() - start > _ARRIVAL_TIMEOUT_NS:
+                        _start_the_rest(claims, tids, params, numjobs)
+                        break
+            _dojob(params[4 * job], np.int32(job), params[4 * job + 2], np.int32(params[4 * job + 3]))
+
+
+@njit()
+def _run_all(dojob, numjobs, elsize, jobdata, dojob_data, pool_threads):
+    """Run OpenBLAS's jobs 0..numjobs-1 all at once: on Numba's pool where the calling thread has
+    ``pool_threads >= numjobs`` of its threads, else job 0 here and the others on threads of their own."""
+    params = np.empty(4 * numjobs, np.int64)
+    for job in range(numjobs):
+        params[4 * job] = dojob
+        params[4 * job + 1] = job
+        params[4 * job + 2] = jobdata + job * elsize
+        params[4 * job + 3] = dojob_data
+    claims = np.zeros(numjobs + 1, np.int64)
+    tids = np.zeros(numjobs, np.int64)
+    if numjobs <= pool_threads:
+        _run_jobs(numjobs, params, claims, tids)
+    else:  # the calling thread runs job 0, threads of our own the others
+        claims[0] = 1
+        _start_the_rest(claims, tids, params, numjobs)
+        _dojob(dojob, np.int32(0), jobdata, dojob_data)
+    for job in range(numjobs):
+        if claims[job] == _OWN:
+            _join_thread(tids, job)
+
+
+@intrinsic
+def _pool_threads(typingctx):
+    """Numba's number of threads for the calling thread, from its C function (declared as Numba's
+    parallel loops do): ``numba.get_num_threads()`` calls it through ctypes, which keeps the callback
+    from the disk cache."""
+
+    def codegen(context, builder, sig, args):
+        fn = cgutils.get_or_insert_function(builder.module, ir.FunctionType(_I64, []), "get_num_threads")
+        return builder.call(fn, [])
+
+    return types.int64(), codegen
 
 
 # void callback(int sync, dojob, int numjobs, size_t jobdata_elsize, void *jobdata, int dojob_data)
@@ -101,23 +339,29 @@ def _callback(sync, dojob, numjobs, elsize, jobdata, dojob_data):
     if numjobs == 1:
         _dojob(dojob, np.int32(0), jobdata, dojob_data)
     else:
-        _run_jobs(dojob, numjobs, elsize, jobdata, dojob_data)
+        _run_all(dojob, numjobs, elsize, jobdata, dojob_data, _pool_threads())
     _unlock()
 
 
 _compiled = None
 
 
-def _address():
+def _cfunc(signature, fn):
+    """fn compiled as a C function (loaded from Numba's cache where it has one)."""
+    try:
+        return cfunc(signature, cache=True, nogil=True)(fn)
+    except RuntimeError as exc:  # no writable cache directory: compile in this process
+        if "cannot cache" not in str(exc):
+            raise
+        return cfunc(signature, nogil=True)(fn)
+
+
+def _address(layer):
     """Address of the compiled callback (compiled on first use, then loaded from Numba's cache)."""
     global _compiled
     if _compiled is None:
-        try:
-            _compiled = cfunc(_SIGNATURE, cache=True, nogil=True)(_callback)
-        except RuntimeError as exc:  # no writable cache directory: compile in this process
-            if "cannot cache" not in str(exc):
-                raise
-            _compiled = cfunc(_SIGNATURE, nogil=True)(_callback)
+        _resolve_team_size(layer)
+        _compiled = _cfunc(_SIGNATURE, _callback)
     return _compiled.address
 
 
@@ -137,19 +381,20 @@ def _setter(path):
 
 def sharable(libraries):
     """{path: True when that OpenBLAS has the callback setter} for the given library paths (all False
-    when ``LINATTN_SHARE_BLAS_THREADS=0``)."""
+    when ``LINATTN_SHARE_BLAS_THREADS=0``, and on Windows)."""
     enabled = os.environ.get("LINATTN_SHARE_BLAS_THREADS", "1").strip().lower() not in ("0", "false", "no", "off")
+    enabled = enabled and os.name == "posix"  # the callback calls pthreads
     return {path: enabled and _setter(path) is not None for path in libraries}
 
 
-def share(libraries):
+def share(libraries, layer):
     """Run the threaded work of these OpenBLAS libraries (paths from ``sharable``) on Numba's pool,
-    which must be running; returns {path: True} for those that now share it."""
+    which must be running on threading layer ``layer``; returns {path: True} for those that now share it."""
     global _fork_hook
     for path in libraries:
         setter = _setter(path)
         if setter is not None and path not in _installed:
-            setter(_address())
+            setter(_address(layer))
             _installed[path] = setter
     if _installed and not _fork_hook:
         os.register_at_fork(after_in_child=_unshare)

@@ -198,7 +198,7 @@ def start_threads():
         _cap = _read_cap()
         layer = numba.threading_layer()
         if layer in ("omp", "tbb"):  # layers that take parallel work from several threads at once
-            _blas_sharing = blas_pool.share([path for path, ok in sharable.items() if ok])
+            _blas_sharing = blas_pool.share([path for path, ok in sharable.items() if ok], layer)
         from numba.np.ufunc import parallel
 
         fast = getattr(parallel, "_get_num_threads", None)  # Numba's own ctypes call, set by the launch
