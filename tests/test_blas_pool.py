@@ -1,5 +1,6 @@
 """NumPy's and SciPy's OpenBLAS run their threaded work on Numba's pool once linattn has started it
 (cpu/blas_pool.py): same results, OpenBLAS's own threads idle, safe across threads and fork()."""
+import ctypes
 import multiprocessing
 import os
 import subprocess
@@ -121,23 +122,49 @@ def _waiting_job(job, data, numjobs):
     blas_pool._arrive(state, 2 + job)
 
 
-@pytest.mark.parametrize("numjobs, pool_threads, numba_threads", [
-    (2, 2, 2),  # Numba's pool has a thread for each job
-    (4, 1, 1),  # it has fewer: jobs 1..3 on threads of their own
-    (3, 3, 1),  # it says it has enough, but its team has one thread (as a nested region's): the wait
-])
-def test_jobs_that_wait_for_each_other_all_run_at_once(numjobs, pool_threads, numba_threads):
+def _callback(numjobs, state):
+    """OpenBLAS's call of linattn's callback: void (int sync, dojob, int numjobs, size_t elsize, void
+    *jobdata, int dojob_data), here every job with the same data (elsize 0)."""
     runtime.start_threads()
-    blas_pool._resolve_team_size(numba.threading_layer())  # as sharing a BLAS does
+    fn = ctypes.CFUNCTYPE(None, ctypes.c_int, ctypes.c_void_p, ctypes.c_int, ctypes.c_size_t, ctypes.c_void_p,
+                          ctypes.c_int)(blas_pool._address(numba.threading_layer()))
+    fn(1, _waiting_job.address, numjobs, 0, state.ctypes.data, numjobs)
+
+
+@pytest.mark.parametrize("numjobs, numba_threads", [
+    (2, 2),  # Numba's pool has a thread for each job
+    (4, 1),  # it has fewer: jobs 1..3 on threads of their own
+])
+def test_jobs_that_wait_for_each_other_all_run_at_once(numjobs, numba_threads):
     state = np.zeros(2 + numjobs, np.int64)
     before = numba.get_num_threads()
     numba.set_num_threads(min(numba_threads, numba.config.NUMBA_NUM_THREADS))
     try:
-        blas_pool._run_all(_waiting_job.address, numjobs, 0, state.ctypes.data, numjobs, pool_threads)
+        _callback(numjobs, state)
     finally:
         numba.set_num_threads(before)
     assert state[0] == numjobs and state[1] == 0
     assert list(state[2:]) == [1] * numjobs
+
+
+def test_jobs_on_a_team_smaller_than_them_all_run_at_once():
+    # the pool's loop on a team of one thread (as a nested region's), asked to run three jobs: the
+    # first waits for the others to be taken, then starts them on threads of their own
+    runtime.start_threads()
+    blas_pool._resolve_team_size(numba.threading_layer())  # as sharing a BLAS does
+    numjobs = 3
+    state = np.zeros(2 + numjobs, np.int64)
+    params = np.array([[_waiting_job.address, job, state.ctypes.data, numjobs] for job in range(numjobs)], np.int64)
+    claims, tids = np.zeros(numjobs + 1, np.int64), np.zeros(numjobs, np.int64)
+    before = numba.get_num_threads()
+    numba.set_num_threads(1)
+    try:
+        blas_pool._run_jobs(numjobs, params.ravel(), claims, tids)
+    finally:
+        numba.set_num_threads(before)
+    assert state[0] == numjobs and state[1] == 0
+    assert list(state[2:]) == [1] * numjobs
+    assert list(claims[:numjobs]) == [1, 2, 2]  # job 0 on the pool, the others on threads of their own
 
 
 _FEWER_THREADS = r"""

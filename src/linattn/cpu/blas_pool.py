@@ -272,11 +272,20 @@ def _resolve_team_size(layer):
     llvm.add_symbol(_TEAM_SIZE, address)
 
 
+@njit(helper=True)
+def _join_own(claims, tids, numjobs):
+    """Wait for the jobs that run on threads of their own."""
+    for job in range(numjobs):
+        if claims[job] == _OWN:
+            _join_thread(tids, job)
+
+
 @njit(parallel=True)
 def _run_jobs(numjobs, params, claims, tids):
-    """Run OpenBLAS's jobs 0..numjobs-1 on Numba's threads; where the team is smaller than numjobs (or
-    not known), each once every job has been taken (see the module's docstring); claims[numjobs]
-    counts the jobs taken by pool threads."""
+    """Run the jobs 0..numjobs-1 of params (int64: dojob, job, job data, dojob_data for each) on
+    Numba's threads; where the team is smaller than numjobs (or not known), each once every job has
+    been taken (see the module's docstring). claims, tids: numjobs + 1 and numjobs zeros (int64);
+    claims[numjobs] counts the jobs taken by pool threads."""
     for job in prange(numjobs):
         if _team_size() >= numjobs:
             _dojob(params[4 * job], np.int32(job), params[4 * job + 2], np.int32(params[4 * job + 3]))
@@ -292,9 +301,10 @@ def _run_jobs(numjobs, params, claims, tids):
                         _start_the_rest(claims, tids, params, numjobs)
                         break
             _dojob(params[4 * job], np.int32(job), params[4 * job + 2], np.int32(params[4 * job + 3]))
+    _join_own(claims, tids, numjobs)
 
 
-@njit()
+@njit(helper=True)
 def _run_all(dojob, numjobs, elsize, jobdata, dojob_data, pool_threads):
     """Run OpenBLAS's jobs 0..numjobs-1 all at once: on Numba's pool where the calling thread has
     ``pool_threads >= numjobs`` of its threads, else job 0 here and the others on threads of their own."""
@@ -312,9 +322,7 @@ def _run_all(dojob, numjobs, elsize, jobdata, dojob_data, pool_threads):
         claims[0] = 1
         _start_the_rest(claims, tids, params, numjobs)
         _dojob(dojob, np.int32(0), jobdata, dojob_data)
-    for job in range(numjobs):
-        if claims[job] == _OWN:
-            _join_thread(tids, job)
+        _join_own(claims, tids, numjobs)
 
 
 @intrinsic
