@@ -122,6 +122,9 @@ def _waiting_job(job, data, numjobs):
     blas_pool._arrive(state, 2 + job)
 
 
+_POSIX_ONLY = pytest.mark.skipif(os.name != "posix", reason="the callback runs jobs on pthreads (not shared elsewhere)")
+
+
 def _callback(numjobs, state):
     """OpenBLAS's call of linattn's callback: void (int sync, dojob, int numjobs, size_t elsize, void
     *jobdata, int dojob_data), here every job with the same data (elsize 0)."""
@@ -131,6 +134,7 @@ def _callback(numjobs, state):
     fn(1, _waiting_job.address, numjobs, 0, state.ctypes.data, numjobs)
 
 
+@_POSIX_ONLY
 @pytest.mark.parametrize("numjobs, numba_threads", [
     (2, 2),  # Numba's pool has a thread for each job
     (4, 1),  # it has fewer: jobs 1..3 on threads of their own
@@ -147,6 +151,7 @@ def test_jobs_that_wait_for_each_other_all_run_at_once(numjobs, numba_threads):
     assert list(state[2:]) == [1] * numjobs
 
 
+@_POSIX_ONLY
 def test_jobs_on_a_team_smaller_than_them_all_run_at_once():
     # the pool's loop on a team of one thread (as a nested region's), asked to run three jobs: the
     # first waits for the others to be taken, then starts them on threads of their own
