@@ -106,6 +106,25 @@ def test_extreme_gates(rng, per_dim):
     assert_close(out, reference.loop(q, k, v, gate=gate), np.float32)
 
 
+@pytest.mark.parametrize("dtype", [np.float32, np.float64])
+def test_gates_per_dim_either_side_of_one_product(rng, dtype):
+    # a chunk's scores per key dimension are one product where every dimension's factor over the chunk
+    # is at least tiny ** (1/4), else blocks of running products: chunks of gates about that strong
+    # (-0.68 a position in float32 over 32 positions, -5.5 in float64), some above, some below
+    lead, n, d = (2,), 320, 8
+    q, k, v = make_qkv(rng, lead, n, d, 5, dtype)
+    per_position = -np.log(np.finfo(dtype).tiny) / 4 / 32
+    chunks = rng.choice([0.7, 1.3], lead + (n // 32, 1, 1))  # 1.3: past the limit (both paths run)
+    strength = per_position * chunks * rng.uniform(0.9, 1.0, lead + (n // 32, 1, d))
+    gate = (-2 * rng.random(lead + (n // 32, 32, d)) * strength).reshape(lead + (n, d)).astype(dtype)
+    out = linattn.causal_linear_attention(q, k, v, gate=gate)
+    assert np.isfinite(out).all()
+    assert_close(out, reference.masked(q, k, v, gate=gate), dtype)
+    out, vjp = linattn.causal_linear_attention_vjp(q, k, v, gate=gate)
+    dq, dk, dv = vjp(np.ones_like(out))[:3]
+    assert all(np.isfinite(x).all() for x in (dq, dk, dv))
+
+
 def test_a_million_positions_in_float32(rng):
     n = 10 ** 6
     q, k, v = make_qkv(rng, (), n, 4, 3, np.float32)

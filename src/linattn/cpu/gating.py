@@ -20,8 +20,10 @@ and -inf resets neither overflow nor give NaN.
 - Per position, G[t] is the sum of the chunk's log gates up to t since the last reset at or before
   t (R[t], -1 when none), in float64, and a factor is exp(G[t] - G[s]) (0 past a reset); the
   scores are one product, then decayed.
-- Per key dimension the scores cannot be one product (the factor does not split into a term of t
-  times a term of s without positive exponents), so the chunk is cut into blocks of SUB positions,
+- Per key dimension the factor of (s, t] is e_t / e_s (e: the running products from the chunk's
+  start), so the scores are one product of q_t e_t and k_s / e_s where no e is near underflow (every
+  dimension's product over the chunk at least tiny ** (1/4): 1/e_s then stays far from overflow). Where
+  one is (strong gates, a reset), the chunk is cut into blocks of SUB positions,
   as flash-linear-attention's chunk_gla does: a block i's scores with an earlier block j go
   through the blocks' boundaries (s <= b <= p < t, b the last position of block j, p of block i-1):
   (q_t times the factors of (p, t]) times (the factors of (b, p]) times (k_s times the factors of
@@ -293,18 +295,38 @@ def _gate_scores(gates, QA, KT, Kf, d_, c, G, R, F, X):
     tiny = dt(np.finfo(as_dtype(QA.dtype)).tiny)
 
     def impl(gates, QA, KT, Kf, d_, c, G, R, F, X):  # per dimension: a C function (cpu/symbols.py)
-        fac, qb, kh, kt = X
-        _call_vector_scores(QA, Kf, G, fac, qb, kh, kt, d_, c, tiny)
+        fac, qb, kh, kt, qs, ks, kst = X
+        _call_vector_scores(QA, Kf, G, F[0], fac, qb, kh, kt, qs, ks, kst, d_, c, tiny)
     return impl
 
 
 @njit(helper=True)
-def _vector_scores(QA, Kf, a, fac, qb, kh, kt, d_, c, tiny):
-    """gate_scores per key dimension: blocks of SUB positions (see the module docstring). a: the
-    per-position factors; fac (D',), qb, kh (SUB, D') and kt (D', SUB): scratch for a running
-    factor row and a block's scaled queries and keys."""
+def _vector_scores(QA, Kf, a, e, fac, qb, kh, kt, qs, ks, kst, d_, c, tiny):
+    """gate_scores per key dimension. a, e: the per-position factors and their running products from
+    the chunk's start (F's e); fac (D'), qb, kh (SUB, D'), kt (D', SUB), qs, ks (chunk, D') and kst
+    (D', chunk): scratch.
+
+    Where every dimension's product over the whole chunk is at least tiny ** (1/4) (no reset, no
+    factor near underflow), the factor of (s, t] is e_t / e_s and the scores are one product,
+    (q_t e_t) . (k_s / e_s), as without gates. Otherwise blocks of SUB positions (see the module
+    docstring), with running products that only shrink."""
     wide_vectors()
     one, zero = tiny / tiny, tiny - tiny  # in the compute dtype
+    floor = np.sqrt(np.sqrt(tiny))
+    last, whole_chunk = e[c - 1], True
+    for j in range(d_):  # (e_t only shrinks with t)
+        whole_chunk = whole_chunk and last[j] >= floor
+    if whole_chunk:
+        for t in range(c):
+            et, qt, qrow, krow, kt_ = e[t], QA[t, :d_], qs[t], ks[t], Kf[t]
+            for j in range(d_):
+                qrow[j] = qt[j] * et[j]
+            for j in range(d_):
+                krow[j] = kt_[j] / et[j]
+        transpose_rows(ks, kst, fac, c)  # (fac: a column sum nobody reads)
+        small_gemm(qs[:c], kst[:, :c], QA[:c, d_:d_ + c], False, -1, 0)  # to the diagonal's tile
+        zero_above_diagonal(QA, d_, c)
+        return
     zero_above_diagonal(QA, d_, c)  # (the blocks below write every score at or below it)
     for i0 in range(0, c, SUB):
         i1 = min(i0 + SUB, c)
@@ -348,16 +370,18 @@ def _vector_scores(QA, Kf, a, fac, qb, kh, kt, d_, c, tiny):
             small_gemm(qb[:i1 - i0], kt, QA[i0:i1, d_ + j0:d_ + j0 + SUB], False, -1, -1)
 
 
-def _vector_scores_c(qa, qa_stride, kf, af, fac, qb, kh, kt, d_, c, tiny):
+def _vector_scores_c(qa, qa_stride, kf, af, ef, fac, qb, kh, kt, qs, ks, kst, d_, c, tiny):
     """_vector_scores on raw pointers: QA's rows ``qa_stride`` elements apart, the others
-    C-contiguous with rows of D' (Kf, a: (c, D'); qb, kh: (SUB, D'); kt: (D', SUB))."""
-    _vector_scores(carray(qa, (c, qa_stride)), carray(kf, (c, d_)), carray(af, (c, d_)), carray(fac, (d_,)),
-                   carray(qb, (SUB, d_)), carray(kh, (SUB, d_)), carray(kt, (d_, SUB)), d_, c, tiny)
+    C-contiguous with rows of D' (Kf, a, e, qs, ks: (c, D'); qb, kh: (SUB, D'); kt: (D', SUB); kst:
+    (D', c))."""
+    _vector_scores(carray(qa, (c, qa_stride)), carray(kf, (c, d_)), carray(af, (c, d_)), carray(ef, (c, d_)),
+                   carray(fac, (d_,)), carray(qb, (SUB, d_)), carray(kh, (SUB, d_)), carray(kt, (d_, SUB)),
+                   carray(qs, (c, d_)), carray(ks, (c, d_)), carray(kst, (d_, c)), d_, c, tiny)
 
 
 def _vector_scores_signature(dt):
     ptr, i = types.CPointer(dt), types.intp
-    return types.void(ptr, i, ptr, ptr, ptr, ptr, ptr, ptr, i, i, dt)
+    return types.void(ptr, i, *([ptr] * 10), i, i, dt)
 
 
 _VECTOR_SCORES = {dt: symbols.define(f"vector_gate_scores_{dt}", _vector_scores_c, _vector_scores_signature(dt))
@@ -365,21 +389,21 @@ _VECTOR_SCORES = {dt: symbols.define(f"vector_gate_scores_{dt}", _vector_scores_
 
 
 @intrinsic
-def _call_vector_scores(typingctx, QA, Kf, a, fac, qb, kh, kt, d_, c, tiny):
+def _call_vector_scores(typingctx, QA, Kf, a, e, fac, qb, kh, kt, qs, ks, kst, d_, c, tiny):
     """Call the registered _vector_scores_c for QA's dtype (the arrays as it says; unchecked)."""
-    sig = types.void(QA, Kf, a, fac, qb, kh, kt, d_, c, tiny)
+    sig = types.void(QA, Kf, a, e, fac, qb, kh, kt, qs, ks, kst, d_, c, tiny)
 
     def codegen(context, builder, sig, args):
         size = context.get_abi_sizeof(context.get_data_type(sig.args[0].dtype))
         i64 = context.get_value_type(types.intp)
-        arrays = [context.make_array(t)(context, builder, v) for t, v in zip(sig.args[:7], args[:7])]
+        arrays = [context.make_array(t)(context, builder, v) for t, v in zip(sig.args[:11], args[:11])]
         values = []
         for k, arr in enumerate(arrays):
             values.append(arr.data)
             if k == 0:  # QA's row stride in elements
                 values.append(builder.sdiv(builder.extract_value(arr.strides, 0), ir.Constant(i64, size)))
-        values += [context.cast(builder, args[7], sig.args[7], types.intp),
-                   context.cast(builder, args[8], sig.args[8], types.intp), args[9]]
+        values += [context.cast(builder, args[11], sig.args[11], types.intp),
+                   context.cast(builder, args[12], sig.args[12], types.intp), args[13]]
         symbols.emit_call(builder, _VECTOR_SCORES[sig.args[0].dtype], values)
         return context.get_dummy_value()
 
@@ -562,7 +586,8 @@ def _gate_buffers(gates, chunk, dtype):
         d = gates.shape[3]
         return (empty((chunk, d), dtype), empty((1, d), np.float64),
                 (empty((chunk, d), dtype), empty((chunk, d), dtype), empty(d, dtype), empty(d, dtype)),
-                (empty(d, dtype), empty((SUB, d), dtype), empty((SUB, d), dtype), empty((d, SUB), dtype)))
+                (empty(d, dtype), empty((SUB, d), dtype), empty((SUB, d), dtype), empty((d, SUB), dtype),
+                 empty((chunk, d), dtype), empty((chunk, d), dtype), empty((d, chunk), dtype)))
     return impl
 
 
