@@ -37,7 +37,7 @@ from .chunked import (_copy_row, _current, _init_state, _segment, _state_buffers
                       segment_parts)
 from .elementwise import ELU, RELU, load_rows
 from .gating import (SUB, VECTOR, _kind, _stub, chunk_gates, gate_buffers, gate_key_rows, gate_log_sum, gate_pending,
-                     gate_queries, gate_scores, gate_state_factors, masked_product, prepare_kernel)
+                     gate_queries, gate_scores, gate_state_factors, masked_product, one_product, prepare_kernel)
 from .schedule import take
 from .smallgemm import small_gemm, small_gemm_tn, small_gemm_tn_lower
 from .threaded import ThreadedKernel
@@ -141,32 +141,32 @@ def _adjoint_scores(gates, QA, KT, KF, e, c, G, Rg, F, X):
 
 
 @overload(intra_queries, jit_options=OVERLOAD_OPTIONS)
-def _intra_queries(gates, M, KF, R, c, G, beta, W):
+def _intra_queries(gates, M, KF, R, c, G, F, beta, W):
     """R[t] = beta R[t] + sum_{s <= t} M[t, s] (the factors of (s, t]) kf_s (M decayed already
     unless per key dimension). W: scratch (see _vector_intra_queries)."""
     if _kind(gates) == VECTOR:
         tiny = as_dtype(R.dtype).type(np.finfo(as_dtype(R.dtype)).tiny)
 
-        def impl(gates, M, KF, R, c, G, beta, W):
+        def impl(gates, M, KF, R, c, G, F, beta, W):
             if not beta:
                 _zero_rows(R, 0, c)
-            _vector_intra_queries(M, KF, G, R, c, W[0], W[1], W[2], tiny)
+            _vector_intra_queries(M, KF, G, F[0], R, c, W[0], W[1], W[2], tiny)
         return impl
-    return lambda gates, M, KF, R, c, G, beta, W: small_gemm(M, KF[:c], R[:c], beta, 0, -1)
+    return lambda gates, M, KF, R, c, G, F, beta, W: small_gemm(M, KF[:c], R[:c], beta, 0, -1)
 
 
 @overload(intra_keys, jit_options=OVERLOAD_OPTIONS)
-def _intra_keys(gates, M, QS, d, R, c, G, beta, W):
+def _intra_keys(gates, M, QS, d, R, c, G, F, beta, W):
     """R[s] = beta R[s] + sum_{t >= s} M[t, s] (the factors of (s, t]) qs_t (QS[t, :d])."""
     if _kind(gates) == VECTOR:
         tiny = as_dtype(R.dtype).type(np.finfo(as_dtype(R.dtype)).tiny)
 
-        def impl(gates, M, QS, d, R, c, G, beta, W):
+        def impl(gates, M, QS, d, R, c, G, F, beta, W):
             if not beta:
                 _zero_rows(R, 0, c)
-            _vector_intra_keys(M, QS, d, G, R, c, W[0], W[1], W[2], tiny)
+            _vector_intra_keys(M, QS, d, G, F[0], R, c, W[0], W[1], W[2], tiny)
         return impl
-    return lambda gates, M, QS, d, R, c, G, beta, W: small_gemm_tn_lower(M, QS[:c, :d], R[:c], beta)
+    return lambda gates, M, QS, d, R, c, G, F, beta, W: small_gemm_tn_lower(M, QS[:c, :d], R[:c], beta)
 
 
 @njit(helper=True)
@@ -179,14 +179,27 @@ def _flushed(fac, a, tiny, zero):
 
 
 @njit(helper=True)
-def _vector_intra_queries(M, KF, a, R, c, Ksc, TB, fac, tiny):
-    """R[t] += sum_{s <= t} M[t, s] (prod_{u in (s, t]} a_u) * kf_s, per key dimension: within a block of
-    SUB positions term by term with running products; from earlier blocks through the block's start p
-    (the last position before it): (the factors of (p, t]) * [M[t, :p + 1] @ (kf_s times the factors of
-    (s, p])], one product per block. a: the per-position factors (c, D'); Ksc (c, D'), TB (SUB, D'),
-    fac (D'): scratch. Every factor is a product of factors <= 1."""
+def _vector_intra_queries(M, KF, a, e, R, c, Ksc, TB, fac, tiny):
+    """R[t] += sum_{s <= t} M[t, s] (prod_{u in (s, t]} a_u) * kf_s, per key dimension. Where the chunk
+    allows it (gating.one_product), e_t * [M @ (kf_s / e_s)] (e: the running products from the chunk's
+    start), one product. Otherwise within a block of SUB positions term by term with running products;
+    from earlier blocks through the block's start p (the last position before it): (the factors of
+    (p, t]) * [M[t, :p + 1] @ (kf_s times the factors of (s, p])], one product per block. a: the
+    per-position factors (c, D'); Ksc, TB (c, D'), fac (D'): scratch. Every factor is a product of
+    factors <= 1."""
     d = KF.shape[1]
     one, zero = tiny / tiny, tiny - tiny  # in the compute dtype
+    if one_product(e, c, tiny):
+        for s in range(c):
+            ks, ksc, es = KF[s], Ksc[s], e[s]
+            for j in range(d):
+                ksc[j] = ks[j] / es[j]
+        small_gemm(M, Ksc[:c], TB[:c], False, 0, -1)  # (M is lower triangular)
+        for t in range(c):
+            rt, tb, et = R[t], TB[t], e[t]
+            for j in range(d):
+                rt[j] += et[j] * tb[j]
+        return
     for i0 in range(0, c, SUB):
         i1 = min(i0 + SUB, c)
         for t in range(i0, i1):  # within the block
@@ -215,11 +228,23 @@ def _vector_intra_queries(M, KF, a, R, c, Ksc, TB, fac, tiny):
 
 
 @njit(helper=True)
-def _vector_intra_keys(M, QS, d, a, R, c, Qsc, TB, fac, tiny):
-    """R[s] += sum_{t >= s} M[t, s] (prod_{u in (s, t]} a_u) * qs_t, per key dimension: within a block
-    term by term; from later blocks through the block's end b: (the factors of (s, b]) * [M[b + 1:, s]^T
-    @ (qs_t times the factors of (b, t])], one product per block. Scratch as _vector_intra_queries."""
+def _vector_intra_keys(M, QS, d, a, e, R, c, Qsc, TB, fac, tiny):
+    """R[s] += sum_{t >= s} M[t, s] (prod_{u in (s, t]} a_u) * qs_t, per key dimension. Where the chunk
+    allows it, [M^T @ (qs_t e_t)] / e_s, one product; otherwise within a block term by term; from later
+    blocks through the block's end b: (the factors of (s, b]) * [M[b + 1:, s]^T @ (qs_t times the
+    factors of (b, t])], one product per block. Scratch as _vector_intra_queries."""
     one, zero = tiny / tiny, tiny - tiny  # in the compute dtype
+    if one_product(e, c, tiny):
+        for t in range(c):
+            qt, qsc, et = QS[t], Qsc[t], e[t]
+            for j in range(d):
+                qsc[j] = qt[j] * et[j]
+        small_gemm_tn_lower(M, Qsc[:c, :d], TB[:c, :d], False)
+        for s in range(c):
+            rs, tb, es = R[s], TB[s], e[s]
+            for j in range(d):
+                rs[j] += tb[j] / es[j]
+        return
     for j0 in range(0, c, SUB):
         j1 = min(j0 + SUB, c)
         for s in range(j0, j1):  # within the block
@@ -284,12 +309,12 @@ def _chunk(q, k, v, g, out, den, fm, normalize, s, one, i0, c, St, has_st, C, Cz
             small_gemm(V1[:c], CT, R[:c], False, -1, -1)
             if decayed:
                 gate_key_rows(gates, R, c, F, sums)
-        intra_keys(gates, M, QA2, d, R, c, G, has_c, W)
+        intra_keys(gates, M, QA2, d, R, c, G, F, has_c, W)
         _times_derivative(R, KF, c, fm, one, dk, i0, rk, has_r)
         if has_st:  # dqf = ef (ab S^T) + M kf (decayed)
             small_gemm(QA[:c, :e], St, R[:c], False, -1, -1)
             gate_queries(gates, R, d, c, F)
-        intra_queries(gates, M, KF, R, c, G, has_st, W)
+        intra_queries(gates, M, KF, R, c, G, F, has_st, W)
         _times_derivative(R, QA2, c, fm, s, dq, i0, rq, has_r)
     if decayed:
         for t in range(c):
@@ -336,7 +361,7 @@ def _causal_backward(q, k, v, g, out, den, fm, normalize, s, lengths, chunk, fra
     QA, QA2, KT, KT2, V1, KF, KW, QE, R, C, CT = unowned(owners)
     sums = zeros(max(d, e), dt)
     gbuf = gate_buffers(gates, chunk, dt)
-    wbuf = (empty((chunk, d), dt), empty((SUB, d), dt), empty(d, dt))  # per key dimension: scratch
+    wbuf = (empty((chunk, d), dt), empty((chunk, d), dt), empty(d, dt))  # per key dimension: scratch
     G, Rg, F, X = unowned(gbuf)
     W = unowned(wbuf)
     nseg = frac.shape[0] - 1

@@ -301,6 +301,18 @@ def _gate_scores(gates, QA, KT, Kf, d_, c, G, R, F, X):
 
 
 @njit(helper=True)
+def one_product(e, c, tiny):
+    """Whether a chunk's decayed products per key dimension can take the factor of (s, t] as e_t / e_s
+    (e: the running products from the chunk's start, F's e): every dimension's product over the chunk
+    is at least tiny ** (1/4) (e_t only shrinks with t), so 1 / e_s stays far from overflow."""
+    floor = np.sqrt(np.sqrt(tiny))
+    last, ok = e[c - 1], True
+    for j in range(last.shape[0]):
+        ok = ok and last[j] >= floor
+    return ok
+
+
+@njit(helper=True)
 def _vector_scores(QA, Kf, a, e, fac, qb, kh, kt, qs, ks, kst, d_, c, tiny):
     """gate_scores per key dimension. a, e: the per-position factors and their running products from
     the chunk's start (F's e); fac (D'), qb, kh (SUB, D'), kt (D', SUB), qs, ks (chunk, D') and kst
@@ -312,11 +324,7 @@ def _vector_scores(QA, Kf, a, e, fac, qb, kh, kt, qs, ks, kst, d_, c, tiny):
     docstring), with running products that only shrink."""
     wide_vectors()
     one, zero = tiny / tiny, tiny - tiny  # in the compute dtype
-    floor = np.sqrt(np.sqrt(tiny))
-    last, whole_chunk = e[c - 1], True
-    for j in range(d_):  # (e_t only shrinks with t)
-        whole_chunk = whole_chunk and last[j] >= floor
-    if whole_chunk:
+    if one_product(e, c, tiny):
         for t in range(c):
             et, qt, qrow, krow, kt_ = e[t], QA[t, :d_], qs[t], ks[t], Kf[t]
             for j in range(d_):
