@@ -280,6 +280,22 @@ def _join_own(claims, tids, numjobs):
             _join_thread(tids, job)
 
 
+@njit(helper=True)
+def _await_the_others(claims, tids, params, numjobs):
+    """Count this thread's job as taken and wait until every job is, at most _ARRIVAL_TIMEOUT_NS; then
+    start the jobs not taken yet on threads of their own."""
+    _arrive(claims, numjobs)
+    start, spins = 0, 0
+    while _arrived(claims, numjobs) < numjobs:
+        spins += 1
+        if spins % 64 == 1:  # the clock every 64 looks (the others arrive in microseconds)
+            if start == 0:
+                start = _now_ns()
+            elif _now_ns() - start > _ARRIVAL_TIMEOUT_NS:
+                _start_the_rest(claims, tids, params, numjobs)
+                return
+
+
 @njit(parallel=True)
 def _run_jobs(numjobs, params, claims, tids):
     """Run the jobs 0..numjobs-1 of params (int64: dojob, job, job data, dojob_data for each) on
@@ -287,19 +303,11 @@ def _run_jobs(numjobs, params, claims, tids):
     been taken (see the module's docstring). claims, tids: numjobs + 1 and numjobs zeros (int64);
     claims[numjobs] counts the jobs taken by pool threads."""
     for job in prange(numjobs):
-        if _team_size() >= numjobs:
-            _dojob(params[4 * job], np.int32(job), params[4 * job + 2], np.int32(params[4 * job + 3]))
-        elif _take_job(claims, job, 1):
-            _arrive(claims, numjobs)
-            start, spins = 0, 0
-            while _arrived(claims, numjobs) < numjobs:
-                spins += 1
-                if spins % 64 == 1:  # the clock every 64 looks (the others arrive in microseconds)
-                    if start == 0:
-                        start = _now_ns()
-                    elif _now_ns() - start > _ARRIVAL_TIMEOUT_NS:
-                        _start_the_rest(claims, tids, params, numjobs)
-                        break
+        mine = _team_size() >= numjobs  # a thread per job: run at once
+        if not mine and _take_job(claims, job, 1):
+            _await_the_others(claims, tids, params, numjobs)
+            mine = True
+        if mine:
             _dojob(params[4 * job], np.int32(job), params[4 * job + 2], np.int32(params[4 * job + 3]))
     _join_own(claims, tids, numjobs)
 

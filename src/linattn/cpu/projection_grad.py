@@ -57,8 +57,8 @@ def _projection_vjp(x, g, y, wt, code, s, dx, dw, db, slots, counter):
     """dx (R, D) and, added into dw[slot] (D, m) and db[slot] (m) (float64), x^T dz and the sums of dz, for the
     rows of x (R, D), g = dphi and y = phi (R, D'), wt = W^T (m, D); ROWS rows per work item taken from
     ``counter``, the slot from ``slots`` (one per thread's worker)."""
-    x, g, y, dx, wt, dw, db = unowned((x, g, y, dx, wt, dw, db))  # (views not reference-counted: both threads
-    # would count on one)
+    # views not reference-counted: both threads would count on one
+    x, g, y, dx, wt, dw, db = unowned((x, g, y, dx, wt, dw, db))
     rows, d, m = x.shape[0], x.shape[1], wt.shape[0]
     slot = take(slots)
     dwp, dbp = dw[slot], db[slot]
