@@ -289,19 +289,22 @@ def _projection(fp, X, Z):
 
 @njit(helper=True)
 def _performer_block(code, fp, X, Y, work):
-    """(X not yet scaled, as for the other projections: (s x) W = s (x W), |s x|**2 = s**2 |x|**2.)"""
-    d, m = X.shape[1], Y.shape[1]
+    """(X not yet scaled, as for the other projections: (s x) W = s (x W), |s x|**2 = s**2 |x|**2.)
+    The block's |x|**2 first, then its exponentials (as in _hedgehog_block: 0.92 -> 0.82 ms)."""
+    c, d, m = X.shape[0], X.shape[1], Y.shape[1]
     _projection(fp, X, Y)
     inv, s = like(1.0 / math.sqrt(m), Y), fp[0]
-    for t in range(X.shape[0]):
+    half = work[:c]
+    for t in range(c):
         x = as_contiguous(X[t])
-        half = 0.0
+        total = 0.0
         for a in range(d):
-            half += x[a] * x[a]
-        half = like(0.5 * s * s * half, Y)
-        y = as_contiguous(Y[t])
+            total += x[a] * x[a]
+        half[t] = like(0.5 * s * s * total, Y)
+    for t in range(c):
+        y, h = as_contiguous(Y[t]), half[t]
         for j in range(m):
-            y[j] = exp_any(s * y[j] - half) * inv
+            y[j] = exp_any(s * y[j] - h) * inv
 
 
 @njit(helper=True)
@@ -318,32 +321,38 @@ def _t2r_block(code, fp, X, Y, work):
 
 @njit(helper=True)
 def _hedgehog_block(code, fp, X, Y, work):
-    """softmax over [2z, -2z], z = x W + b: shifted by 2 max |z|, exponentials of numbers <= 0, row by
-    row into Y (a row's maximum over the bits of |z|: an integer maximum, which vectorises, where a
-    float one was a scalar loop; transposing blocks of rows for elementwise maxima and sums cost more:
-    ~21% of the map)."""
+    """softmax over [2z, -2z], z = x W + b: shifted by 2 max |z|, exponentials of numbers <= 0 (a row's
+    maximum over the bits of |z|: an integer maximum, which vectorises, where a float one was a scalar
+    loop; transposing blocks of rows for elementwise maxima and sums cost more: ~21% of the map). In
+    three passes over the block's rows (shifts, exponentials and their sums, scaling), not three per
+    row in turn: no pass waits on the one before for the same row (the map 0.88 -> 0.67 ms on 16384
+    rows, D 64, m 32)."""
     wide_vectors()
     c, d, m = X.shape[0], X.shape[1], Y.shape[1] // 2
     Z = work[:c * m].reshape(c, m)
     _projection(fp, X, Z)  # (X not yet scaled: (s x) W = s (x W))
     b, s = fp[HEAD + d * m:HEAD + d * m + m], fp[0]
     two, zero = like(2.0, Y), like(0.0, Y)
+    shift = work[c * m:c * m + c]
     for t in range(c):
-        z, y = as_contiguous(Z[t]), as_contiguous(Y[t])
+        z = as_contiguous(Z[t])
         top = abs_bits(zero)
         for j in range(m):
             v = s * z[j] + b[j]
             z[j] = v
             a = abs_bits(v)
             top = a if a > top else top  # (NaN in z: the maximum, and NaN in every feature of its row)
-        shift = two * float_of_bits(top, zero)
-        for j in range(m):
-            y[j] = exp_le0(two * z[j] - shift)
-            y[m + j] = exp_le0(-two * z[j] - shift)
+        shift[t] = two * float_of_bits(top, zero)
+    for t in range(c):
+        z, y, h = as_contiguous(Z[t]), as_contiguous(Y[t]), shift[t]
         total = zero  # (in Y's dtype: the 2m terms are summed in vector lanes, no conversions)
-        for j in range(2 * m):
-            total += y[j]
-        inv = like(1.0, Y) / total
+        for j in range(m):
+            e, f = exp_le0(two * z[j] - h), exp_le0(-two * z[j] - h)
+            y[j], y[m + j] = e, f
+            total += e + f
+        shift[t] = like(1.0, Y) / total
+    for t in range(c):
+        y, inv = as_contiguous(Y[t]), shift[t]
         for j in range(2 * m):
             y[j] *= inv
 
