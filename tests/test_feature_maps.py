@@ -112,6 +112,26 @@ def _kernel_formula(name, d, seed=7):
 
 @pytest.mark.parametrize("dtype", [np.float32, np.float64])
 @pytest.mark.parametrize("name", NAMES)
+def test_map_of_many_rows_on_threads(rng, name, dtype):
+    """A map applied to many rows at once (on several threads, items of rows taken in turn) equals the
+    same map applied to slices of a few rows (each on the calling thread), row for row."""
+    from linattn.cpu import mapfns, runtime
+    d = 16
+    mp = _maps(d)[name][0]
+    x = rng.standard_normal((3, 4001, d)).astype(dtype)[:, ::-1]  # (a view: rows not in memory order)
+    rows, dk = 3 * 4001, mp.out_dim(d)
+    if runtime.num_threads() > 1:  # large enough to be shared out
+        work = rows * (d + dk) * (1 if mp.kernel_code() < mapfns.TAYLOR else 2)
+        assert runtime.threads_for(work, mapfns.APPLY_WORK_PER_THREAD) > 1
+    phi = mp(x)
+    assert phi.shape == (3, 4001, dk) and phi.dtype == dtype
+    by_slices = np.concatenate([mp(x[:, i:i + 97]) for i in range(0, 4001, 97)], axis=1)
+    size = np.abs(by_slices).max(-1, keepdims=True) + np.finfo(dtype).tiny
+    assert (np.abs(phi - by_slices) / size).max() <= 4 * np.finfo(dtype).eps
+
+
+@pytest.mark.parametrize("dtype", [np.float32, np.float64])
+@pytest.mark.parametrize("name", NAMES)
 def test_map_against_formula(rng, name, dtype):
     d = 5
     mp, formula = _maps(d)[name]
