@@ -31,7 +31,7 @@ import numbers
 import numpy as np
 
 from . import workspace
-from .cpu import map_grad, mapfns, pair_grad, projection_grad
+from .cpu import map_grad, mapfns, norm_grad, pair_grad, projection_grad
 from .cpu.elementwise import ELU, IDENTITY, RELU
 
 
@@ -346,35 +346,22 @@ class ReBased(FeatureMap):
 
     param_names = ("gamma", "beta")
 
-    def _backward(self, x, dphi):
-        """(r, n, du): the norm's inverse deviation and output, and the gradient of y = gamma n + beta."""
+    def _vjps(self, x, dphi, y=None):
+        """(dx, {"gamma": ..., "beta": ...}): the norm again, the pair map's vjp (du, the gradient of
+        u = gamma n + beta), then the norm's (cpu/norm_grad.py: compiled passes over the rows)."""
         xs, dphi, _ = self._prepared(x, dphi, need_y=False)
         dt, d = dphi.dtype, xs.shape[-1]
-        centred = xs - xs.mean(-1, keepdims=True)
-        r = 1 / np.sqrt((centred * centred).mean(-1, keepdims=True) + dt.type(self.eps))
-        n = centred * r
-        u = self.gamma.astype(dt) * n + self.beta.astype(dt)
-        return r, n, pair_grad.pairs_vjp(u, dphi, self._family_params(d)[1 + 2 * d:])
-
-    def _dx(self, r, n, du):
-        dn = du * self.gamma.astype(du.dtype)
-        dxs = r * (dn - dn.mean(-1, keepdims=True) - n * (dn * n).mean(-1, keepdims=True))
-        return dxs * du.dtype.type(self.input_scale)
-
-    @staticmethod
-    def _dparams(r, n, du):
-        d = du.shape[-1]
-        return {"gamma": (du * n).reshape(-1, d).sum(0), "beta": du.reshape(-1, d).sum(0)}
+        gamma = self.gamma.astype(dt)
+        u, n, r = norm_grad.norm(xs, gamma, self.beta.astype(dt), self.eps)
+        du = pair_grad.pairs_vjp(u, dphi, self._family_params(d)[1 + 2 * d:])
+        dx, dgamma, dbeta = norm_grad.norm_vjp(n, r, du, gamma, self.input_scale)
+        return dx, {"gamma": dgamma, "beta": dbeta}
 
     def vjp(self, x, dphi, y=None):
-        return self._dx(*self._backward(x, dphi))
+        return self._vjps(x, dphi)[0]
 
     def param_vjp(self, x, dphi, y=None):
-        return self._dparams(*self._backward(x, dphi))
-
-    def _vjps(self, x, dphi, y=None):
-        parts = self._backward(x, dphi)
-        return self._dx(*parts), self._dparams(*parts)
+        return self._vjps(x, dphi)[1]
 
     def _settings(self):
         return {"eps": self.eps}
