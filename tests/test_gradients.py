@@ -533,6 +533,36 @@ def test_feature_map_vjps(rng):
             np.testing.assert_array_equal(grad, want16)
 
 
+@pytest.mark.parametrize("dtype", [np.float32, np.float64])
+def test_rebased_vjp_of_many_rows_on_threads(rng, dtype):
+    """ReBased's gradients (x, gamma, beta) on enough rows for its norm's passes to share them out
+    between threads, each summing gamma's and beta's gradients into a slot of its own, against the
+    norm's backward written out in float64 NumPy around the pair map's vjp."""
+    from linattn.cpu import norm_grad, pair_grad
+    d, s = 16, 0.7
+    gamma, beta = rng.random(d) + 0.5, rng.standard_normal(d)
+    fmap = linattn.feature_maps.ReBased(gamma, beta, eps=1e-3).scaled(s)
+    x = rng.standard_normal((4, 3001, d))
+    dphi = rng.standard_normal((4, 3001, fmap.out_dim(d)))
+    if runtime.num_threads() > 1:
+        assert runtime.threads_for(4 * 3001 * d, norm_grad.WORK_PER_THREAD) > 1
+    xs = s * x
+    centred = xs - xs.mean(-1, keepdims=True)
+    r = 1 / np.sqrt((centred ** 2).mean(-1, keepdims=True) + 1e-3)
+    n = centred * r
+    du = pair_grad.pairs_vjp(gamma * n + beta, dphi, fmap._family_params(d)[1 + 2 * d:])
+    dn = du * gamma
+    want_dx = s * r * (dn - dn.mean(-1, keepdims=True) - n * (dn * n).mean(-1, keepdims=True))
+    want = {"gamma": (du * n).reshape(-1, d).sum(0), "beta": du.reshape(-1, d).sum(0)}
+    dx, grads = fmap._vjps(x.astype(dtype), dphi.astype(dtype))
+    assert dx.dtype == dtype and grads["gamma"].dtype == dtype and grads["beta"].dtype == dtype
+    tol = 2e-5 if dtype == np.float32 else 1e-12
+    assert rel_err(dx, want_dx) < tol
+    for name in ("gamma", "beta"):
+        assert rel_err(grads[name], want[name]) < tol, name
+    np.testing.assert_array_equal(fmap.vjp(x.astype(dtype), dphi.astype(dtype)), dx)
+
+
 def _pairs_vjp_numpy(u, g, table):
     """du for features u[I] u[J] C, written out in float64 NumPy: gathers and one-hot products."""
     i, j, c = table.reshape(3, -1)
