@@ -336,7 +336,7 @@ def _hedgehog_block(code, fp, X, Y, work):
     _projection(fp, X, Z)  # (X not yet scaled: (s x) W = s (x W))
     b, s = fp[HEAD + d * m:HEAD + d * m + m], fp[0]
     two, zero = like(2.0, Y), like(0.0, Y)
-    shift = work[c * m:c * m + c]
+    per_row = work[c * m:c * m + c]  # each row's shift, then its 1 / sum
     for t in range(c):
         z = as_contiguous(Z[t])
         top = abs_bits(zero)
@@ -345,9 +345,9 @@ def _hedgehog_block(code, fp, X, Y, work):
             z[j] = v
             a = abs_bits(v)
             top = a if a > top else top  # (NaN in z: the maximum, and NaN in every feature of its row)
-        shift[t] = two * float_of_bits(top, zero)
+        per_row[t] = two * float_of_bits(top, zero)
     for t in range(c):
-        z, y, h = as_contiguous(Z[t]), as_contiguous(Y[t]), shift[t]
+        z, y, h = as_contiguous(Z[t]), as_contiguous(Y[t]), per_row[t]
         total = zero  # (in Y's dtype: the 2m terms are summed in vector lanes, no conversions)
         for j in range(m):
             y[j] = exp_le0(two * z[j] - h)
@@ -355,9 +355,9 @@ def _hedgehog_block(code, fp, X, Y, work):
             y[m + j] = exp_le0(-two * z[j] - h)
         for j in range(2 * m):
             total += y[j]
-        shift[t] = like(1.0, Y) / total
+        per_row[t] = like(1.0, Y) / total
     for t in range(c):
-        y, inv = as_contiguous(Y[t]), shift[t]
+        y, inv = as_contiguous(Y[t]), per_row[t]
         for j in range(2 * m):
             y[j] *= inv
 

@@ -129,7 +129,7 @@ def norm_vjp(n, r, du, gamma, scale):
     d, dt = n.shape[-1], n.dtype
     n2, du2 = n.reshape(-1, d), np.ascontiguousarray(du.reshape(-1, d), dt)
     rows = n2.shape[0]
-    nthreads = _threads(rows, d) if rows else 1
+    nthreads = _threads(rows, d)  # (1 for no rows)
     dx = np.empty((rows, d), dt)
     dg, db = np.zeros((nthreads, d)), np.zeros((nthreads, d))
     if rows:
