@@ -1,7 +1,9 @@
 """cpu/views.py: arrays without reference counting (unowned, keep_alive) and what the kernels do with them."""
+import subprocess
 import sys
 
 import numpy as np
+import pytest
 from numba import njit
 
 import linattn
@@ -40,3 +42,69 @@ def test_kernels_leave_reference_counts_alone(rng):
         linattn.linear_attention(q, k, v)
         linattn.step(q[..., 0, :], k[..., 0, :], v[..., 0, :], state)
     assert [sys.getrefcount(x) for x in (q, k, v, state.S, state.Z)] == before
+
+
+_GUARDED = r'''
+import ctypes, mmap, sys
+import numpy as np
+import pytest
+from numba import njit
+import linattn
+from linattn.cpu.views import prefetch_rows_for_writing, touch_rows
+
+PAGE = mmap.PAGESIZE
+libc = ctypes.CDLL(None, use_errno=True)
+libc.mprotect.argtypes = (ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int)
+maps = []
+
+
+def guarded(shape, dtype=np.float32):
+    """A writable array whose last byte is the last before a page that may not be read (PROT_NONE)."""
+    size = int(np.prod(shape)) * np.dtype(dtype).itemsize
+    pages = -(-size // PAGE)
+    m = mmap.mmap(-1, (pages + 1) * PAGE)
+    base = ctypes.addressof(ctypes.c_char.from_buffer(m))
+    assert libc.mprotect(base + pages * PAGE, PAGE, 0) == 0, ctypes.get_errno()
+    maps.append(m)
+    return np.frombuffer(m, dtype, count=int(np.prod(shape)), offset=pages * PAGE - size).reshape(shape)
+
+
+@njit
+def touch(x, i0, c):
+    touch_rows(x, i0, c)
+    prefetch_rows_for_writing(x, i0, c)
+
+
+x = guarded((PAGE // 256, 64))
+x[:] = 1
+n = x.shape[0]
+for view in (x, x[:, :8], x[:, 56:], x[:, 1::2], x[:, ::-1], x[::-1], x.reshape(-1, 1), x.reshape(-1)[4:].reshape(-1, 5),
+             x.reshape(-1)[1:].reshape(-1, 31)[:, 1:]):
+    for i0 in range(view.shape[0]):
+        touch(view, i0, view.shape[0] - i0)
+touch(x, n, 0)
+
+rng = np.random.default_rng(0)
+for shape in ((1, 2, 63, 16), (1, 1, 64, 16), (2, 1, 1000, 5), (1, 1, 1, 1)):
+    args = []
+    for _ in range(3):
+        a = guarded(shape)
+        a[:] = rng.standard_normal(shape) * 0.5
+        args.append(a)
+    copies = [a.copy() for a in args]
+    for fn in (linattn.causal_linear_attention, linattn.linear_attention):
+        np.testing.assert_array_equal(fn(*args), fn(*copies))
+    lengths = np.full(shape[0], max(1, shape[2] // 2))
+    np.testing.assert_array_equal(linattn.causal_linear_attention(*args, lengths=lengths),
+                                  linattn.causal_linear_attention(*copies, lengths=lengths))
+print("ok")
+'''
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="mprotect through ctypes: Linux's libc")
+def test_rows_touched_ahead_stay_inside_the_arrays():
+    """touch_rows (real loads of the next chunks' rows) and prefetch_rows_for_writing on views of every
+    kind, and the kernels on inputs whose last byte is followed by a page that may not be read: any
+    read past the rows asked for, or past a sequence's end, is a segmentation fault (in a subprocess)."""
+    res = subprocess.run([sys.executable, "-c", _GUARDED], capture_output=True, text=True, timeout=600)
+    assert res.returncode == 0 and res.stdout.strip().endswith("ok"), (res.returncode, res.stdout, res.stderr[-3000:])

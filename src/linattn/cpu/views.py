@@ -2,7 +2,7 @@
 so that loops over it vectorise), ``unowned`` (an array whose views are not reference counted) with
 ``keep_alive`` (for its owner), ``flat_rows`` (adjacent rows as one such view),
 ``head_row``/``head_matrix`` (the row or matrix of one head of an array with any number of leading
-dims, by its flat index) and ``prefetch_rows`` (the next rows into the cache ahead of use); on the
+dims, by its flat index), ``touch_rows`` and ``prefetch_rows_for_writing`` (rows into the cache ahead of use); on the
 Python side ``unit_rows``, which gives the kernels arrays whose rows are unit-stride.
 
 Kernels on strided inputs (the heads of a fused QKV projection) get arrays of Numba's "A" layout,
@@ -108,46 +108,82 @@ def flat_rows(typingctx, x, i0, c):
     return sig, codegen
 
 
-def _prefetcher(write, name, doc):
-    """An intrinsic ``name(x, i0, c)``: llvm.prefetch of every 64-byte line of rows [i0, i0 + c) of the
-    2-D array x, for reading or (``write``) for writing."""
+def _each_line(builder, arr, i0, c, visit):
+    """Emit ``visit(pointer)`` for a byte in every 64-byte line of rows [i0, i0 + c) of the 2-D array
+    ``arr`` (a Numba array struct): rows adjacent in memory as one run of bytes, rows apart (a head
+    view of a fused projection) one run each; in a run every 64th byte from its first and its last
+    byte. Nothing before a row's first element or after its last is visited."""
+    i8p = ir.IntType(8).as_pointer()
+    base = builder.bitcast(arr.data, i8p)
+    row_stride, step = builder.extract_value(arr.strides, 0), builder.extract_value(arr.strides, 1)
+    width, size = builder.extract_value(arr.shape, 1), arr.itemsize
+    # a row's bytes from its first element's first byte to its last element's last one
+    span = builder.add(builder.mul(builder.sub(width, ir.Constant(width.type, 1)), step), size)
+    adjacent = builder.and_(builder.icmp_signed("==", step, size),
+                            builder.icmp_signed("==", row_stride, builder.mul(width, size)))
+    runs = builder.select(adjacent, ir.Constant(c.type, 1), c)
+    adjacent_bytes = builder.add(builder.mul(builder.sub(c, ir.Constant(c.type, 1)), row_stride), span)
+    run_bytes = builder.select(adjacent, adjacent_bytes, span)
+    with cgutils.for_range(builder, runs) as run:
+        start = builder.gep(base, [builder.mul(builder.add(i0, run.index), row_stride)])
+        with cgutils.for_range_slice(builder, ir.Constant(run_bytes.type, 0), run_bytes,
+                                     ir.Constant(run_bytes.type, 64)) as (off, _):
+            visit(builder.gep(start, [off]))
+        # the last byte: its line is skipped by the steps from an unaligned start
+        with builder.if_then(builder.icmp_signed(">", run_bytes, ir.Constant(run_bytes.type, 0))):
+            visit(builder.gep(start, [builder.sub(run_bytes, ir.Constant(run_bytes.type, 1))]))
+
+
+def _rows_intrinsic(name, doc, emit):
+    """An intrinsic ``name(x, i0, c)`` over rows [i0, i0 + c) of a 2-D array x: ``emit(context, builder,
+    arr, i0, c)`` generates its code (it returns nothing)."""
 
     def typer(typingctx, x, i0, c):
         if not (isinstance(x, types.Array) and x.ndim == 2):
             return None
-        sig = types.void(x, types.intp, types.intp)
 
         def codegen(context, builder, sig, args):
-            arr = context.make_array(sig.args[0])(context, builder, args[0])
-            i8p = ir.IntType(8).as_pointer()
-            i32 = ir.IntType(32)
-            fnty = ir.FunctionType(ir.VoidType(), [i8p, i32, i32, i32])
-            fn = builder.module.declare_intrinsic("llvm.prefetch", [i8p], fnty)
-            base = builder.bitcast(arr.data, i8p)
-            row_stride = builder.extract_value(arr.strides, 0)
-            row_bytes = builder.mul(builder.extract_value(arr.shape, 1), builder.extract_value(arr.strides, 1))
-            with cgutils.for_range(builder, args[2]) as rows:
-                start = builder.gep(base, [builder.mul(builder.add(args[1], rows.index), row_stride)])
-                with cgutils.for_range_slice(builder, ir.Constant(row_bytes.type, 0), row_bytes,
-                                             ir.Constant(row_bytes.type, 64)) as (off, _):
-                    builder.call(fn, [builder.gep(start, [off]), ir.Constant(i32, int(write)), ir.Constant(i32, 2),
-                                      ir.Constant(i32, 1)])
+            emit(context, builder, context.make_array(sig.args[0])(context, builder, args[0]), args[1], args[2])
             return context.get_dummy_value()
 
-        return sig, codegen
+        return types.void(x, types.intp, types.intp), codegen
 
     typer.__name__ = typer.__qualname__ = name
     typer.__doc__ = doc
     return intrinsic(typer)
 
 
-prefetch_rows = _prefetcher(False, "prefetch_rows", """Ask the CPU to bring rows [i0, i0 + c) of the 2-D array x
-    into its caches (one prefetch per 64-byte line of each row; a hint: nothing is read or checked). Rows far
-    apart, as in the head views of a fused QKV projection, are each on a page of their own, which the
-    hardware's own prefetchers do not cross. Only callable from Numba code.""")
+def _prefetch_for_writing(context, builder, arr, i0, c):
+    """Code for llvm.prefetch of every line of the rows, for writing."""
+    i8p, i32 = ir.IntType(8).as_pointer(), ir.IntType(32)
+    fn = builder.module.declare_intrinsic("llvm.prefetch", [i8p], ir.FunctionType(ir.VoidType(), [i8p, i32, i32, i32]))
+    flags = [ir.Constant(i32, 1), ir.Constant(i32, 2), ir.Constant(i32, 1)]  # write, L2, data
+    _each_line(builder, arr, i0, c, lambda p: builder.call(fn, [p] + flags))
 
-prefetch_rows_for_writing = _prefetcher(True, "prefetch_rows_for_writing", """prefetch_rows for rows about to be
-    written (the lines fetched for ownership). Only callable from Numba code.""")
+
+def _touch(context, builder, arr, i0, c):
+    """Code loading one byte of every line of the rows, the bytes or-ed together and handed to an empty
+    inline assembly statement (a use the optimiser keeps: the loads stay, and no chain of additions
+    orders them)."""
+    i8 = ir.IntType(8)
+    acc = cgutils.alloca_once_value(builder, ir.Constant(i8, 0))
+    _each_line(builder, arr, i0, c, lambda p: builder.store(builder.or_(builder.load(acc), builder.load(p)), acc))
+    builder.asm(ir.FunctionType(ir.VoidType(), [i8]), "", "r", [builder.load(acc)], True)
+
+
+prefetch_rows_for_writing = _rows_intrinsic("prefetch_rows_for_writing", """Ask the CPU to fetch rows [i0, i0 + c)
+    of the 2-D array x for writing (one prefetch per 64-byte line, the lines fetched for ownership; a hint:
+    nothing is read or checked). Rows far apart, as in the head views of a fused QKV projection, are each
+    on a page of their own, which the hardware's own prefetchers do not cross. Only callable from Numba
+    code.""", _prefetch_for_writing)
+
+touch_rows = _rows_intrinsic("touch_rows", """Load one byte of every 64-byte line of rows [i0, i0 + c) of the 2-D
+    array x (unchecked: the rows must exist), so that they are in this core's caches before a chunk's
+    products read them: real loads, issued back to back by a short loop, so that many are in flight at
+    once. Where the rows are in memory or in the other core's cache (a call right after a NumPy
+    matmul) this made the causal forward ~1.1x faster; llvm.prefetch hints at the same places, and
+    every 64th byte loaded only once per 128 or per 4096 bytes, did not help (docs/performance.md).
+    Only callable from Numba code.""", _touch)
 
 
 def head_row(x, h):
