@@ -97,6 +97,12 @@ for shape in ((1, 2, 63, 16), (1, 1, 64, 16), (2, 1, 1000, 5), (1, 1, 1, 1)):
     lengths = np.full(shape[0], max(1, shape[2] // 2))
     np.testing.assert_array_equal(linattn.causal_linear_attention(*args, lengths=lengths),
                                   linattn.causal_linear_attention(*copies, lengths=lengths))
+    dout = guarded(shape)
+    dout[:] = rng.standard_normal(shape)
+    for kw in ({}, {"lengths": lengths}):
+        grads = linattn.causal_linear_attention_vjp(*args, **kw)[1](dout)
+        for a, b in zip(grads, linattn.causal_linear_attention_vjp(*copies, **kw)[1](dout.copy())):
+            np.testing.assert_array_equal(a, b)
 print("ok")
 '''
 
@@ -104,7 +110,8 @@ print("ok")
 @pytest.mark.skipif(not sys.platform.startswith("linux"), reason="mprotect through ctypes: Linux's libc")
 def test_rows_touched_ahead_stay_inside_the_arrays():
     """touch_rows (real loads of the next chunks' rows) and prefetch_rows_for_writing on views of every
-    kind, and the kernels on inputs whose last byte is followed by a page that may not be read: any
-    read past the rows asked for, or past a sequence's end, is a segmentation fault (in a subprocess)."""
+    kind, and the kernels (forward, non-causal, backward) on inputs whose last byte is followed by a
+    page that may not be read: any read past the rows asked for, or past a sequence's end, is a
+    segmentation fault (in a subprocess)."""
     res = subprocess.run([sys.executable, "-c", _GUARDED], capture_output=True, text=True, timeout=600)
     assert res.returncode == 0 and res.stdout.strip().endswith("ok"), (res.returncode, res.stdout, res.stderr[-3000:])

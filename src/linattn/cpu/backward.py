@@ -33,8 +33,8 @@ from numba.np.numpy_support import as_dtype
 
 from .._jit import OVERLOAD_OPTIONS, array, njit
 from .buffers import empty, zeros
-from .chunked import (_copy_row, _current, _init_state, _segment, _state_buffers, _write_state, pending_added,
-                      segment_parts)
+from .chunked import (_copy_row, _current, _init_state, _rows_to_touch, _segment, _state_buffers, _write_state,
+                      pending_added, segment_parts)
 from .elementwise import ELU, RELU, load_rows
 from .gating import (SUB, VECTOR, _kind, _stub, chunk_gates, gate_buffers, gate_key_rows, gate_log_sum, gate_pending,
                      gate_queries, gate_scores, gate_state_factors, masked_product, one_product, prepare_kernel)
@@ -42,7 +42,7 @@ from .schedule import take
 from .smallgemm import small_gemm, small_gemm_tn, small_gemm_tn_lower
 from .threaded import ThreadedKernel
 from .vector import transpose_rows
-from .views import as_contiguous, keep_alive, unowned
+from .views import as_contiguous, keep_alive, touch_rows, unowned
 
 
 @njit(helper=True)
@@ -396,10 +396,18 @@ def _causal_backward(q, k, v, g, out, den, fm, normalize, s, lengths, chunk, fra
             total[a] = 0
         gate_state_factors(gates, lam, fb)
         _current(B, Bz, P, Pz, C, Z, has_acc, has_p, fb, decayed)
-        for j in range(nch - c1 if parts.shape[0] > 0 else 0, nch - c0):
+        j0 = nch - c1 if parts.shape[0] > 0 else 0
+        for j in range(j0, nch - c0):
             ci = nch - 1 - j
             i0 = ci * chunk
             c = min(chunk, length - i0)
+            t = _rows_to_touch(j, j0, nch - c0, 1, nch)  # the rows of chunks [ci - t + 1, ci] (walked down)
+            if t > 0:  # and their kept states into the cache (see chunked.TOUCH_CHUNKS)
+                lo = (ci - t + 1) * chunk
+                for x in (qh, kh, vh, gh, oh):
+                    touch_rows(x, lo, i0 + c - lo)
+                for a in range(ci - t + 1, ci + 1):
+                    touch_rows(kept[a], 0, kept.shape[1])
             chunk_gates(gates, h, ld, i0, c, G, Rg, F, status)
             has_st = ci > 0 or has_s0
             has_c = has_acc or has_p
