@@ -78,8 +78,9 @@ def touch(x, i0, c):
 x = guarded((PAGE // 256, 64))
 x[:] = 1
 n = x.shape[0]
-for view in (x, x[:, :8], x[:, 56:], x[:, 1::2], x[:, ::-1], x[::-1], x.reshape(-1, 1), x.reshape(-1)[4:].reshape(-1, 5),
-             x.reshape(-1)[1:].reshape(-1, 31)[:, 1:]):
+flat = x.reshape(-1)
+for view in (x, x[:, :8], x[:, 56:], x[:, 1::2], x[:, ::-1], x[::-1], flat.reshape(-1, 1), flat[4:].reshape(-1, 5),
+             flat[1:].reshape(-1, 31)[:, 1:]):
     for i0 in range(view.shape[0]):
         touch(view, i0, view.shape[0] - i0)
 touch(x, n, 0)
@@ -99,9 +100,10 @@ for shape in ((1, 2, 63, 16), (1, 1, 64, 16), (2, 1, 1000, 5), (1, 1, 1, 1)):
                                   linattn.causal_linear_attention(*copies, lengths=lengths))
     dout = guarded(shape)
     dout[:] = rng.standard_normal(shape)
-    for kw in ({}, {"lengths": lengths}):
-        grads = linattn.causal_linear_attention_vjp(*args, **kw)[1](dout)
-        for a, b in zip(grads, linattn.causal_linear_attention_vjp(*copies, **kw)[1](dout.copy())):
+    for fn, kw in ((linattn.causal_linear_attention_vjp, {}), (linattn.causal_linear_attention_vjp,
+                   {"lengths": lengths}), (linattn.linear_attention_vjp, {})):
+        grads = fn(*args, **kw)[1](dout)
+        for a, b in zip(grads, fn(*copies, **kw)[1](dout.copy())):
             np.testing.assert_array_equal(a, b)
 print("ok")
 '''

@@ -401,8 +401,10 @@ def _causal_backward(q, k, v, g, out, den, fm, normalize, s, lengths, chunk, fra
             ci = nch - 1 - j
             i0 = ci * chunk
             c = min(chunk, length - i0)
-            t = _rows_to_touch(j, j0, nch - c0, 1, nch)  # the rows of chunks [ci - t + 1, ci] (walked down)
-            if t > 0:  # and their kept states into the cache (see chunked.TOUCH_CHUNKS)
+            # every TOUCH_CHUNKS steps, the next t chunks (walked down: [ci - t + 1, ci]; counted as
+            # rows of one position each) and their kept states into the cache (see chunked.TOUCH_CHUNKS)
+            t = _rows_to_touch(j, j0, nch - c0, int(1), nch)
+            if t > 0:
                 lo = (ci - t + 1) * chunk
                 for x in (qh, kh, vh, gh, oh):
                     touch_rows(x, lo, i0 + c - lo)

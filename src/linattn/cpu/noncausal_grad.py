@@ -25,14 +25,14 @@ from numba import types
 from .._jit import array, njit
 from .backward import _load_adjoints, _load_values, _scale_columns, _times_derivative
 from .buffers import empty
-from .chunked import FOLD_EVERY, _segment, _state_buffers, folded_after, zero_unless_summed
+from .chunked import FOLD_EVERY, _rows_to_touch, _segment, _state_buffers, folded_after, zero_unless_summed
 from .elementwise import load_rows
 from .runtime import kernel_section
 from .schedule import take
 from .smallgemm import small_gemm, small_gemm_tn
 from .threaded import ThreadedKernel
 from .vector import transpose_rows
-from .views import keep_alive, unowned
+from .views import keep_alive, touch_rows, unowned
 
 
 @njit(helper=True)
@@ -64,11 +64,16 @@ def _sum_chunks(which, q, k, v, g, out, fm, s, eps, normalize, chunk, c0, c1, KF
         i0 = ci * chunk
         c = min(chunk, n - i0)
         beta = 1.0 if (ci - c0) % FOLD_EVERY else 0.0
+        t = _rows_to_touch(ci, c0, c1, chunk, n)  # the next chunks' rows into the cache
         if which == 0:
+            for x in (k, v):
+                touch_rows(x, i0, t)
             load_rows(k, i0, c, fm, KF)
             _load_values(v, i0, c, V1)
             small_gemm_tn(KF[:c], V1[:c], P, beta)
         else:
+            for x in (q, g, out):
+                touch_rows(x, i0, t)
             _queries_and_adjoints(q, g, out, i0, c, fm, s, eps, normalize, Z, QS, AB, DEN)
             small_gemm_tn(QS[:c], AB[:c], P, beta)
         has_acc = folded_after(ci, c0, c1, sbuf, has_acc)
@@ -154,6 +159,10 @@ def _noncausal_backward(q, k, v, g, out, fm, s, eps, normalize, chunk, frac, dq,
         for ci in range(c0, c1):
             i0 = ci * chunk
             c = min(chunk, n - i0)
+            t = _rows_to_touch(ci, c0, c1, chunk, n)
+            if t > 0:
+                for x in (qh, kh, vh, gh, oh):
+                    touch_rows(x, i0, t)
             load_rows(kh, i0, c, fm, KF)
             _load_values(vh, i0, c, V1)
             _queries_and_adjoints(qh, gh, oh, i0, c, fm, s, eps, normalize, Z, QS, AB, DEN)
