@@ -45,9 +45,8 @@ def test_kernels_leave_reference_counts_alone(rng):
 
 
 _GUARDED = r'''
-import ctypes, mmap, sys
+import ctypes, mmap
 import numpy as np
-import pytest
 from numba import njit
 import linattn
 from linattn.cpu.views import prefetch_rows_for_writing, touch_rows
@@ -77,16 +76,15 @@ def touch(x, i0, c):
 
 x = guarded((PAGE // 256, 64))
 x[:] = 1
-n = x.shape[0]
 flat = x.reshape(-1)
 for view in (x, x[:, :8], x[:, 56:], x[:, 1::2], x[:, ::-1], x[::-1], flat.reshape(-1, 1), flat[4:].reshape(-1, 5),
              flat[1:].reshape(-1, 31)[:, 1:]):
     for i0 in range(view.shape[0]):
         touch(view, i0, view.shape[0] - i0)
-touch(x, n, 0)
+touch(x, x.shape[0], 0)
 
 rng = np.random.default_rng(0)
-for shape in ((1, 2, 63, 16), (1, 1, 64, 16), (2, 1, 1000, 5), (1, 1, 1, 1)):
+for shape in ((1, 2, 63, 16), (1, 1, 64, 16), (2, 1, 1000, 5), (1, 1, 1, 1), (1, 1, 8191, 16)):  # (the last: segments)
     args = []
     for _ in range(3):
         a = guarded(shape)

@@ -42,8 +42,8 @@ FOLD_EVERY = 16
 
 #: Every TOUCH_CHUNKS chunks a segment loads one byte of each cache line of the next TOUCH_CHUNKS
 #: chunks' rows of q, k and v (``touch_rows``) before using them. Right after a NumPy matmul (the
-#: inputs in memory or in the other core's cache) this took B1 H8 N2048 from 1.52-1.66 to 1.37-1.44
-#: ms; back to back, with the inputs in this core's cache, it costs 1-2%. 4 to 16 do about as well.
+#: inputs in memory or in the other core's cache) this took B1 H8 N2048 from 1.52-1.65 to 1.32-1.46
+#: ms; back to back, with the inputs in this core's cache, it costs 2-5%. 4 to 16 do about as well.
 TOUCH_CHUNKS = 8
 
 

@@ -162,9 +162,9 @@ def _prefetch_for_writing(context, builder, arr, i0, c):
 
 
 def _touch(context, builder, arr, i0, c):
-    """Code loading one byte of every line of the rows, the bytes or-ed together and handed to an empty
-    inline assembly statement (a use the optimiser keeps: the loads stay, and no chain of additions
-    orders them)."""
+    """Code loading one byte of every line of the rows, the bytes or-ed together (an integer or: no
+    chain of floating-point additions paces the loads) and the result handed to an empty inline
+    assembly statement, a use the optimiser keeps, so that the loads stay."""
     i8 = ir.IntType(8)
     acc = cgutils.alloca_once_value(builder, ir.Constant(i8, 0))
     _each_line(builder, arr, i0, c, lambda p: builder.store(builder.or_(builder.load(acc), builder.load(p)), acc))
@@ -182,7 +182,7 @@ touch_rows = _rows_intrinsic("touch_rows", """Load one byte of every 64-byte lin
     products read them: real loads, issued back to back by a short loop, so that many are in flight at
     once. Where the rows are in memory or in the other core's cache (a call right after a NumPy
     matmul) this made the causal forward ~1.1x faster; llvm.prefetch hints at the same places, and
-    every 64th byte loaded only once per 128 or per 4096 bytes, did not help (docs/performance.md).
+    one load per 128 or per 4096 bytes instead of per 64, did not help (docs/performance.md).
     Only callable from Numba code.""", _touch)
 
 
