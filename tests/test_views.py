@@ -96,12 +96,18 @@ for shape in ((1, 2, 63, 16), (1, 1, 64, 16), (2, 1, 1000, 5), (1, 1, 1, 1), (1,
     lengths = np.full(shape[0], max(1, shape[2] // 2))
     np.testing.assert_array_equal(linattn.causal_linear_attention(*args, lengths=lengths),
                                   linattn.causal_linear_attention(*copies, lengths=lengths))
+    gate = guarded(shape)  # per key dimension: as large as k, loaded ahead too
+    gate[:] = -0.1 * rng.random(shape)
+    np.testing.assert_array_equal(linattn.causal_linear_attention(*args, gate=gate),
+                                  linattn.causal_linear_attention(*copies, gate=gate.copy()))
     dout = guarded(shape)
     dout[:] = rng.standard_normal(shape)
     for fn, kw in ((linattn.causal_linear_attention_vjp, {}), (linattn.causal_linear_attention_vjp,
-                   {"lengths": lengths}), (linattn.linear_attention_vjp, {})):
+                   {"lengths": lengths}), (linattn.causal_linear_attention_vjp, {"gate": gate}),
+                   (linattn.linear_attention_vjp, {})):
         grads = fn(*args, **kw)[1](dout)
-        for a, b in zip(grads, fn(*copies, **kw)[1](dout.copy())):
+        copied = {key: (val.copy() if key == "gate" else val) for key, val in kw.items()}
+        for a, b in zip(grads, fn(*copies, **copied)[1](dout.copy())):
             np.testing.assert_array_equal(a, b)
 print("ok")
 '''
@@ -110,8 +116,8 @@ print("ok")
 @pytest.mark.skipif(not sys.platform.startswith("linux"), reason="mprotect through ctypes: Linux's libc")
 def test_rows_touched_ahead_stay_inside_the_arrays():
     """touch_rows (real loads of the next chunks' rows) and prefetch_rows_for_writing on views of every
-    kind, and the kernels (forward, non-causal, backward) on inputs whose last byte is followed by a
-    page that may not be read: any read past the rows asked for, or past a sequence's end, is a
-    segmentation fault (in a subprocess)."""
+    kind, and the kernels (forward, non-causal, backward; with gates per key dimension) on inputs whose
+    last byte is followed by a page that may not be read: any read past the rows asked for, or past a
+    sequence's end, is a segmentation fault (in a subprocess)."""
     res = subprocess.run([sys.executable, "-c", _GUARDED], capture_output=True, text=True, timeout=600)
     assert res.returncode == 0 and res.stdout.strip().endswith("ok"), (res.returncode, res.stdout, res.stderr[-3000:])

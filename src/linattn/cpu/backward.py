@@ -37,7 +37,8 @@ from .chunked import (_copy_row, _current, _init_state, _rows_to_touch, _segment
                       pending_added, segment_parts)
 from .elementwise import ELU, RELU, load_rows
 from .gating import (SUB, VECTOR, _kind, _stub, chunk_gates, gate_buffers, gate_key_rows, gate_log_sum, gate_pending,
-                     gate_queries, gate_scores, gate_state_factors, masked_product, one_product, prepare_kernel)
+                     gate_queries, gate_scores, gate_state_factors, masked_product, one_product, prepare_kernel,
+                     touch_gates)
 from .schedule import take
 from .smallgemm import small_gemm, small_gemm_tn, small_gemm_tn_lower
 from .threaded import ThreadedKernel
@@ -408,6 +409,7 @@ def _causal_backward(q, k, v, g, out, den, fm, normalize, s, lengths, chunk, fra
                 lo = (ci - t + 1) * chunk
                 for x in (qh, kh, vh, gh, oh):
                     touch_rows(x, lo, i0 + c - lo)
+                touch_gates(gates, h, lo, i0 + c - lo)
                 for a in range(ci - t + 1, ci + 1):
                     touch_rows(kept[a], 0, kept.shape[1])
             chunk_gates(gates, h, ld, i0, c, G, Rg, F, status)

@@ -29,7 +29,7 @@ from .buffers import empty, zeros
 from . import gating
 from .elementwise import exp_le0
 from .gating import (chunk_gates, gate_buffers, gate_key_columns, gate_key_rows, gate_log_sum, gate_pending,
-                     gate_queries, gate_scores, gate_state_factors)
+                     gate_queries, gate_scores, gate_state_factors, touch_gates)
 from .mapfns import load_features, map_state, mapped_dim
 from .schedule import take
 from .smallgemm import small_gemm, small_gemm_tn
@@ -376,6 +376,7 @@ def _causal_forward(q, k, v, fm, fp, fa, eps, normalize, scale, lengths, chunk, 
             if t > 0:
                 touch_rows(kh, i0, t)
                 touch_rows(vh, i0, t)
+                touch_gates(gates, h, i0, t)
             chunk_gates(gates, h, ld, i0, c, G, R, F, status)
             beta = gate_pending(gates, P, Pz, lam, c, G, R, F, has_p)
             _add_prefix(kh, vh, i0, c, mp, Kf, SV, P, Pz, beta if has_p else 0, gates, F)
@@ -397,6 +398,7 @@ def _causal_forward(q, k, v, fm, fp, fa, eps, normalize, scale, lengths, chunk, 
                 touch_rows(qh, i0, t)
                 touch_rows(kh, i0, t)
                 touch_rows(vh, i0, t)
+                touch_gates(gates, h, i0, t)
             if spread and ci + 1 < c1:
                 cn = min(chunk, length - i0 - chunk)
                 prefetch_rows_for_writing(oh, i0 + chunk, cn)

@@ -45,7 +45,7 @@ from .elementwise import exp_le0
 from . import symbols
 from .smallgemm import small_gemm
 from .vector import transpose_rows, wide_vectors
-from .views import as_contiguous
+from .views import as_contiguous, touch_rows
 
 
 #: status[0] after a kernel: 0, or the first bad gate's kind (1: positive, 2: NaN); status[1]: its
@@ -79,10 +79,24 @@ gate_queries = _stub("gate_queries")
 gate_key_columns = _stub("gate_key_columns")
 gate_key_rows = _stub("gate_key_rows")
 gate_pending = _stub("gate_pending")
+touch_gates = _stub("touch_gates")
 
 
 #: Positions per block of the per-dimension scores.
 SUB = 8
+
+
+@overload(touch_gates, jit_options=OVERLOAD_OPTIONS)
+def _touch_gates(gates, h, i0, t):
+    """Rows [i0, i0 + t) of head h's gates per key dimension into the cache (views.touch_rows: they are
+    as large as k and read chunk by chunk, as k is); nothing for the other kinds (a row per head)."""
+    if _kind(gates) != VECTOR:
+        return lambda gates, h, i0, t: None
+
+    def impl(gates, h, i0, t):
+        g2 = gates.shape[1]
+        touch_rows(gates[h // g2, h % g2], i0, t)
+    return impl
 
 
 @overload(chunk_gates, jit_options=OVERLOAD_OPTIONS)
