@@ -41,7 +41,8 @@ from .vector import store_fence, stream_copy, transpose_rows
 FOLD_EVERY = 16
 
 #: Every TOUCH_CHUNKS chunks a segment loads one byte of each cache line of the next TOUCH_CHUNKS
-#: chunks' rows of q, k and v (``touch_rows``) before using them. Right after a NumPy matmul (the
+#: chunks' input rows (``touch_rows``: q, k, v and gates per key dimension here; the backward kernels
+#: theirs) before using them. Right after a NumPy matmul (the
 #: inputs in memory or in the other core's cache) this took B1 H8 N2048 from 1.52-1.65 to 1.32-1.46
 #: ms; back to back, with the inputs in this core's cache, it costs 2-5%. 4 to 16 do about as well.
 TOUCH_CHUNKS = 8
