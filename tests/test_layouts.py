@@ -1,5 +1,6 @@
 """Memory layouts as a NumPy model has them: the heads of a fused QKV projection as strided views,
 ``out=`` buffers (heads side by side for the next projection), and the work split over threads."""
+import numba
 import numpy as np
 import pytest
 
@@ -82,6 +83,37 @@ def test_out_every_kind(rng):
     res, st = linattn.causal_linear_attention(q, k, v, out=out, lengths=np.array([40, 7]), return_state=True)
     assert res is out and np.all(out[1, :, 7:] == 0)
     assert_close(out[1, :, :7], reference.masked(q[1, :, :7], k[1, :, :7], v[1, :, :7]), np.float32)
+
+
+@pytest.mark.parametrize("threads", [1, 2])
+def test_out_in_the_memory_of_a_gate_or_the_initial_state(rng, threads):
+    """out sharing memory with what the kernel reads as it writes (the initial state, a gate per key
+    dimension or per position), each head's out over the next head's part: the result is as from
+    copies (it was wrong, or a spurious gate error, when head h's rows overwrote head h + 1's)."""
+    b, h, n, d = 2, 4, 48, 48
+    q, k, v = make_qkv(rng, (b, h), n, d, d)
+    _, st = linattn.causal_linear_attention(q, k, v, return_state=True)
+    gate = (-np.abs(rng.standard_normal((b, h, n, d))) * 0.1).astype(np.float32)
+    gate1 = gate[..., 0].copy()
+    before = numba.get_num_threads()
+    numba.set_num_threads(min(threads, numba.config.NUMBA_NUM_THREADS))
+    try:
+        big = np.zeros((b * h + 1, n, d), np.float32)  # S0 of head h + 1 where head h's out goes
+        big[:-1] = st.S.reshape(b * h, d, d)
+        S0, out = big[:-1].reshape(b, h, d, d), big[1:].reshape(b, h, n, d)
+        want = linattn.causal_linear_attention(q, k, v, initial_state=linattn.State(S0.copy(), st.Z))
+        got = linattn.causal_linear_attention(q, k, v, initial_state=linattn.State(S0, st.Z), out=out)
+        assert got is out
+        np.testing.assert_array_equal(got, want)
+        for g in (gate, gate1):
+            big = np.zeros(gate.size + n * d, np.float32)  # the gates of head h + 1 where head h's out goes
+            gg = big[:g.size].reshape(g.shape)
+            gg[...] = g
+            out = big[n * d:].reshape(b, h, n, d)
+            want = linattn.causal_linear_attention(q, k, v, gate=g)
+            np.testing.assert_array_equal(linattn.causal_linear_attention(q, k, v, gate=gg, out=out), want)
+    finally:
+        numba.set_num_threads(before)
 
 
 def test_out_errors(rng):

@@ -245,10 +245,10 @@ def _check_out(out, shape, out_dt, where):
 
 def _result_array(out, lead, n, dv, comp, inputs):
     """Where the kernel writes: ``out`` when it has the compute dtype, unit stride along its last
-    axis and no memory in common with the inputs, else a new array (a large one from the pool:
+    axis and no memory in common with the inputs (None: none), else a new array (a large one from the pool:
     workspace.empty)."""
     if (out is not None and out.dtype == comp and (out.strides[-1] == out.itemsize or dv == 1)
-            and not any(np.may_share_memory(out, x) for x in inputs)):
+            and not any(x is not None and np.may_share_memory(out, x) for x in inputs)):
         return out
     return workspace.empty(lead + (n, dv), comp)
 
@@ -336,7 +336,8 @@ def causal_linear_attention(q, k, v, *, feature_map="elu", eps=1e-6, normalize=T
     out : ndarray, shape (..., N, Dv), optional
         Where to write the result (a writable array of the result's dtype, any strides): a view
         such as ``buf.transpose(0, 2, 1, 3)`` of a (B, N, H, Dv) buffer puts the heads side by side
-        for the next projection without a copy. Host results only.
+        for the next projection without a copy. Host results only. It may share memory with the
+        inputs, the gate or the initial state: the result is then computed aside and copied in.
     device : {None, "cpu", "cuda"}, optional
         Where to compute. By default CUDA device arrays (anything with ``__cuda_array_interface__``)
         run on their GPU and return device arrays (the state too), host arrays on the CPU.
@@ -430,7 +431,9 @@ def causal_with_denominators(q, k, v, feature_map="elu", eps=1e-6, normalize=Tru
         rows = bh if return_state else 0  # no rows: the kernel skips writing the state
         den = np.zeros(lead + (n,), comp) if keep and normalize else None
         S, Z = np.empty((rows, dk, dv), comp), np.empty((rows, dk), comp)
-        res = _result_array(out, lead, n, dv, comp, (q, k, v))
+        # (what the kernel reads while it writes the result: a gate or an initial state in out's memory
+        # would be overwritten before it is read)
+        res = _result_array(out, lead, n, dv, comp, (q, k, v, gates, log_decay, S0, Z0, lens))
         if bh and n:
             chunk, frac, nthreads, two_runs = plan(bh, n, dk, dv, causal=True)
             own = kind in (gates_mod.SCALAR, gates_mod.VECTOR)  # a gate array of their own
