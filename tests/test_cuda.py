@@ -130,6 +130,14 @@ def test_step_on_device(cuda, dtype, feature_map):
     r = linattn.step(dev(cuda, q[..., 0, :]), dev(cuda, k[..., 0, :]), dev(cuda, v[..., 0, :]),
                      dst, feature_map=feature_map, out=out)
     assert r.shape == (2, 2, 5)
+    S0 = dst.S.copy_to_host()
+    with pytest.raises(ValueError, match="out: expected memory apart from state.S"):  # (the state is written)
+        linattn.step(dev(cuda, q[..., 0, :]), dev(cuda, k[..., 0, :]), dev(cuda, v[..., 0, :]),
+                     dst, feature_map=feature_map, out=dst.S.reshape(60)[:20].reshape(2, 2, 5))
+    with pytest.raises(ValueError, match="v: expected memory apart from the state and out"):
+        linattn.step(dev(cuda, q[..., 0, :]), dev(cuda, k[..., 0, :]), dst.S.reshape(60)[40:].reshape(2, 2, 5), dst,
+                     feature_map=feature_map)
+    np.testing.assert_array_equal(dst.S.copy_to_host(), S0)
 
 
 def test_device_option_on_host_arrays(cuda):

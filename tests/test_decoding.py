@@ -83,6 +83,71 @@ def test_step_strided_inputs_and_state(rng):
     assert np.all(big[:, :, 0] == 0) and np.all(big[:, :, 6:] == 0)  # only the view was written
 
 
+def _doubled_plus(x):  # a callable map: the checked path
+    return np.concatenate([np.maximum(x, 0), np.maximum(-x, 0)], -1) + 0.1
+
+
+@pytest.mark.parametrize("lead, d, dv", [((2, 3), 4, 8), ((2, 3), 64, 256), ((32, 8), 64, 64)])  # last: parallel
+@pytest.mark.parametrize("feature_map", ["elu", _doubled_plus])
+def test_step_inputs_sharing_memory_with_what_it_writes(rng, lead, d, dv, feature_map):
+    """v or a gate in the memory of the state or of out (the same array or a shifted one: head h's
+    out is head h + 1's v) steps as it would from a copy, taken before anything is written; out in
+    the state's memory, or Z in S's, is a ValueError that leaves the state as it was."""
+    q, k, v = (x[..., 0, :] for x in make_qkv(rng, lead, 1, d, dv, np.float32))
+    d_ = 2 * d if feature_map is _doubled_plus else d
+
+    def fresh():  # a state after one step, with negative Z (usable as log gates)
+        st = linattn.State.zeros(lead, d_, dv)
+        linattn.step(q, k, v * 0.5, st, feature_map=feature_map)
+        st.Z[...] = -np.abs(st.Z) * 0.1
+        return st
+
+    def check(make_v, make_out=None, gate_of=None):
+        st, st_ref = fresh(), fresh()
+        vv = make_v(st)
+        out = make_out(vv) if make_out else None
+        gate = gate_of(st) if gate_of else None
+        want = linattn.step(q, k, vv.copy(), st_ref, feature_map=feature_map,
+                            gate=None if gate is None else gate.copy())
+        got = linattn.step(q, k, vv, st, feature_map=feature_map, out=out, gate=gate)
+        np.testing.assert_array_equal(got, want)
+        np.testing.assert_array_equal(st.S, st_ref.S)
+        np.testing.assert_array_equal(st.Z, st_ref.Z)
+        assert out is None or got is out
+
+    check(lambda st: v.copy(), lambda vv: vv)  # out is v
+    flat = np.zeros((v.size // dv + 1, dv), np.float32)
+    flat[:-1] = v.reshape(-1, dv)
+    check(lambda st: flat[:-1].reshape(v.shape), lambda vv: flat[1:].reshape(v.shape))  # shifted by a head
+    check(lambda st: st.S[..., 0, :])  # v is a row of S
+    check(lambda st: v, gate_of=lambda st: st.Z[..., 0])  # a gate per sequence in Z
+    if dv == d_:
+        check(lambda st: st.Z)  # v is Z
+    # head h's gates (one per key dimension) in head h - 1's Z (written before head h reads them, heads in turn)
+    st, st_ref = fresh(), fresh()
+    big = np.zeros(st.Z.size + d_, np.float32)
+    big[d_:] = st.Z.reshape(-1)
+    st = linattn.State(st.S, big[d_:].reshape(st.Z.shape))
+    gate = big[:-d_].reshape(st.Z.shape)
+    want = linattn.step(q, k, v, st_ref, feature_map=feature_map, gate=gate.copy())
+    np.testing.assert_array_equal(linattn.step(q, k, v, st, feature_map=feature_map, gate=gate), want)
+    np.testing.assert_array_equal(st.Z, st_ref.Z)
+    st = fresh()
+    S0, Z0 = st.S.copy(), st.Z.copy()
+    with pytest.raises(ValueError, match=r"out: expected memory apart from state.S"):
+        linattn.step(q, k, v, st, out=st.S[..., 0, :], feature_map=feature_map)
+    with pytest.raises(ValueError, match=r"out: expected memory apart from state.S"):
+        linattn.step(q.astype(np.float16), k.astype(np.float16), v.astype(np.float16), st,
+                     out=st.S.view(np.float16)[..., 0, :dv], feature_map=feature_map)
+    if dv == d_:
+        with pytest.raises(ValueError, match=r"out: expected memory apart from state.Z"):
+            linattn.step(q, k, v, st, out=st.Z, feature_map=feature_map)
+    with pytest.raises(ValueError, match=r"state.Z: expected memory apart from state.S"):
+        linattn.step(q, k, v, linattn.State(st.S, st.S[..., 0]), feature_map=feature_map)
+    np.testing.assert_array_equal(st.S, S0)
+    np.testing.assert_array_equal(st.Z, Z0)
+
+
 def test_step_float16_and_ints(rng):
     q, k, v = make_qkv(rng, (2,), 5, 4, 3, np.float64)
     st = linattn.State.zeros((2,), 4, 3, np.float32)

@@ -1,5 +1,6 @@
 """Every input check of the public API, shared by the CPU and CUDA paths, with one message style:
 ``<argument>: expected <what>, got <what>``."""
+import math
 import numbers
 import operator
 
@@ -144,6 +145,44 @@ def check_state(state, name, lead, dk, dv, dtype):
                 f"{name}.{part}: expected dtype {dtype} (the computation's dtype for these inputs), "
                 f"got {np.dtype(arr.dtype)}")
     return S, Z
+
+
+def _span(x):
+    """(first, end) byte addresses of a non-empty NumPy or CUDA array's elements."""
+    face = getattr(x, "__cuda_array_interface__", None) or x.__array_interface__
+    itemsize = np.dtype(x.dtype).itemsize
+    shape = tuple(face["shape"])
+    strides = face.get("strides") or tuple(itemsize * math.prod(shape[i + 1:]) for i in range(len(shape)))
+    lo = hi = face["data"][0]
+    for size, stride in zip(shape, strides):
+        ext = (size - 1) * stride
+        lo, hi = (lo + ext, hi) if ext < 0 else (lo, hi + ext)
+    return lo, hi + itemsize
+
+
+def overlap(a, b):
+    """Whether arrays ``a`` and ``b`` (NumPy or CUDA device arrays; None: no array) share memory:
+    exactly for two NumPy arrays, by the spans of their elements otherwise."""
+    if a is None or b is None or math.prod(a.shape) == 0 or math.prod(b.shape) == 0:
+        return False
+    if isinstance(a, np.ndarray) and isinstance(b, np.ndarray):
+        return np.may_share_memory(a, b) and np.shares_memory(a, b)
+    if isinstance(a, np.ndarray) != isinstance(b, np.ndarray):
+        return False  # host and device memory
+    alo, ahi = _span(a)
+    blo, bhi = _span(b)
+    return alo < bhi and blo < ahi
+
+
+def check_written_apart(S, Z, out, name="state"):
+    """A step writes S, Z and out in place: raise ValueError where two of them share memory."""
+    if overlap(S, Z):
+        raise ValueError(f"{name}.Z: expected memory apart from {name}.S (both are updated in place), got "
+                         "arrays that overlap")
+    for part, arr in (("S", S), ("Z", Z)):
+        if overlap(out, arr):
+            raise ValueError(f"out: expected memory apart from {name}.{part} (the state is updated in place), "
+                             "got an array that overlaps it")
 
 
 def check_lengths(lengths, lead, n):

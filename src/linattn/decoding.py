@@ -121,7 +121,10 @@ def step(q, k, v, state, *, feature_map="elu", eps=1e-6, normalize=True, decay=N
         The new position's log gate (<= 0; -inf resets the state): shaped like the leading dims
         (one per sequence), or leading dims + (D',) (one per key dimension).
     out : ndarray, shape (..., Dv), optional
-        Where to write the result (the inputs' float dtype).
+        Where to write the result (the inputs' float dtype); its memory must be apart from the
+        state's (ValueError otherwise). Inputs that share memory with the state or ``out`` (``out=v``,
+        say) are read as they were before the step wrote anything (on CUDA device arrays, v that
+        does is a ValueError).
     device : {None, "cpu", "cuda"}, optional
         As for :func:`causal_linear_attention`: device arrays (q, k, v, the state, ``out``) step on
         their GPU; ``"cuda"`` steps host arrays on the GPU and writes the state back.
@@ -195,7 +198,7 @@ def _step_half(q, k, v, state, feature_map, eps, normalize, decay, gate, scale, 
     if type(k) is not _ndarray or k.dtype is not _F16 or v.dtype is not _F16:
         return None
     if out is not None and (type(out) is not _ndarray or out.dtype is not _F16 or out.shape != v.shape
-                            or not out.flags.writeable):
+                            or not out.flags.writeable or checks.overlap(out, state.S) or checks.overlap(out, state.Z)):
         return None
     if type(gate) is _ndarray and gate.dtype is _F16:
         gate = gate.astype(np.float32)
@@ -247,6 +250,11 @@ def _step_checked(q, k, v, state, feature_map, eps, normalize, decay, gate, scal
     if res2 is None:  # an `out` with strides that allow no view
         res = np.empty(lead + (dv,), comp)
         res2 = res.reshape(bh, dv)
+    checks.check_written_apart(S, Z, out)
+    # what the kernel reads while it writes S, Z and the result (q and k are mapped first) is copied
+    # where it shares memory with them
+    v, gate_flat, decay_flat = (x if not any(checks.overlap(x, w) for w in (S, Z, res)) else x.copy()
+                                for x in (v, gate_flat, decay_flat))
     if bh and where == "cuda-host":
         from .cuda import api as cuda_api
 
@@ -301,6 +309,11 @@ def _step_device(q, k, v, state, feature_map, eps, normalize, decay, gate, scale
             raise ValueError(f"out: expected a device array of shape {lead + (dv,)} and dtype {comp}, "
                              f"got shape {tuple(out.shape)}, dtype {out.dtype}")
         checks.check_device_inputs({"out": out}, comp, comp)
+    checks.check_written_apart(S, Z, out)
+    if any(checks.overlap(v, w) for w in (S, Z, out)):
+        raise ValueError("v: expected memory apart from the state and out (a step on device arrays writes them in "
+                         "place), got an array that overlaps them")
+    if out is not None:
         out = out.reshape(bh, dv)
     qscale = gates_mod.check_scale(scale)
     decay_flat = None if decay is None else gates_mod.check_decay(decay, lead)

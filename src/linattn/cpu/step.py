@@ -20,7 +20,7 @@ from .buffers import empty
 from .elementwise import exp_le0, map_flat, map_row
 from .mapfns import load_features, map_state, mapped_dim
 from .vector import state_pass
-from .views import as_contiguous, head_matrix, head_row, head_scalar, keep_alive, unowned
+from .views import as_contiguous, head_matrix, head_row, head_scalar, keep_alive, span, unowned
 
 
 def _head_ok(gates, decay, h, q):
@@ -209,9 +209,10 @@ def _step_nd(q, k, v, fm, fp, fa, eps, normalize, S, Z, out, gates, decay, qscal
     feature map is any of the kernels' (cpu/mapfns.py: code ``fm``, parameters ``fp``, map_rows's
     address ``fa``, 0 for the codes applied inline), so S and Z have D' rows.
 
-    Checks the shapes, strides and gate or decay values itself and returns 1 (shapes, strides) or 2
-    (a bad value), touching nothing, when they do not fit (the caller then takes the validating
-    path, which raises the error or copies); 0 on success.
+    Checks the shapes, strides and gate or decay values itself and returns 1 (shapes, strides, or
+    arrays it writes sharing memory with each other or with v, gates or decay: see
+    ``_written_apart``) or 2 (a bad value), touching nothing, when they do not fit (the caller then
+    takes the validating path, which raises the error or copies); 0 on success.
     """
     lead = q.shape[:-1]
     d_in = q.shape[-1]
@@ -230,6 +231,8 @@ def _step_nd(q, k, v, fm, fp, fa, eps, normalize, S, Z, out, gates, decay, qscal
     # views without reference counting (see cpu/views.unowned): the caller owns the arguments, the
     # buffers' owners are kept to the end
     q, k, v, S, Z, out = unowned((q, k, v, S, Z, out))
+    if not _written_apart(S, Z, out, v, gates, decay):  # (after unowned: each owned array passed costs two atomics)
+        return 1
     owners = (empty((bh, d_), out.dtype), empty(2 * bh * d_, out.dtype))
     decs, feats = unowned(owners)
     qf, kf = feats[:bh * d_], feats[bh * d_:]
@@ -243,6 +246,27 @@ def _step_nd(q, k, v, fm, fp, fa, eps, normalize, S, Z, out, gates, decay, qscal
                    head_row(out, h), Sh.strides[0] // isz, eps, normalize, head_decay(gates, decay, decs, h, q), qscale)
     keep_alive(owners)
     return 0
+
+
+@njit(helper=True)
+def _disjoint(a, b):
+    """Whether two spans (views.span) have no byte in common."""
+    return a[1] <= b[0] or b[1] <= a[0]
+
+
+@njit(helper=True)
+def _written_apart(S, Z, out, v, gates, decay):
+    """Whether S, Z and out (written) have memory apart from each other and from v, gates and decay (read
+    while they are written; q and k are mapped before anything is written), by the arrays' spans: a few
+    integer operations (np.may_share_memory takes ~0.2 us a pair from Python: twelve would double a
+    small step). Arrays that interleave without overlapping take the caller's exact test."""
+    s, z, o = span(S), span(Z), span(out)
+    if not (_disjoint(s, z) and _disjoint(s, o) and _disjoint(z, o)):
+        return False
+    for r in (span(v), span(gates), span(decay)):
+        if not (_disjoint(r, s) and _disjoint(r, z) and _disjoint(r, o)):
+            return False
+    return True
 
 
 def _features_dim(fm, fp, d):

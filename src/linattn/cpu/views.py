@@ -2,7 +2,8 @@
 so that loops over it vectorise), ``unowned`` (an array whose views are not reference counted) with
 ``keep_alive`` (for its owner), ``flat_rows`` (adjacent rows as one such view),
 ``head_row``/``head_matrix`` (the row or matrix of one head of an array with any number of leading
-dims, by its flat index), ``touch_rows`` and ``prefetch_rows_for_writing`` (rows into the cache ahead of use); on the
+dims, by its flat index), ``touch_rows`` and ``prefetch_rows_for_writing`` (rows into the cache ahead of use),
+``span`` (the bytes from an array's first element to its last); on the
 Python side ``unit_rows``, which gives the kernels arrays whose rows are unit-stride.
 
 Kernels on strided inputs (the heads of a fused QKV projection) get arrays of Numba's "A" layout,
@@ -18,6 +19,7 @@ from numba.extending import intrinsic, overload
 from numba.np.unsafe.ndarray import to_fixed_tuple
 
 from .. import workspace
+from .._jit import OVERLOAD_OPTIONS
 
 
 def unit_rows(x):
@@ -250,3 +252,44 @@ def _head_scalar(x, h):
     if x.ndim == 0:
         return lambda x, h: x[()]
     return _head_impl(x.ndim)
+
+
+def span(x):
+    """(first, end) byte addresses of array ``x``'s elements, from its data pointer, shape and strides;
+    (0, 0) for None or an empty array (apart from everything). Only callable from Numba code."""
+    raise NotImplementedError("runs inside Numba kernels only")
+
+
+@intrinsic
+def _address(typingctx, x):
+    """x's data pointer as an int64 (``x.ctypes.data`` builds an object first)."""
+    if not isinstance(x, types.Array):
+        return None
+
+    def codegen(context, builder, sig, args):
+        data = context.make_array(sig.args[0])(context, builder, args[0]).data
+        return builder.ptrtoint(data, ir.IntType(64))
+
+    return types.int64(x), codegen
+
+
+@overload(span, jit_options=OVERLOAD_OPTIONS)
+def _span(x):
+    if isinstance(x, types.NoneType):
+        return lambda x: (np.int64(0), np.int64(0))
+    if not isinstance(x, types.Array):
+        return None
+
+    def impl(x):
+        if x.size == 0:
+            return np.int64(0), np.int64(0)
+        lo = _address(x)
+        hi = lo + x.itemsize
+        for i in range(x.ndim):
+            ext = (x.shape[i] - 1) * x.strides[i]
+            if ext < 0:
+                lo += ext
+            else:
+                hi += ext
+        return lo, hi
+    return impl
