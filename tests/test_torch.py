@@ -154,6 +154,21 @@ def test_inplace_change_after_forward_is_refused():
         y.sum().backward()
 
 
+def test_second_derivatives_raise():
+    """A gradient taken with create_graph=True is the plain gradient, and differentiating it again (a
+    gradient penalty) raises: the backward runs NumPy, so those terms were left out without a word."""
+    q, k, v = _inputs()
+    fmap = lt.TrainableMap(_learned_maps()[1], dtype=torch.float64)
+    for fn in (lt.causal_linear_attention, lt.linear_attention, lambda q, k, v: fmap(q) * v.sum()):
+        want = torch.autograd.grad(fn(q, k, v).sum(), (q, v))
+        out = fn(q, k, v)
+        got = torch.autograd.grad(out.sum(), (q, v), create_graph=True)
+        for a, b in zip(got, want):
+            torch.testing.assert_close(a, b, rtol=0, atol=0)
+        with pytest.raises(RuntimeError, match="first derivatives only"):
+            (out.sum() + sum((g ** 2).sum() for g in got)).backward()
+
+
 def test_against_pytorch_autograd():
     q, k, v = _inputs((2, 3, 40, 4), dv=5, dtype=torch.float32, seed=1)
     out = lt.causal_linear_attention(q, k, v)

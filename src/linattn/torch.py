@@ -5,6 +5,8 @@ torch is imported only by this module).
 float64, on the CPU) and are differentiable: the forward and the backward pass run linattn's kernels
 (see :mod:`linattn.gradients`), through ``.numpy()`` views where the layout allows (no copy).
 ``TrainableMap`` makes a map's parameters (Hedgehog's, T2R's, ...) ``torch.nn.Parameter`` s.
+First derivatives only: differentiating a gradient through them (``create_graph=True``, a gradient
+penalty, say) raises a RuntimeError rather than leaving out those terms.
 """
 import numpy as np
 import torch
@@ -35,6 +37,34 @@ def _grad_like(grad, like):
     return _tensor(np.asarray(grad)).to(like.dtype).reshape(like.shape)
 
 
+class _FirstDerivativeOnly(torch.autograd.Function):
+    """The identity on gradients that linattn computed outside autograd: differentiating them raises.
+    (torch's ``once_differentiable`` raises only when the incoming gradients need a graph; a gradient
+    penalty's do not, and its second-derivative terms were left out without a word.)"""
+
+    @staticmethod
+    def forward(ctx, *grads):
+        return tuple(g.clone() for g in grads)
+
+    @staticmethod
+    def backward(ctx, *args):
+        raise RuntimeError("linattn.torch computes first derivatives only (its backward runs NumPy code): a "
+                           "gradient taken with create_graph=True cannot be differentiated again")
+
+
+def _first_only(grads):
+    """The gradients a backward returns (tensors and Nones); while a graph is being built
+    (``create_graph=True``), as tensors whose own gradient raises."""
+    if not torch.is_grad_enabled():
+        return grads
+    at = [i for i, g in enumerate(grads) if isinstance(g, torch.Tensor)]
+    marked = _FirstDerivativeOnly.apply(*(grads[i].detach().requires_grad_() for i in at))
+    grads = list(grads)
+    for i, g in zip(at, marked):
+        grads[i] = g
+    return tuple(grads)
+
+
 class _Causal(torch.autograd.Function):
     @staticmethod
     def forward(ctx, q, k, v, S0, Z0, gate, decay, fmap, options, *params):
@@ -52,7 +82,8 @@ class _Causal(torch.autograd.Function):
     @staticmethod
     def backward(ctx, dout, dS, dZ):
         ctx.saved_tensors  # (raises if q, k, v or the gate changed since the forward)
-        grads = list(ctx.vjp(dout.contiguous().numpy(), State(dS.contiguous().numpy(), dZ.contiguous().numpy())))
+        dout, dS, dZ = (g.detach().contiguous().numpy() for g in (dout, dS, dZ))
+        grads = list(ctx.vjp(dout, State(dS, dZ)))
         dq, dk, dv = (_tensor(g) for g in grads[:3])
         rest = grads[3:]
         dS0 = dZ0 = dgate = ddecay = None
@@ -63,7 +94,8 @@ class _Causal(torch.autograd.Function):
             dgate, rest = _tensor(rest[0]), rest[1:]
         if ctx.decay is not None:
             ddecay, rest = _grad_like(rest[0], ctx.decay), rest[1:]
-        return (dq, dk, dv, dS0, dZ0, dgate, ddecay, None, None, *_param_grads(ctx.fmap, ctx.params, rest))
+        return _first_only((dq, dk, dv, dS0, dZ0, dgate, ddecay, None, None,
+                            *_param_grads(ctx.fmap, ctx.params, rest)))
 
 
 class _NonCausal(torch.autograd.Function):
@@ -78,8 +110,9 @@ class _NonCausal(torch.autograd.Function):
     @staticmethod
     def backward(ctx, dout):
         ctx.saved_tensors  # (raises if q, k or v changed since the forward)
-        grads = ctx.vjp(dout.contiguous().numpy())
-        return (*(_tensor(g) for g in grads[:3]), None, None, *_param_grads(ctx.fmap, ctx.params, grads[3:]))
+        grads = ctx.vjp(dout.detach().contiguous().numpy())
+        return _first_only((*(_tensor(g) for g in grads[:3]), None, None,
+                            *_param_grads(ctx.fmap, ctx.params, grads[3:])))
 
 
 class _MapFunction(torch.autograd.Function):
@@ -95,8 +128,8 @@ class _MapFunction(torch.autograd.Function):
     @staticmethod
     def backward(ctx, dy):
         x, y = ctx.saved_tensors
-        dx, dparams = ctx.numpy_map._vjps(x.detach().numpy(), dy.contiguous().numpy(), y.detach().numpy())
-        return (_grad_like(dx, x), None, *_param_grads(ctx.fmap, ctx.params, [dparams]))
+        dx, dparams = ctx.numpy_map._vjps(x.detach().numpy(), dy.detach().contiguous().numpy(), y.detach().numpy())
+        return _first_only((_grad_like(dx, x), None, *_param_grads(ctx.fmap, ctx.params, [dparams])))
 
 
 class TrainableMap(torch.nn.Module):
