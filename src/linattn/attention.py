@@ -245,10 +245,10 @@ def _check_out(out, shape, out_dt, where):
 
 def _result_array(out, lead, n, dv, comp, inputs):
     """Where the kernel writes: ``out`` when it has the compute dtype, unit stride along its last
-    axis and no memory in common with the inputs (None: none), else a new array (a large one from the pool:
+    axis and no memory in common with the inputs, else a new array (a large one from the pool:
     workspace.empty)."""
     if (out is not None and out.dtype == comp and (out.strides[-1] == out.itemsize or dv == 1)
-            and not any(x is not None and np.may_share_memory(out, x) for x in inputs)):
+            and not any(np.may_share_memory(out, x) for x in inputs)):
         return out
     return workspace.empty(lead + (n, dv), comp)
 
@@ -431,9 +431,11 @@ def causal_with_denominators(q, k, v, feature_map="elu", eps=1e-6, normalize=Tru
         rows = bh if return_state else 0  # no rows: the kernel skips writing the state
         den = np.zeros(lead + (n,), comp) if keep and normalize else None
         S, Z = np.empty((rows, dk, dv), comp), np.empty((rows, dk), comp)
-        # (what the kernel reads while it writes the result: a gate or an initial state in out's memory
-        # would be overwritten before it is read)
-        res = _result_array(out, lead, n, dv, comp, (q, k, v, gates, log_decay, S0, Z0, lens))
+        # what the kernel reads while it writes the result (a gate or an initial state in out's memory
+        # would be overwritten before it is read); the arrays of options not given are linattn's own
+        reads = ((q, k, v) + tuple(x for x in (gates, log_decay) if x is not None)
+                 + ((S0, Z0) if initial_state is not None else ()) + ((lens,) if lengths is not None else ()))
+        res = _result_array(out, lead, n, dv, comp, reads)
         if bh and n:
             chunk, frac, nthreads, two_runs = plan(bh, n, dk, dv, causal=True)
             own = kind in (gates_mod.SCALAR, gates_mod.VECTOR)  # a gate array of their own
