@@ -21,10 +21,16 @@ def test_shapes(fn):
         fn(q, k[None], v)
     with pytest.raises(ValueError, match=r"v: expected leading dimensions"):
         fn(q, k, v[:1])
-    with pytest.raises(ValueError, match=r"k: expected sequence length N=5"):
-        fn(q, k[:, :4], v)
-    with pytest.raises(ValueError, match=r"v: expected sequence length N=5"):
-        fn(q, k, v[:, :4])
+    if fn is linattn.causal_linear_attention:
+        with pytest.raises(ValueError, match=r"k: expected sequence length N=5 like q, got 4 .*linear_attention"):
+            fn(q, k[:, :4], v[:, :4])
+        with pytest.raises(ValueError, match=r"v: expected sequence length N=5"):
+            fn(q, k, v[:, :4])
+    else:  # keys and values may have another length than the queries (cross-attention), not each other's
+        with pytest.raises(ValueError, match=r"v: expected the keys' length 4 like k .*got 5"):
+            fn(q, k[:, :4], v)
+        with pytest.raises(ValueError, match=r"v: expected the keys' length 5 like k .*got 4"):
+            fn(q, k, v[:, :4])
     with pytest.raises(ValueError, match=r"k: expected feature dimension D=3"):
         fn(q, k[..., :2], v)
     with pytest.raises(ValueError, match=r"q: expected at least 2 dimensions"):

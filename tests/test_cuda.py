@@ -61,6 +61,25 @@ def test_causal_and_noncausal(cuda, dtype, feature_map):
         close(out.copy_to_host(), linattn.linear_attention(q, k, v, **kw), dtype)
 
 
+@pytest.mark.parametrize("n, nk", [(9, 4), (3, 11), (5, 0)])
+def test_cross_attention(cuda, n, nk):
+    """Keys and values of another length than the queries (non-causal): device arrays, host arrays with
+    device="cuda", a map with row statistics (ReBased), against the CPU."""
+    rng = np.random.default_rng(9)
+    for dtype in (np.float32, np.float64):
+        q = (rng.standard_normal((2, n, 3)) * 0.6).astype(dtype)
+        k, v = ((rng.standard_normal((2, nk, w)) * 0.6).astype(dtype) for w in (3, 5))
+        rebased = linattn.feature_maps.ReBased(rng.random(3) + 0.5, rng.random(3))
+        for kw in (dict(), dict(feature_map=rebased, normalize=False, scale=0.5)):
+            want = linattn.linear_attention(q, k, v, **kw)
+            out = linattn.linear_attention(dev(cuda, q), dev(cuda, k), dev(cuda, v), **kw)
+            assert out.shape == (2, n, 5)
+            close(out.copy_to_host(), want, dtype)
+            close(linattn.linear_attention(q, k, v, device="cuda", **kw), want, dtype)
+    with pytest.raises(ValueError, match="v: expected the keys' length"):
+        linattn.linear_attention(dev(cuda, q), dev(cuda, k), dev(cuda, np.zeros((2, nk + 1, 5), np.float64)))
+
+
 def test_scale_on_device(cuda):
     """scale multiplies phi(q) in both forms on the device (the non-causal kernel ignored it: 2x its result
     at scale 0.5 without normalisation)."""

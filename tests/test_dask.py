@@ -123,6 +123,26 @@ def test_float32_and_noncausal(rng):
             assert_close(nc.compute(), linattn.linear_attention(q, k, v, **kw), np.float32)
 
 
+@pytest.mark.parametrize("q_chunks, kv_chunks", [((1, (20, 30), 4), None), (None, (1, (30, 40), 4)),
+                                                 ((2, (10,) * 5, 4), (1, (69, 1), 4)), ((1, 50, 4), (2, 70, 2))])
+def test_cross_attention(rng, q_chunks, kv_chunks):
+    """Keys and values of another length than the queries, each side chunked its own way along N (or
+    NumPy), with a map with parameters and a callable."""
+    q = rng.standard_normal((2, 50, 4))
+    k, v = rng.standard_normal((2, 70, 4)), rng.standard_normal((2, 70, 3))
+    lq = q if q_chunks is None else _lazy(q, q_chunks)
+    lk, lv = (k, v) if kv_chunks is None else (_lazy(k, kv_chunks), _lazy(v, kv_chunks[:-1] + (3,)))
+    for kw in ({}, dict(feature_map=linattn.feature_maps.Taylor(), scale=0.5),
+               dict(feature_map=lambda x: np.maximum(x, 0) + 0.1, normalize=False)):
+        out = linattn.linear_attention(lq, lk, lv, **kw)
+        assert isinstance(out, da.Array) and out.shape == (2, 50, 3)
+        assert_close(out.compute(scheduler="threads"), linattn.linear_attention(q, k, v, **kw), np.float64)
+    with pytest.raises(ValueError, match="v: expected the keys' length 70 like k"):
+        linattn.linear_attention(lq, lk, v[:, :69])
+    with pytest.raises(ValueError, match="k: expected sequence length N=50 like q"):
+        linattn.causal_linear_attention(lq, lk, lv)
+
+
 def test_on_a_local_cluster(client, rng):
     """Processes: the kernels are pickled to the workers and compiled or loaded there."""
     lead, n, d, dv = (2, 2), 400, 8, 8

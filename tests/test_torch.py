@@ -51,6 +51,15 @@ def test_gradcheck(feature_map):
                                                                         normalize=normalize), (q, k, v))
 
 
+@pytest.mark.parametrize("feature_map", ["elu", "relu", Taylor(), Performer.random(3, 4, seed=0)])
+def test_gradcheck_cross_attention(feature_map):
+    """Keys and values of another length than the queries."""
+    q = _inputs((2, 7, 3))[0]
+    k, v = _inputs((2, 11, 3), seed=1)[1:]
+    assert torch.autograd.gradcheck(lambda q, k, v: lt.linear_attention(q, k, v, feature_map=feature_map, scale=0.6),
+                                    (q, k, v))
+
+
 @pytest.mark.parametrize("feature_map", ["softplus", Taylor(), DPFP(2)])
 def test_gradcheck_other_maps(feature_map):
     """Maps the backward kernel does not differentiate itself (their vjp), causal and not."""

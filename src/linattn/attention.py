@@ -171,7 +171,7 @@ def _features(q, k, feature_map, lead, n, comp):
     q, k = half.astype(q, comp), half.astype(k, comp)
     if not isinstance(fmap, FeatureMap):
         q = checks.check_mapped(fmap(q), "q", lead, n).astype(comp, copy=False)
-        k = checks.check_mapped(fmap(k), "k", lead, n, q.shape[-1]).astype(comp, copy=False)
+        k = checks.check_mapped(fmap(k), "k", lead, k.shape[-2], q.shape[-1]).astype(comp, copy=False)
         return q, k, (IDENTITY, _NO_GATES[comp], 0), q.shape[-1]
     d, code = q.shape[-1], fmap.kernel_code()
     dk = fmap.out_dim(d)
@@ -262,14 +262,15 @@ def _deliver(res, out, out_dt, where):
     return res if where == "device" else half.astype(res, out_dt)
 
 
-def _prepare(q, k, v, feature_map, eps, normalize, where="cpu"):
-    """Checked inputs. On a CUDA device ("device") nothing is copied; on CUDA ("device", "cuda-host") the
-    code is cuda/maps.device_map's (code, parameters, D')."""
+def _prepare(q, k, v, feature_map, eps, normalize, where="cpu", cross=False):
+    """Checked inputs (with ``cross``, k and v may have another length than q). On a CUDA device
+    ("device") nothing is copied; on CUDA ("device", "cuda-host") the code is cuda/maps.device_map's
+    (code, parameters, D')."""
     if where == "device":
         from .cuda.api import as_device
 
         q, k, v = as_device(q), as_device(k), as_device(v)
-    q, k, v, lead, n, d, dv, comp, out_dt = checks.check_qkv(q, k, v, host=where != "device")
+    q, k, v, lead, n, d, dv, comp, out_dt = checks.check_qkv(q, k, v, host=where != "device", cross=cross)
     eps = checks.check_eps(eps)
     normalize = checks.check_flag(normalize, "normalize")
     if where != "cpu":  # the CUDA kernels compute every FeatureMap themselves, a callable maps host arrays
@@ -472,13 +473,15 @@ def causal_with_denominators(q, k, v, feature_map="elu", eps=1e-6, normalize=Tru
 
 def linear_attention(q, k, v, *, feature_map="elu", eps=1e-6, normalize=True, scale=None, out=None, device=None,
                      **unsupported):
-    r"""Non-causal linear attention: every position attends to all N positions.
+    r"""Non-causal linear attention: every query attends to all the keys.
 
     .. math:: out_i = \frac{\phi(q_i)^T S}{\phi(q_i)^T Z + eps},\quad
               S = \sum_j \phi(k_j) v_j^T,\quad Z = \sum_j \phi(k_j)
 
     Parameters and returns are as for :func:`causal_linear_attention`, without the state,
     ``lengths``, ``decay`` and ``gate`` (only causal attention forgets); ``scale`` and ``out`` as there.
+    k and v may have another length than q (cross-attention: shapes (..., Nk, D) and (..., Nk, Dv) with
+    q (..., N, D), the result (..., N, Dv)), as an encoder-decoder's queries read the encoder's keys.
 
     Examples
     --------
@@ -488,6 +491,12 @@ def linear_attention(q, k, v, *, feature_map="elu", eps=1e-6, normalize=True, sc
     array([[3., 4.],
            [3., 4.],
            [3., 4.],
+           [3., 4.]], dtype=float32)
+
+    Cross-attention, two queries over the four keys:
+
+    >>> linattn.linear_attention(q[:2], k, v, eps=0.0)
+    array([[3., 4.],
            [3., 4.]], dtype=float32)
     """
     if unsupported:
@@ -506,7 +515,7 @@ def linear_attention(q, k, v, *, feature_map="elu", eps=1e-6, normalize=True, sc
                                          out=out, device=device)
     where = _placement(device, q, k, v, names=("q", "k", "v"))
     q, k, v, lead, n, dk, dv, comp, out_dt, eps, normalize, code = _prepare(
-        q, k, v, feature_map, eps, normalize, where)
+        q, k, v, feature_map, eps, normalize, where, cross=True)
     scale = gates_mod.check_scale(scale)
     if out is not None:
         out = _check_out(out, lead + (n, dv), out_dt, where)
@@ -519,8 +528,10 @@ def linear_attention(q, k, v, *, feature_map="elu", eps=1e-6, normalize=True, sc
         res = res.reshape(lead + (n, dv))
     else:
         res = _result_array(out, lead, n, dv, comp, (q, k, v))
-        if bh and n:
-            chunk, frac, nthreads, two_runs = plan(bh, n, dk, dv, causal=False)
+        if bh and n and not k.shape[-2]:  # no keys: S = Z = 0
+            res[...] = np.nan if normalize and eps == 0 else 0  # (0 / eps)
+        elif bh and n:
+            chunk, frac, nthreads, two_runs = plan(bh, max(n, k.shape[-2]), dk, dv, causal=False)
             (q4, k4, v4, o4), layout, copied = _seq4((q, k, v, res), lead)
             kernel = chunked.noncausal_forward.get(comp, layout)
             _run(kernel, nthreads, (q4, k4, v4, *code, comp.type(eps), normalize, comp.type(scale), chunk, frac, o4),

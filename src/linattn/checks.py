@@ -49,10 +49,12 @@ def compute_dtypes(*dtypes):
     return comp, out
 
 
-def check_qkv(q, k, v, seq_axis=True, host=True):
-    """Validate q, k (..., N, D) and v (..., N, Dv) (or (..., D)/(..., Dv) when ``seq_axis`` is False).
+def check_qkv(q, k, v, seq_axis=True, host=True, cross=False):
+    """Validate q, k (..., N, D) and v (..., N, Dv) (or (..., D)/(..., Dv) when ``seq_axis`` is False);
+    with ``cross`` (non-causal attention), k and v may have another length than q, equal to each other.
 
-    Returns ``(q, k, v, lead, n, d, dv, compute_dtype, out_dtype)``; n is None without a sequence axis.
+    Returns ``(q, k, v, lead, n, d, dv, compute_dtype, out_dtype)``; n (q's length) is None without a
+    sequence axis.
     """
     nd = 2 if seq_axis else 1
     q, k, v = as_array(q, "q", nd, host), as_array(k, "k", nd, host), as_array(v, "v", nd, host)
@@ -65,9 +67,12 @@ def check_qkv(q, k, v, seq_axis=True, host=True):
                 f"(q has shape {qs}, {name} has shape {shape})")
     if seq_axis:
         n = qs[-2]
-        for name, shape in (("k", ks), ("v", vs)):
+        if cross and vs[-2] != ks[-2]:
+            raise ValueError(f"v: expected the keys' length {ks[-2]} like k (q may have another), got {vs[-2]}")
+        for name, shape in () if cross else (("k", ks), ("v", vs)):
             if shape[-2] != n:
-                raise ValueError(f"{name}: expected sequence length N={n} like q, got {shape[-2]}")
+                raise ValueError(f"{name}: expected sequence length N={n} like q, got {shape[-2]} (keys and "
+                                 f"values of another length than the queries: linear_attention, non-causal)")
     else:
         n = None
     if ks[-1] != qs[-1]:

@@ -139,15 +139,19 @@ def _block_out(q, k, v, item, g, lens, gamma, p0, *, fn, kwargs, dk, dv, comp):
     return fn(q, k, v, initial_state=State(S.astype(comp), Z.astype(comp)), lengths=local, **extra, **kwargs)
 
 
-def _unify(arrays, lead_nd):
+def _unify(arrays, lead_nd, groups=None):
     """Dask arrays for q, k, v (and a gate): the first dask input's chunks along the leading dims and
-    N, one chunk along a last axis past N (NumPy inputs wrapped)."""
+    N, one chunk along a last axis past N (NumPy inputs wrapped). With ``groups`` (a group number per
+    array: arrays of one length), N's chunks are the first dask input's of the array's group (one chunk
+    where the group has none)."""
     da = _dask_array()
     ref = next(x for x in arrays if is_dask(x))
-    base = ref.chunks[:lead_nd + 1]
+    groups = groups or (0,) * len(arrays)
     out = []
-    for x in arrays:
-        chunks = base + (((x.shape[-1],),) if len(x.shape) > lead_nd + 1 else ())
+    for x, group in zip(arrays, groups):
+        same = [y for y, g in zip(arrays, groups) if g == group]
+        along_n = next((y.chunks[lead_nd] for y in same if is_dask(y)), (x.shape[lead_nd],))
+        chunks = ref.chunks[:lead_nd] + (along_n,) + (((x.shape[-1],),) if len(x.shape) > lead_nd + 1 else ())
         out.append(da.from_array(np.asarray(x), chunks=chunks) if not is_dask(x) else x.rechunk(chunks))
     return out
 
@@ -182,9 +186,9 @@ def _starts(nchunks):
     return da.from_array(starts, chunks=((1,) * len(nchunks),))
 
 
-def _check(q, k, v, feature_map, eps, normalize, scale):
+def _check(q, k, v, feature_map, eps, normalize, scale, cross=False):
     """The NumPy functions' checks on shapes, dtypes and options, at graph construction."""
-    *_, lead, n, d, dv, comp, out_dt = checks.check_qkv(_as_meta(q), _as_meta(k), _as_meta(v))
+    *_, lead, n, d, dv, comp, out_dt = checks.check_qkv(_as_meta(q), _as_meta(k), _as_meta(v), cross=cross)
     fmap = as_map(feature_map)  # (a FeatureMap, or the user's callable)
     eps = checks.check_eps(eps)
     normalize = checks.check_flag(normalize, "normalize")
@@ -322,7 +326,8 @@ def _noncausal_out(q, item, *, fmap, comp, out_dt, dk, dv, eps, normalize, scale
 def linear_attention(q, k, v, *, feature_map="elu", eps=1e-6, normalize=True, scale=None, out=None, device=None,
                      **unsupported):
     """:func:`linattn.linear_attention` on Dask arrays: the blocks' states summed (one reduction), then
-    each block's outputs from the sum, lazily; a dask array.
+    each block's outputs from the sum, lazily; a dask array. k and v may have another length than q
+    (and other chunks along it).
 
     Examples
     --------
@@ -341,9 +346,9 @@ def linear_attention(q, k, v, *, feature_map="elu", eps=1e-6, normalize=True, sc
     if out is not None or device is not None:
         raise TypeError("out, device: not available with dask arrays (the result is a new dask array, on the CPU)")
     lead, n, d, dv, comp, out_dt, fmap, eps, normalize, scale, dk = _check(q, k, v, feature_map, eps, normalize,
-                                                                           scale)
+                                                                           scale, cross=True)
     nl = len(lead)
-    q, k, v = _unify([q, k, v], nl)
+    q, k, v = _unify([q, k, v], nl, groups=(0, 1, 1))  # (k and v may have another length than q)
     L = string.ascii_lowercase[:nl]
     items = da.blockwise(lambda k_b, v_b: _global_item(k_b, v_b, fmap=fmap, comp=comp), L + "nw", k, L + "nx",
                          v, L + "ny", new_axes={"w": dk + dk * dv}, adjust_chunks={"n": 1}, concatenate=True,

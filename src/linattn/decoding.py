@@ -332,7 +332,8 @@ def attention_weights(q, k, *, causal=True, feature_map="elu", eps=1e-6, decay=N
 
     ``W[i, j] = phi(q_i).phi(k_j) / (sum_j' phi(q_i).phi(k_j') + eps)`` over j <= i when causal (the
     upper triangle is 0), over all j otherwise, so row i sums to ~1 and ``W @ v`` equals the
-    attention output. With ``decay``/``gate`` (causal only; as for :func:`causal_linear_attention`)
+    attention output. Not causal, k may have another length Nk than q (cross-attention: W is
+    (..., N, Nk)). With ``decay``/``gate`` (causal only; as for :func:`causal_linear_attention`)
     each term is decayed, ``phi(q_i)_d phi(k_j)_d prod_{j<u<=i} a_u,d`` (RetNet's parallel form: the
     scores times its D matrix), and ``W @ v`` equals that call's output; ``scale`` multiplies
     phi(q). O(N²) memory (O(N²·D') with a gate per key dimension): for inspection and teaching on
@@ -359,6 +360,9 @@ def attention_weights(q, k, *, causal=True, feature_map="elu", eps=1e-6, decay=N
                          f"got shape {k.shape}")
     eps = checks.check_eps(eps)
     causal = checks.check_flag(causal, "causal")
+    if causal and k.shape[-2] != q.shape[-2]:
+        raise ValueError(f"k: expected sequence length N={q.shape[-2]} like q, got {k.shape[-2]} (keys of another "
+                         f"length than the queries: causal=False)")
     scale = gates_mod.check_scale(scale)
     comp, out_dt = checks.compute_dtypes(q.dtype, k.dtype)
     fn, _, is_callable = resolve(feature_map)

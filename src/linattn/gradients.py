@@ -319,7 +319,7 @@ def linear_attention_vjp(q, k, v, *, feature_map="elu", eps=1e-6, normalize=True
     if out is not None:  # C-contiguous float arrays of one dtype, eps and normalize as the checks pass them
         lead, n, dv, comp, out_dt, s = q.shape[:-2], q.shape[-2], v.shape[-1], q.dtype, q.dtype, 1.0
     else:
-        q, k, v, lead, n, _, dv, comp, out_dt = checks.check_qkv(q, k, v)
+        q, k, v, lead, n, _, dv, comp, out_dt = checks.check_qkv(q, k, v, cross=True)
         eps = checks.check_eps(eps)
         normalize = checks.check_flag(normalize, "normalize")
         s = gates_mod.check_scale(scale)
@@ -331,15 +331,18 @@ def linear_attention_vjp(q, k, v, *, feature_map="elu", eps=1e-6, normalize=True
         # the kernel computes phi and phi' of the maps it knows (code); other maps' features are its inputs
         # and their vjp is applied after it
         src, fm = ((q, k), code) if code is not None else ((_mapped(fmap, q, comp), _mapped(fmap, k, comp)), IDENTITY)
-        dk_ = src[0].shape[-1]
-        dqf, dkf = workspace.take_views([lead + (n, dk_)] * 2, comp)  # (pooled: no fresh pages)
-        dvv = workspace.empty(lead + (n, dv), comp)
+        dk_, nk = src[0].shape[-1], k.shape[-2]
+        dqf, dkf = workspace.take_views([lead + (n, dk_), lead + (nk, dk_)], comp)  # (pooled: no fresh pages)
+        dvv = workspace.empty(lead + (nk, dv), comp)
         bh = math.prod(lead)
-        if bh and n:  # (cpu/noncausal_grad.py)
+        if bh and n and nk:  # (cpu/noncausal_grad.py)
             arrays, _, _ = _seq4(src + (v, g, out, dqf, dkf, dvv), lead)
-            chunk, frac, nthreads, _ = plan(bh, n, dk_, dv, causal=False)
+            chunk, frac, nthreads, _ = plan(bh, max(n, nk), dk_, dv, causal=False)
             noncausal_grad.backward(nthreads, *arrays[:5], fm, comp.type(s), comp.type(eps), normalize, chunk, frac,
                                     *arrays[5:])
+        else:  # no queries or no keys: nothing depends on the other side
+            for x in (dqf, dkf, dvv):
+                x[...] = 0
         dmap = None
         if code is not None:
             grads = (dqf, dkf, dvv)

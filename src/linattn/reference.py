@@ -56,7 +56,7 @@ def masked(q, k, v, *, causal=True, feature_map="elu", eps=1e-6, normalize=True,
            decay=None, gate=None, scale=None):
     """The O(N^2) form: ``A = phi(Q) phi(K)^T`` (lower triangle when causal), ``out = A V / (A 1 + eps)``;
     with decay or gates, ``A[t, s] = sum_d phi(q_t)_d phi(k_s)_d prod_{s<u<=t} a_u,d`` (and the
-    initial state decayed by prod_{u<=t} a_u).
+    initial state decayed by prod_{u<=t} a_u). Not causal, k and v may have another length than q.
 
     Examples
     --------

@@ -229,6 +229,6 @@ def causal_linear_attention(q, k, v, *, feature_map="elu", eps=1e-6, normalize=T
 
 def linear_attention(q, k, v, *, feature_map="elu", eps=1e-6, normalize=True, scale=None):
     """:func:`linattn.linear_attention` on CPU tensors, differentiable (q, k, v and the parameters of a
-    :class:`TrainableMap`)."""
+    :class:`TrainableMap`); k and v may have another length than q (cross-attention)."""
     return _NonCausal.apply(q, k, v, feature_map, dict(eps=eps, normalize=normalize, scale=scale),
                             *_map_params(feature_map))

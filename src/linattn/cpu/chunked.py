@@ -517,8 +517,9 @@ def _write_parts(acc, accz, dst):
 
 @njit(helper=True)
 def _noncausal_segment(q, k, v, out, mp, eps, normalize, scale, chunk, c0, c1, QA, Kf, V, S, parts):
-    """Outputs of chunks [c0, c1) of one head (views (N, X)), from the state of the whole head: the sum
-    of its segments' partial sums ``parts`` (nseg, D', Dv + 1) when it has rows, else summed here."""
+    """Outputs of chunks [c0, c1) of one head's queries (views (N, X); k and v (Nk, X)), from the state of
+    the whole head: the sum of its segments' partial sums ``parts`` (nseg, D', Dv + 1) when it has rows,
+    else summed here."""
     n, d_ = q.shape[0], Kf.shape[1]
     dv = v.shape[1]
     owners = _state_buffers(d_, dv, out.dtype)
@@ -527,7 +528,7 @@ def _noncausal_segment(q, k, v, out, mp, eps, normalize, scale, chunk, c0, c1, Q
     if parts.shape[0] > 0:
         _summed_parts(parts, acc, accz)
     else:
-        _noncausal_sum(k, v, mp, chunk, int(0), (n + chunk - 1) // chunk, Kf, V, sbuf)
+        _noncausal_sum(k, v, mp, chunk, int(0), (k.shape[0] + chunk - 1) // chunk, Kf, V, sbuf)
     for a in range(d_):  # the state rounded to the compute dtype
         for e in range(dv):
             S[a, e] = acc[a, e]
@@ -546,18 +547,20 @@ def _noncausal_segment(q, k, v, out, mp, eps, normalize, scale, chunk, c0, c1, Q
 
 
 def _noncausal_forward(q, k, v, fm, fp, fa, eps, normalize, scale, chunk, frac, out, phase, parts, counter):
-    """Non-causal linear attention: every position attends to all N positions of its head.
+    """Non-causal linear attention: every query attends to all the keys of its head.
 
-    Arrays and threads as for the causal kernel. With one segment per head (``parts`` has no rows),
-    each item sums its head's state itself, then writes its outputs. With several, the kernel runs
-    twice: ``phase`` 0, each segment's item sums its own chunks into parts[head, segment] (float64,
-    (heads, nseg, D', Dv + 1)); phase 1, each adds its head's parts up and writes its segment's outputs.
+    Arrays and threads as for the causal kernel; k and v (G1, G2, Nk, X) may have another length than q
+    and out. With one segment per head (``parts`` has no rows), each item sums its head's state itself,
+    then writes its outputs. With several, the kernel runs twice: ``phase`` 0, each segment's item sums
+    its own chunks of the keys into parts[head, segment] (float64, (heads, nseg, D', Dv + 1)); phase 1,
+    each adds its head's parts up and writes its segment's chunks of the outputs.
     """
-    g2, n, d_ = q.shape[1], q.shape[2], mapped_dim(fm, fp, q.shape[3])
+    g2, d_ = q.shape[1], mapped_dim(fm, fp, q.shape[3])
     dv, dt = v.shape[3], out.dtype
     mapper = map_state(fm, fp, fa, q.shape[3], d_, dt)
     mp = unowned(mapper)  # (its parameters are shared by the threads: each view's atomic add contended)
     nseg = frac.shape[0] - 1
+    n = k.shape[2] if phase == 0 else q.shape[2]  # the rows this run's segments divide
     nchunks = (n + chunk - 1) // chunk
     items = q.shape[0] * g2 * nseg
     q, k, v, out, parts = unowned((q, k, v, out, parts))  # (see _causal_forward)

@@ -11,13 +11,15 @@ phi(q), den_t = qs_t . Z + eps, the output gradient g and the forward's output o
 
 The first pass sums [S | Z] over the head's chunks (one product per chunk), the second G (den needs the
 whole Z first); a work item then writes the rows of its segment of the head (three products per chunk):
-four products per position against the forward's two. Both sums are kept as the forward kernel keeps
-its state (pending float32 sums folded into float64 every FOLD_EVERY chunks). When heads are few, a
-head is cut into segments (runtime.plan) and the kernel runs three times: each segment's item sums its
-own chunks' part of [S | Z], then (with all of Z) its part of G, then writes its rows from the sums
-of the parts. phi and phi' are elu + 1, relu or identity (other maps: their features are the inputs,
-their ``vjp`` is applied after). q, k, v, dout and out are read twice (k, v and q, dout, out for the
-sums, all five for the rows), dq, dk, dv written once; no array of the inputs' size is made.
+four products per position against the forward's two. k and v may have another length than q
+(cross-attention): the sums and the rows then walk the keys' chunks and the queries' chunks apart.
+Both sums are kept as the forward kernel keeps its state (pending float32 sums folded into float64
+every FOLD_EVERY chunks). When heads are few, a head is cut into segments (runtime.plan) and the
+kernel runs three times: each segment's item sums its own chunks' part of [S | Z], then (with all of
+Z) its part of G, then writes its rows from the sums of the parts. phi and phi' are elu + 1, relu or
+identity (other maps: their features are the inputs, their ``vjp`` is applied after). q, k, v, dout
+and out are read twice (k, v and q, dout, out for the sums, all five for the rows), dq, dk, dv written
+once; no array of the inputs' size is made.
 """
 import numpy as np
 from numba import types
@@ -58,7 +60,7 @@ def _sum_chunks(which, q, k, v, g, out, fm, s, eps, normalize, chunk, c0, c1, KF
     one head of phi(K)^T [v, 1] (``which`` 0: [S | Z]) or (scale phi(Q))^T [a | b] (1: G, from Z); zero
     when there are no chunks."""
     P = sbuf[0]
-    n = q.shape[0]
+    n = k.shape[0] if which == 0 else q.shape[0]
     has_acc = bool(False)  # bool()/int(): run-time values, not literals (see _jit)
     for ci in range(c0, c1):
         i0 = ci * chunk
@@ -105,8 +107,9 @@ def _copy_matrix(src, dst):
 def _noncausal_backward(q, k, v, g, out, fm, s, eps, normalize, chunk, frac, dq, dk, dv, phase, parts, counter):
     """Gradients of non-causal linear attention for every head (see the module docstring).
 
-    q, k: (G1, G2, N, D); v, g (the output's gradient), out (the forward's result): (G1, G2, N, Dv); dq,
-    dk: (G1, G2, N, D), dv: (G1, G2, N, Dv); every array with unit stride along its last axis. ``fm``:
+    q: (G1, G2, N, D), k: (G1, G2, Nk, D); v: (G1, G2, Nk, Dv), g (the output's gradient), out (the
+    forward's result): (G1, G2, N, Dv); dq, dk, dv like q, k, v; every array with unit stride along its
+    last axis. ``fm``:
     cpu/elementwise.py's map code (elu + 1, relu, identity), ``s``: the scale of phi(q). ``frac`` splits
     each head's chunks into segments, one work item each. Run by threaded.ThreadedKernel: each thread
     takes items from ``counter``. ``phase`` 3: each item sums its head's [S | Z] and G itself, then
@@ -115,7 +118,7 @@ def _noncausal_backward(q, k, v, g, out, fm, s, eps, normalize, chunk, frac, dq,
     of Z) into parts[1, head, segment]; 2, its rows from the sums of the parts (float64, (2, heads, nseg,
     D, Dv + 1)).
     """
-    g2, n, d = q.shape[1], q.shape[2], q.shape[3]
+    g2, d = q.shape[1], q.shape[3]
     e, dt = v.shape[3] + 1, dq.dtype
     one = np.ones(1, dt)[0]
     q, k, v, g, out, dq, dk, dv, parts = unowned((q, k, v, g, out, dq, dk, dv, parts))  # (see chunked)
@@ -128,20 +131,22 @@ def _noncausal_backward(q, k, v, g, out, fm, s, eps, normalize, chunk, frac, dq,
     sbuf = _state_buffers(d, e, dt)
     acc = sbuf[2]
     nseg = frac.shape[0] - 1
-    nchunks = (n + chunk - 1) // chunk
+    n, nk = q.shape[2], k.shape[2]
+    nchunks, kchunks = (n + chunk - 1) // chunk, (nk + chunk - 1) // chunk
     items = q.shape[0] * g2 * nseg
     item = take(counter)
     while item < items:
-        h, sg, c0, c1 = _segment(item, nseg, frac, nchunks)
+        h, sg, c0, c1 = _segment(item, nseg, frac, nchunks)  # the segment's query chunks, then its key chunks
+        k0, k1 = _segment(item, nseg, frac, kchunks)[2:]
         h1, h2 = h // g2, h % g2
         qh, kh, vh, gh, oh = q[h1, h2], k[h1, h2], v[h1, h2], g[h1, h2], out[h1, h2]
         for which in range(2):  # [S | Z] of the whole head, then G (from its Z)
             if phase == 3:
-                _sum_chunks(which, qh, kh, vh, gh, oh, fm, s, eps, normalize, chunk, int(0), nchunks, KF, V1, QS, AB,
-                            DEN, Z, sbuf)
+                _sum_chunks(which, qh, kh, vh, gh, oh, fm, s, eps, normalize, chunk, int(0),
+                            kchunks if which == 0 else nchunks, KF, V1, QS, AB, DEN, Z, sbuf)
             elif phase == which:  # this segment's part of it, for the next run
-                _sum_chunks(which, qh, kh, vh, gh, oh, fm, s, eps, normalize, chunk, c0, c1, KF, V1, QS, AB, DEN, Z,
-                            sbuf)
+                _sum_chunks(which, qh, kh, vh, gh, oh, fm, s, eps, normalize, chunk, k0 if which == 0 else c0,
+                            k1 if which == 0 else c1, KF, V1, QS, AB, DEN, Z, sbuf)
                 _copy_matrix(acc, parts[which, h, sg])
                 break
             else:
@@ -156,18 +161,25 @@ def _noncausal_backward(q, k, v, g, out, fm, s, eps, normalize, chunk, frac, dq,
         transpose_rows(S, ST, sums, d)
         transpose_rows(G, GT, sums, d)
         dqh, dkh, dvh = dq[h1, h2], dk[h1, h2], dv[h1, h2]
-        for ci in range(c0, c1):
+        for ci in range(c0, c1):  # dq
             i0 = ci * chunk
             c = min(chunk, n - i0)
             t = _rows_to_touch(ci, c0, c1, chunk, n)
             if t > 0:
-                for x in (qh, kh, vh, gh, oh):
+                for x in (qh, gh, oh):
                     touch_rows(x, i0, t)
-            load_rows(kh, i0, c, fm, KF)
-            _load_values(vh, i0, c, V1)
             _queries_and_adjoints(qh, gh, oh, i0, c, fm, s, eps, normalize, Z, QS, AB, DEN)
             small_gemm(AB[:c], ST, R[:c], False, -1, -1)  # ab [S | Z]^T
             _times_derivative(R, QS, c, fm, s, dqh, i0, no_r, bool(False))
+        for ci in range(k0, k1):  # dk, dv
+            i0 = ci * chunk
+            c = min(chunk, nk - i0)
+            t = _rows_to_touch(ci, k0, k1, chunk, nk)
+            if t > 0:
+                for x in (kh, vh):
+                    touch_rows(x, i0, t)
+            load_rows(kh, i0, c, fm, KF)
+            _load_values(vh, i0, c, V1)
             small_gemm(V1[:c], GT, R[:c], False, -1, -1)  # v1 G^T
             _times_derivative(R, KF, c, fm, one, dkh, i0, no_r, bool(False))
             small_gemm(KF[:c], G[:, :e - 1], dvh[i0:i0 + c], False, -1, -1)  # phi(k) G[:, :Dv]

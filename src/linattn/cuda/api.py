@@ -97,8 +97,8 @@ def causal(q, k, v, fmap, eps, normalize, lengths, S0, Z0, want_state, dtype, ga
 
 
 def noncausal(q, k, v, fmap, eps, normalize, dtype, scale=1.0):
-    """Non-causal forward of (BH, N, D) arrays with feature map ``fmap`` (as ``causal``); ``scale``
-    multiplies phi(q)."""
+    """Non-causal forward of q (BH, N, D) over k (BH, Nk, D) and v (BH, Nk, Dv) with feature map ``fmap`` (as
+    ``causal``); ``scale`` multiplies phi(q)."""
     cuda = cuda_module()
     from .kernels import noncausal as kern
     host = not is_device_array(q)

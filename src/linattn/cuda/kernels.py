@@ -216,24 +216,27 @@ def add_decayed_chunk(Ks, Vs, Ss, Zs, c, C, TE, d, tx, ty, tid, nthreads, Gs, Rs
 
 @cuda.jit
 def noncausal(q, k, v, fm, fp, eps, normalize, out, C, TE, scale):
+    """One block per head and tile of TE value columns: the state summed over the keys' chunks, then
+    each chunk of queries' outputs from it (q (BH, N, D), k (BH, Nk, D), v (BH, Nk, Dv))."""
     h, e0, tx, ty, tid, nthreads = block_position(C, TE)
-    n, d, dv = q.shape[1], int(fp[1]), v.shape[2]
+    n, nk, d, dv = q.shape[1], k.shape[1], int(fp[1]), v.shape[2]
     Qs, Ks, Vs, _, Ss, Zs, dens, Ms = carve(cuda.shared.array(0, float64), C, TE, d)
     for i in range(tid, d * TE, nthreads):
         Ss[i] = 0.0
     for a in range(tid, d, nthreads):
         Zs[a] = 0.0
     cuda.syncthreads()
-    for i0 in range(0, n, C):  # the state over the whole sequence
-        c = min(C, n - i0)
-        load_chunk(q, k, v, h, i0, c, fm, fp, e0, C, TE, d, dv, Qs, Ks, Vs, Ms, tid, nthreads)
+    for i0 in range(0, nk, C):  # the state over all the keys (k and v may be longer or shorter than q)
+        c = min(C, nk - i0)
+        load_chunk(k, k, v, h, i0, c, fm, fp, e0, C, TE, d, dv, Qs, Ks, Vs, Ms, tid, nthreads)
         cuda.syncthreads()
         add_chunk_to_state(Ks, Vs, Ss, Zs, c, C, TE, d, tx, ty, tid, nthreads)
         cuda.syncthreads()
     e = e0 + tx
     for i0 in range(0, n, C):
         c = min(C, n - i0)
-        load_chunk(q, k, v, h, i0, c, fm, fp, e0, C, TE, d, dv, Qs, Ks, Vs, Ms, tid, nthreads)
+        # the queries' features alone (no value columns: dv 0)
+        load_chunk(q, q, v, h, i0, c, fm, fp, e0, C, TE, d, 0, Qs, Ks, Vs, Ms, tid, nthreads)
         cuda.syncthreads()
         if tx == 0:
             den = 0.0

@@ -1,0 +1,202 @@
+"""Cross-attention: linear_attention (and its vjp, attention_weights) with keys and values of another
+length than the queries, against the float64 O(N * Nk) reference; the kernels' segments over the two
+lengths; what stays an error (causal calls, v of another length than k)."""
+import numpy as np
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+import linattn
+from linattn import reference
+from linattn.cpu import chunked, noncausal_grad, runtime
+from linattn.cpu.elementwise import ELU
+
+from conftest import assert_close, random_options
+from test_gradients import _noncausal_reference_grads, _numeric
+
+PAIRS = [(1, 1), (1, 1000), (1000, 1), (63, 65), (65, 63), (1000, 63), (63, 1000)]
+
+
+def _cross(rng, lead, n, nk, d, dv, dtype=np.float32):
+    q = (rng.standard_normal(lead + (n, d)) * 0.5).astype(dtype)
+    k = (rng.standard_normal(lead + (nk, d)) * 0.5).astype(dtype)
+    v = rng.standard_normal(lead + (nk, dv)).astype(dtype)
+    return q, k, v
+
+
+@pytest.mark.parametrize("dtype", [np.float32, np.float64])
+@pytest.mark.parametrize("d, dv", [(1, 1), (16, 8), (5, 33)])
+@pytest.mark.parametrize("n, nk", PAIRS)
+def test_against_reference(rng, n, nk, d, dv, dtype):
+    for lead in ((), (2, 3)):
+        q, k, v = _cross(rng, lead, n, nk, d, dv, dtype)
+        out = linattn.linear_attention(q, k, v)
+        assert out.shape == lead + (n, dv) and out.dtype == dtype
+        assert_close(out, reference.masked(q, k, v, causal=False), dtype)
+
+
+@pytest.mark.parametrize("kw", [dict(feature_map="relu", normalize=False, scale=0.5),
+                                dict(feature_map="identity", eps=0.0, normalize=False),
+                                dict(feature_map=linattn.feature_maps.Taylor()),
+                                dict(feature_map=linattn.feature_maps.Performer.random(6, 10, seed=1), scale=0.3),
+                                dict(feature_map=lambda x: np.concatenate([np.maximum(x, 0), np.maximum(-x, 0)], -1),
+                                     eps=1e-3)])
+def test_feature_maps_and_options(rng, kw):
+    """Named maps, maps with parameters (computed inside the kernel) and a callable (its k mapped to
+    the keys' length), with scale, eps and normalize."""
+    q, k, v = _cross(rng, (2,), 70, 45, 6, 4, np.float64)
+    assert_close(linattn.linear_attention(q, k, v, **kw), reference.masked(q, k, v, causal=False, **kw), np.float64)
+
+
+def test_views_and_out(rng):
+    """The heads of a decoder's fused QKV projection as queries, of an encoder's fused KV projection as
+    keys and values, the result written into a (B, N, H, Dv) buffer's head view."""
+    b, h, n, nk, d = 2, 3, 50, 77, 8
+    qp = rng.standard_normal((b, n, 3, h, d)).astype(np.float32)
+    kvp = rng.standard_normal((b, nk, 2, h, d)).astype(np.float32)
+    q = qp[:, :, 0].transpose(0, 2, 1, 3)
+    k, v = (kvp[:, :, i].transpose(0, 2, 1, 3) for i in range(2))
+    buf = np.full((b, n, h, d), np.nan, np.float32)
+    res = linattn.linear_attention(q, k, v, out=buf.transpose(0, 2, 1, 3))
+    want = reference.masked(q, k, v, causal=False)
+    assert res.base is buf
+    assert_close(buf.transpose(0, 2, 1, 3), want, np.float32)
+    assert_close(linattn.linear_attention(q, k[:, :, ::-1], v[:, :, ::-1]), want, np.float32)  # (negative strides)
+
+
+@pytest.mark.parametrize("frac", [[0, 1], [0, 0.5, 1], [0, 0.2, 0.21, 0.9, 1], [0, 0, 0, 1], [0, 1, 1, 1]])
+@pytest.mark.parametrize("n, nk", [(300, 70), (70, 300), (300, 0)])
+def test_kernel_segments(rng, frac, n, nk):
+    """Every kind of split of a head into segments, on two threads: each segment's part of the state
+    over the keys' chunks (first run), then its chunks of the outputs (second run), and the backward's
+    three runs."""
+    d, dv = 6, 5
+    q, k, v = _cross(rng, (3,), n, nk, d, dv)
+    chunk, frac = runtime.chunk_size(max(n, nk)), np.asarray(frac, np.float64)
+    out = np.full((3, n, dv), np.nan, np.float32)
+    parts = np.full((3, len(frac) - 1, d, dv + 1), np.nan)
+    kernel = chunked.noncausal_forward.get(np.float32, "C")
+    for phase in (0, 1) if len(frac) > 2 else (1,):
+        kernel(2, q[None], k[None], v[None], 1, np.zeros(0, np.float32), 0, np.float32(1e-6), True, np.float32(1),
+               chunk, frac, out[None], phase, parts if len(frac) > 2 else parts[:0])
+    assert_close(out, reference.masked(q, k, v, causal=False), np.float32)
+    if not nk:
+        return
+    g = rng.standard_normal((3, n, dv)).astype(np.float32)
+    grads = [np.full_like(x, np.nan) for x in (q, k, v)]
+    noncausal_grad.backward(2, q[None], k[None], v[None], g[None], out[None], ELU, np.float32(1), np.float32(1e-6),
+                            True, chunk, frac, *(x[None] for x in grads))
+    for got, want in zip(grads, _noncausal_reference_grads(q, k, v, g, "elu", 1.0, 1e-6, True)):
+        assert np.abs(got - want).max() <= 2e-5 * np.abs(want).max()
+
+
+@pytest.mark.parametrize("n, nk", [(4001, 300), (300, 4001)])
+def test_one_long_head_in_segments(rng, n, nk):
+    """One head, long enough that runtime.plan cuts it into segments (two runs forward, three back)."""
+    q, k, v = _cross(rng, (), n, nk, 16, 24)
+    if runtime.num_threads() > 1:
+        assert len(runtime.plan(1, max(n, nk), 16, 24, causal=False)[1]) > 2
+    g = rng.standard_normal((n, 24)).astype(np.float32)
+    out, vjp = linattn.linear_attention_vjp(q, k, v)
+    assert_close(out, reference.masked(q, k, v, causal=False), np.float32)
+    for got, want in zip(vjp(g), _noncausal_reference_grads(q, k, v, g, "elu", 1.0, 1e-6, True)):
+        assert got.shape == want.shape and np.abs(got - want).max() <= 2e-5 * np.abs(want).max()
+
+
+@pytest.mark.parametrize("dtype", [np.float32, np.float64])
+@pytest.mark.parametrize("kw", [{}, dict(feature_map="relu", scale=0.3, normalize=False)])
+@pytest.mark.parametrize("n, nk", PAIRS)
+def test_vjp(rng, n, nk, dtype, kw):
+    """The gradients against the formulas in float64, with absolute error scaled by the inputs' (with
+    one key, or D = 1 and one query, the outputs barely depend on q or k: their gradients cancel to
+    rounding)."""
+    q, k, v = _cross(rng, (2,), n, nk, 5, 3, dtype)
+    g = rng.standard_normal((2, n, 3)).astype(dtype)
+    out, vjp = linattn.linear_attention_vjp(q, k, v, **kw)
+    np.testing.assert_array_equal(out, linattn.linear_attention(q, k, v, **kw))
+    full = dict(dict(feature_map="elu", scale=1.0, eps=1e-6, normalize=True), **kw)
+    want = _noncausal_reference_grads(q, k, v, g, full["feature_map"], full["scale"], full["eps"], full["normalize"])
+    tol = 2e-5 if dtype == np.float32 else 1e-11
+    for got, w in zip(vjp(g), want):
+        assert got.dtype == dtype and got.shape == w.shape
+        assert np.abs(got - w).max() <= tol * max(np.abs(w).max(), 1.0)
+
+
+def test_vjp_against_finite_differences(rng):
+    q, k, v = (x.astype(np.float64) for x in _cross(rng, (2,), 7, 11, 3, 2))
+    fmap = linattn.feature_maps.Performer.random(3, 4, seed=0)
+    out, vjp = linattn.linear_attention_vjp(q, k, v, feature_map=fmap, scale=0.7)
+    W = rng.standard_normal(out.shape)
+    want = _numeric(lambda q, k, v: (linattn.linear_attention(q, k, v, feature_map=fmap, scale=0.7) * W).sum(),
+                    [q, k, v])
+    got = vjp(W)
+    for g, w in zip(got[:3], want):
+        assert g.shape == w.shape and np.max(np.abs(g - w)) <= 1e-6 * np.max(np.abs(w)) + 1e-8
+
+
+def test_no_keys_or_no_queries(rng):
+    """No keys: S = Z = 0, so every output is 0 / eps (NaN with eps 0, as the formula; 0 unnormalised);
+    no queries: an empty result, and no gradient reaches k or v."""
+    q, k, v = _cross(rng, (2,), 5, 0, 3, 2, np.float64)
+    np.testing.assert_array_equal(linattn.linear_attention(q, k, v), np.zeros((2, 5, 2)))
+    np.testing.assert_array_equal(linattn.linear_attention(q, k, v, normalize=False, eps=0.0), 0)
+    with np.errstate(invalid="ignore"):
+        assert np.isnan(reference.masked(q, k, v, causal=False, eps=0.0)).all()
+    assert np.isnan(linattn.linear_attention(q, k, v, eps=0.0)).all()
+    out, vjp = linattn.linear_attention_vjp(q, k, v)
+    dq, dk, dv = vjp(np.ones_like(out))
+    assert dk.shape == (2, 0, 3) and dv.shape == (2, 0, 2)
+    np.testing.assert_array_equal(dq, 0)
+    q, k, v = _cross(rng, (2,), 0, 5, 3, 2, np.float64)
+    out, vjp = linattn.linear_attention_vjp(q, k, v)
+    assert out.shape == (2, 0, 2)
+    dq, dk, dv = vjp(np.ones_like(out))
+    assert dq.shape == (2, 0, 3)
+    np.testing.assert_array_equal(dk, 0)
+    np.testing.assert_array_equal(dv, 0)
+
+
+def test_attention_weights(rng):
+    q, k, v = _cross(rng, (2,), 6, 9, 3, 2, np.float64)
+    w = linattn.attention_weights(q, k, causal=False, scale=0.5)
+    assert w.shape == (2, 6, 9)
+    np.testing.assert_allclose(w.sum(-1), 1, rtol=1e-5)
+    assert_close(w @ v, linattn.linear_attention(q, k, v, scale=0.5), np.float64)
+    with pytest.raises(ValueError, match=r"k: expected sequence length N=6 like q, got 9 .*causal=False"):
+        linattn.attention_weights(q, k)
+
+
+def test_errors(rng):
+    q, k, v = _cross(rng, (2,), 6, 9, 3, 2)
+    with pytest.raises(ValueError, match=r"v: expected the keys' length 9 like k .* got 8"):
+        linattn.linear_attention(q, k, v[:, :8])
+    with pytest.raises(ValueError, match=r"v: expected the keys' length 9 like k"):
+        linattn.linear_attention_vjp(q, k, v[:, :8])
+    for fn in (linattn.causal_linear_attention, linattn.causal_linear_attention_vjp):
+        with pytest.raises(ValueError, match=r"k: expected sequence length N=6 like q, got 9 .*linear_attention"):
+            fn(q, k, v)
+    with pytest.raises(ValueError, match=r"feature_map: expected the callable to map k to shape \(2, 9, 3\)"):
+        linattn.linear_attention(q, k, v, feature_map=lambda x: x[..., :6, :])
+    out, vjp = linattn.linear_attention_vjp(q, k, v)
+    with pytest.raises(ValueError, match=r"dout: expected shape \(2, 6, 2\)"):
+        vjp(np.ones((2, 9, 2), np.float32))
+
+
+@settings(max_examples=40, deadline=None)
+@given(lead=st.sampled_from([(), (1,), (2, 3)]), n=st.integers(1, 200), nk=st.integers(0, 200),
+       d=st.integers(1, 9), dv=st.integers(1, 9), f64=st.booleans(),
+       fmap=st.sampled_from(["elu", "relu", "taylor", "dpfp", "hedgehog"]), scale=st.sampled_from([None, 0.5]),
+       normalize=st.booleans(), seed=st.integers(0, 2**31))
+def test_random_shapes(lead, n, nk, d, dv, f64, fmap, scale, normalize, seed):
+    """Forward and vjp against the reference for drawn lengths, dims and maps."""
+    rng = np.random.default_rng(seed)
+    dtype = np.float64 if f64 else np.float32
+    fmap = random_options(rng, lead, n, d, dv, dtype, fmap, "none", False, False, scale)[0]
+    q, k, v = _cross(rng, lead, n, nk, d, dv, dtype)
+    kw = dict(feature_map=fmap, scale=scale, normalize=normalize, eps=1e-3)
+    out, vjp = linattn.linear_attention_vjp(q, k, v, **kw)
+    assert out.shape == lead + (n, dv) and out.dtype == dtype
+    assert_close(out, reference.masked(q, k, v, causal=False, **kw), dtype)
+    grads = vjp(np.ones_like(out))
+    assert [g.shape for g in grads[:3]] == [q.shape, k.shape, v.shape]
+    assert all(np.isfinite(g).all() for g in grads[:3])
