@@ -65,23 +65,32 @@ def test_views_and_out(rng):
 
 
 @pytest.mark.parametrize("frac", [[0, 1], [0, 0.5, 1], [0, 0.2, 0.21, 0.9, 1], [0, 0, 0, 1], [0, 1, 1, 1]])
-@pytest.mark.parametrize("n, nk", [(300, 70), (70, 300), (300, 0)])
+@pytest.mark.parametrize("n, nk", [(300, 70), (70, 300), (300, 0), (0, 70)])
 def test_kernel_segments(rng, frac, n, nk):
     """Every kind of split of a head into segments, on two threads: each segment's part of the state
-    over the keys' chunks (first run), then its chunks of the outputs (second run), and the backward's
-    three runs."""
+    over the keys' chunks (first run), then its chunks of the outputs from those parts and the initial
+    state, the first segment writing the state of every key, even when it has no outputs (second run);
+    and the backward's three runs."""
     d, dv = 6, 5
     q, k, v = _cross(rng, (3,), n, nk, d, dv)
+    S0, Z0 = rng.random((3, d, dv)).astype(np.float32), rng.random((3, d)).astype(np.float32) + 0.5
     chunk, frac = runtime.chunk_size(max(n, nk)), np.asarray(frac, np.float64)
     out = np.full((3, n, dv), np.nan, np.float32)
+    S, Z = np.full_like(S0, np.nan), np.full_like(Z0, np.nan)
     parts = np.full((3, len(frac) - 1, d, dv + 1), np.nan)
     kernel = chunked.noncausal_forward.get(np.float32, "C")
     for phase in (0, 1) if len(frac) > 2 else (1,):
         kernel(2, q[None], k[None], v[None], 1, np.zeros(0, np.float32), 0, np.float32(1e-6), True, np.float32(1),
-               chunk, frac, out[None], phase, parts if len(frac) > 2 else parts[:0])
-    assert_close(out, reference.masked(q, k, v, causal=False), np.float32)
-    if not nk:
+               chunk, frac, S0, Z0, out[None], S, Z, phase, parts if len(frac) > 2 else parts[:0])
+    kf = np.where(k > 0, k + 1.0, np.exp(np.minimum(k, 0.0)))
+    S_want, Z_want = S0 + np.swapaxes(kf, -1, -2) @ v, Z0 + kf.sum(-2)
+    assert_close(S, S_want, np.float32)
+    assert_close(Z, Z_want, np.float32)
+    qf = np.where(q > 0, q + 1.0, np.exp(np.minimum(q, 0.0)))
+    assert_close(out, (qf @ S_want) / ((qf @ Z_want[..., None]) + 1e-6), np.float32)
+    if not (n and nk):
         return
+    out = linattn.linear_attention(q, k, v)
     g = rng.standard_normal((3, n, dv)).astype(np.float32)
     grads = [np.full_like(x, np.nan) for x in (q, k, v)]
     noncausal_grad.backward(2, q[None], k[None], v[None], g[None], out[None], ELU, np.float32(1), np.float32(1e-6),
@@ -186,17 +195,154 @@ def test_errors(rng):
 @given(lead=st.sampled_from([(), (1,), (2, 3)]), n=st.integers(1, 200), nk=st.integers(0, 200),
        d=st.integers(1, 9), dv=st.integers(1, 9), f64=st.booleans(),
        fmap=st.sampled_from(["elu", "relu", "taylor", "dpfp", "hedgehog"]), scale=st.sampled_from([None, 0.5]),
-       normalize=st.booleans(), seed=st.integers(0, 2**31))
-def test_random_shapes(lead, n, nk, d, dv, f64, fmap, scale, normalize, seed):
-    """Forward and vjp against the reference for drawn lengths, dims and maps."""
+       normalize=st.booleans(), with_state=st.booleans(), seed=st.integers(0, 2**31))
+def test_random_shapes(lead, n, nk, d, dv, f64, fmap, scale, normalize, with_state, seed):
+    """Forward (and the keys' state) and vjp against the reference for drawn lengths, dims, maps and
+    initial states."""
     rng = np.random.default_rng(seed)
     dtype = np.float64 if f64 else np.float32
-    fmap = random_options(rng, lead, n, d, dv, dtype, fmap, "none", False, False, scale)[0]
+    fmap, dk, _ = random_options(rng, lead, n, d, dv, dtype, fmap, "none", False, False, scale)
     q, k, v = _cross(rng, lead, n, nk, d, dv, dtype)
     kw = dict(feature_map=fmap, scale=scale, normalize=normalize, eps=1e-3)
-    out, vjp = linattn.linear_attention_vjp(q, k, v, **kw)
+    S0 = linattn.State(rng.random(lead + (dk, dv)).astype(dtype), (rng.random(lead + (dk,)) + 0.5).astype(dtype))
+    out, state, vjp = linattn.linear_attention_vjp(q, k, v, initial_state=S0 if with_state else None,
+                                                   return_state=True, **kw)
     assert out.shape == lead + (n, dv) and out.dtype == dtype
-    assert_close(out, reference.masked(q, k, v, causal=False, **kw), dtype)
+    phi = linattn.feature_maps.as_map(fmap)
+    kf = phi(k.astype(np.float64))
+    S_want, Z_want = np.swapaxes(kf, -1, -2) @ v.astype(np.float64), kf.sum(-2)
+    if with_state:
+        S_want, Z_want = S_want + S0.S, Z_want + S0.Z
+    assert_close(state.S, S_want, dtype)
+    assert_close(state.Z, Z_want, dtype)
+    qf = phi(q.astype(np.float64)) * (1.0 if scale is None else scale)
+    want = qf @ S_want
+    assert_close(out, want / ((qf @ Z_want[..., None]) + 1e-3) if normalize else want, dtype)
     grads = vjp(np.ones_like(out))
     assert [g.shape for g in grads[:3]] == [q.shape, k.shape, v.shape]
     assert all(np.isfinite(g).all() for g in grads[:3])
+
+
+@pytest.mark.parametrize("dtype", [np.float32, np.float64])
+@pytest.mark.parametrize("n, cuts", [(63, (0, 1, 40, 65)), (1, (0, 1000)), (1000, (0, 500, 999, 1000))])
+def test_state_of_keys_in_pieces(rng, dtype, n, cuts):
+    """Keys given in pieces through initial_state / return_state: each call's outputs attend to every
+    key so far, the state after the last piece is that of one call over all the keys (and its S, Z
+    the sums), and queries over the state alone (k, v None) equal the one call."""
+    q, k, v = _cross(rng, (2,), n, cuts[-1], 5, 3, dtype)
+    whole, st_whole = linattn.linear_attention(q, k, v, return_state=True)
+    assert_close(whole, reference.masked(q, k, v, causal=False), dtype)
+    kf = np.where(k > 0, k + 1.0, np.exp(np.minimum(k, 0.0)))
+    assert_close(st_whole.S, np.swapaxes(kf, -1, -2) @ v.astype(np.float64), dtype)
+    assert_close(st_whole.Z, kf.sum(-2), dtype)
+    state = None
+    for a, b in zip(cuts[:-1], cuts[1:]):
+        out, state = linattn.linear_attention(q, k[:, a:b], v[:, a:b], initial_state=state, return_state=True)
+        assert_close(out, reference.masked(q, k[:, :b], v[:, :b], causal=False), dtype)
+    assert state.S.dtype == dtype and state.Z.dtype == dtype
+    assert_close(state.S, st_whole.S, dtype)
+    assert_close(state.Z, st_whole.Z, dtype)
+    assert_close(linattn.linear_attention(q, initial_state=state), whole, dtype)
+    assert_close(linattn.linear_attention(q[:, :1], None, None, initial_state=state), whole[:, :1], dtype)
+
+
+def test_state_with_options_and_segments(rng, monkeypatch):
+    """initial_state with maps, scale, normalize and views; and heads cut into segments (the first run's
+    parts added to the initial state) equal to one segment a head."""
+    q, k, v = _cross(rng, (2, 2), 300, 500, 6, 4, np.float64)
+    S0 = linattn.State(rng.random((2, 2, 28, 4)), rng.random((2, 2, 28)) + 0.5)  # (Taylor: D' = 1 + 6 + 21)
+    kw = dict(feature_map=linattn.feature_maps.Taylor(), scale=0.4, normalize=False, initial_state=S0,
+              return_state=True)
+    k2 = np.concatenate([k, k], -1)[..., ::2]  # (a strided view)
+    out, st = linattn.linear_attention(q, k2, v, **kw)
+    phi = linattn.feature_maps.Taylor()
+    kf = phi(k2.astype(np.float64))
+    S_want, Z_want = S0.S + np.swapaxes(kf, -1, -2) @ v, S0.Z + kf.sum(-2)
+    assert_close(st.S, S_want, np.float64)
+    assert_close(st.Z, Z_want, np.float64)
+    assert_close(out, 0.4 * phi(q) @ S_want, np.float64)
+    real_plan = linattn.attention.plan
+    monkeypatch.setattr(linattn.attention, "plan", lambda bh, n, dk, dv, causal=True, two_runs=True: (
+        real_plan(bh, n, dk, dv, causal, two_runs)[0], np.array([0, 0.3, 0.31, 1.0]), 2, True))
+    out2, st2 = linattn.linear_attention(q, k2, v, **kw)
+    assert_close(out2, out, np.float64)
+    assert_close(st2.S, st.S, np.float64)
+
+
+@pytest.mark.parametrize("with_keys", [True, False])
+def test_state_vjp_against_finite_differences(rng, with_keys):
+    """Gradients through initial_state and the returned state (vjp(dout, dstate)); with k, v None only
+    the queries' and the initial state's (dk, dv None)."""
+    q, k, v = (x.astype(np.float64) for x in _cross(rng, (2,), 4, 6, 3, 2))
+    S0 = linattn.State(rng.random((2, 3, 2)), rng.random((2, 3)) + 0.5)
+    keys = (k, v) if with_keys else (None, None)
+    out, st, vjp = linattn.linear_attention_vjp(q, *keys, initial_state=S0, return_state=True, scale=0.8)
+    W, WS, WZ = (rng.standard_normal(x.shape) for x in (out, st.S, st.Z))
+
+    def loss(q, S, Z, *kv):
+        o, s = linattn.linear_attention(q, *(kv or keys), initial_state=linattn.State(S, Z), return_state=True,
+                                        scale=0.8)
+        return (o * W).sum() + (s.S * WS).sum() + (s.Z * WZ).sum()
+
+    got = vjp(W, linattn.State(WS, WZ))
+    assert isinstance(got[3], linattn.State)
+    want = _numeric(loss, [q, S0.S, S0.Z] + ([k, v] if with_keys else []))
+    pairs = [(got[0], want[0]), (got[3].S, want[1]), (got[3].Z, want[2])]
+    if with_keys:
+        pairs += [(got[1], want[3]), (got[2], want[4])]
+    else:
+        assert got[1] is None and got[2] is None
+    for g, w in pairs:
+        assert g.shape == w.shape and np.max(np.abs(g - w)) <= 1e-6 * np.max(np.abs(w)) + 1e-8
+    _, vjp_plain = linattn.linear_attention_vjp(q, *keys, initial_state=S0)
+    got_plain = vjp_plain(W)  # (no state returned: its gradient is zero)
+
+    def loss_plain(q, S, Z):
+        return (linattn.linear_attention(q, *keys, initial_state=linattn.State(S, Z), scale=0.8) * W).sum()
+
+    want = _numeric(loss_plain, [q, S0.S, S0.Z])
+    for g, w in zip((got_plain[0], got_plain[3].S, got_plain[3].Z), want):
+        assert np.max(np.abs(g - w)) <= 1e-6 * np.max(np.abs(w)) + 1e-8
+
+
+def test_out_over_the_initial_state(rng):
+    """out in the memory of the initial state it reads (each head's outputs over the next head's state):
+    the result computed aside, as with out over q, k, v."""
+    q = rng.standard_normal((4, 2, 8)).astype(np.float64)
+    k, v = rng.standard_normal((4, 5, 8)), rng.standard_normal((4, 5, 8))
+    _, st = linattn.linear_attention(q, k, v, return_state=True)
+    want = linattn.linear_attention(q, initial_state=st)
+    flat = st.S.reshape(-1)
+    out = flat[2 * 8 * 8 - 16:][:4 * 2 * 8].reshape(4, 2, 8)  # head h's rows end inside head h + 1's S
+    res = linattn.linear_attention(q, initial_state=st, out=out)
+    assert res is out
+    np.testing.assert_array_equal(out, want)
+
+
+def test_state_errors(rng):
+    q, k, v = _cross(rng, (2,), 6, 9, 3, 2)
+    st = linattn.linear_attention(q, k, v, return_state=True)[1]
+    with pytest.raises(TypeError, match=r"k: expected an array, got None \(k and v may both be None only with an"):
+        linattn.linear_attention(q)
+    with pytest.raises(TypeError, match=r"v: expected an array, got None"):
+        linattn.linear_attention(q, k, initial_state=st)
+    with pytest.raises(TypeError, match=r"k: expected an array, got None"):
+        linattn.linear_attention(q, None, v)
+    with pytest.raises(TypeError, match=r"initial_state: expected a linattn.State"):
+        linattn.linear_attention(q, initial_state=3.0)
+    with pytest.raises(ValueError, match=r"initial_state.S: expected shape \(2, 2, 2\) .* got \(2, 3, 2\)"):
+        linattn.linear_attention(q[..., :2], k[..., :2], v, initial_state=st)  # (D' 2 here)
+    with pytest.raises(ValueError, match=r"initial_state.S: expected shape \(2, 2, 2\)"):
+        linattn.linear_attention(q[..., :2], initial_state=st)
+    with pytest.raises(ValueError, match=r"initial_state.S: expected leading dimensions \(1,\) like q"):
+        linattn.linear_attention(q[:1], initial_state=st)
+    with pytest.raises(TypeError, match=r"initial_state.S: expected dtype float64"):
+        linattn.linear_attention(q.astype(np.float64), initial_state=st)
+    with pytest.raises(TypeError, match="return_state: expected True or False"):
+        linattn.linear_attention(q, k, v, return_state=1)
+    _, vjp = linattn.linear_attention_vjp(q, k, v)
+    with pytest.raises(TypeError, match=r"dstate: the forward returned no state"):
+        vjp(np.ones((2, 6, 2), np.float32), st)
+    _, _, vjp = linattn.linear_attention_vjp(q, k, v, return_state=True)
+    with pytest.raises(ValueError, match=r"dstate.S: expected shape \(2, 3, 2\)"):
+        vjp(np.ones((2, 6, 2), np.float32), linattn.State(st.S[..., :1], st.Z))

@@ -80,6 +80,29 @@ def test_cross_attention(cuda, n, nk):
         linattn.linear_attention(dev(cuda, q), dev(cuda, k), dev(cuda, np.zeros((2, nk + 1, 5), np.float64)))
 
 
+def test_state_of_keys_on_device(cuda):
+    """Non-causal initial_state / return_state on the device: keys in two pieces through the state, then
+    queries over the state alone (k, v None), device and host arrays, against the CPU."""
+    rng = np.random.default_rng(10)
+    for dtype in (np.float32, np.float64):
+        q = (rng.standard_normal((2, 5, 3)) * 0.6).astype(dtype)
+        k, v = ((rng.standard_normal((2, 9, w)) * 0.6).astype(dtype) for w in (3, 6))
+        want, st_want = linattn.linear_attention(q, k, v, return_state=True)
+        a, st = linattn.linear_attention(dev(cuda, q), dev(cuda, k[:, :4]), dev(cuda, v[:, :4]), return_state=True)
+        assert not isinstance(st.S, np.ndarray)
+        b, st2 = linattn.linear_attention(dev(cuda, q), dev(cuda, k[:, 4:]), dev(cuda, v[:, 4:]), initial_state=st,
+                                          return_state=True)
+        close(a.copy_to_host(), linattn.linear_attention(q, k[:, :4], v[:, :4]), dtype)
+        close(b.copy_to_host(), want, dtype)
+        close(st2.S.copy_to_host(), st_want.S, dtype)
+        close(st2.Z.copy_to_host(), st_want.Z, dtype)
+        close(linattn.linear_attention(dev(cuda, q), initial_state=st2).copy_to_host(), want, dtype)
+        out, st3 = linattn.linear_attention(q, initial_state=st_want, device="cuda", return_state=True)
+        assert isinstance(out, np.ndarray) and isinstance(st3.S, np.ndarray)
+        close(out, want, dtype)
+        close(st3.S, st_want.S, dtype)
+
+
 def test_scale_on_device(cuda):
     """scale multiplies phi(q) in both forms on the device (the non-causal kernel ignored it: 2x its result
     at scale 0.5 without normalisation)."""

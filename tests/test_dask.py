@@ -143,6 +143,32 @@ def test_cross_attention(rng, q_chunks, kv_chunks):
         linattn.causal_linear_attention(lq, lk, lv)
 
 
+def test_noncausal_state(rng):
+    """linear_attention's initial_state / return_state on dask arrays: keys in pieces, a dask or NumPy state,
+    queries over the state alone (k, v None), against NumPy; and a causal call whose only dask array is its
+    initial state."""
+    q, k, v = rng.standard_normal((2, 3, 40, 5)), rng.standard_normal((2, 3, 70, 5)), rng.standard_normal((2, 3, 70, 4))
+    S0 = linattn.State(rng.random((2, 3, 5, 4)), rng.random((2, 3, 5)) + 0.5)
+    want, st_want = linattn.linear_attention(q, k, v, initial_state=S0, return_state=True)
+    lazy_state = linattn.State(_lazy(S0.S, (1, 3, 5, 4)), S0.Z)
+    for args, state in (((_lazy(q, (1, 2, 15, 5)), k, v), S0), ((q, _lazy(k, (2, 1, 30, 5)), v), S0),
+                        ((q, k, v), lazy_state)):
+        out, st = linattn.linear_attention(*args, initial_state=state, return_state=True)
+        assert isinstance(out, da.Array) and isinstance(st.S, da.Array) and st.S.dtype == np.float64
+        assert_close(out.compute(), want, np.float64)
+        assert_close(st.S.compute(), st_want.S, np.float64)
+        assert_close(st.Z.compute(), st_want.Z, np.float64)
+    keyless = linattn.linear_attention(_lazy(q, (1, 2, 15, 5)), initial_state=st_want)
+    assert_close(keyless.compute(), linattn.linear_attention(q, initial_state=st_want), np.float64)
+    S1 = linattn.State(rng.random((2, 3, 5, 5)), rng.random((2, 3, 5)) + 0.5)
+    out, st = linattn.causal_linear_attention(q, q, q, initial_state=linattn.State(_lazy(S1.S, (1, 3, 5, 5)), S1.Z),
+                                              return_state=True)
+    out_np, st_np = linattn.causal_linear_attention(q, q, q, initial_state=S1, return_state=True)
+    assert isinstance(out, da.Array)
+    assert_close(out.compute(), out_np, np.float64)
+    assert_close(st.S.compute(), st_np.S, np.float64)
+
+
 def test_on_a_local_cluster(client, rng):
     """Processes: the kernels are pickled to the workers and compiled or loaded there."""
     lead, n, d, dv = (2, 2), 400, 8, 8

@@ -12,6 +12,12 @@ from linattn.cpu.runtime import chunk_size
 from conftest import assert_close, make_qkv
 
 
+def _NO_STATE(d, dv):
+    """The non-causal kernel's (S0, Z0, S_out, Z_out) with no rows: no initial state, none written."""
+    return (np.zeros((0, d, dv), np.float32), np.zeros((0, d), np.float32), np.zeros((0, d, dv), np.float32),
+            np.zeros((0, d), np.float32))
+
+
 def _fused_qkv(rng, b, n, h, d, dtype):
     """q, k, v as a model gets them: views (B, H, N, D) into one (B, N, 3, H, D) projection."""
     qkv = (rng.standard_normal((b, n, 3, h, d)) * 0.5).astype(dtype)
@@ -163,7 +169,8 @@ def test_any_number_of_threads_takes_all_items(rng, nthreads):
     parts = np.full((6, 3, d, dv + 1), np.nan)  # each segment's part of its head's state, then the outputs
     for phase in (0, 1):
         chunked.noncausal_forward.get(np.float32, "C")(nthreads, q, k, v, 1, *no_map, np.float32(1e-6), True,
-                                                        np.float32(1), chunk_size(n), frac, out2, phase, parts)
+                                                        np.float32(1), chunk_size(n), frac, *_NO_STATE(d, dv)[:2],
+                                                        out2, *_NO_STATE(d, dv)[2:], phase, parts)
     assert_close(out2, reference.masked(q, k, v, causal=False), np.float32)
 
 

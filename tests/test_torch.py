@@ -60,6 +60,24 @@ def test_gradcheck_cross_attention(feature_map):
                                     (q, k, v))
 
 
+@pytest.mark.parametrize("with_keys", [True, False])
+def test_gradcheck_noncausal_state(with_keys):
+    """linear_attention's initial_state and returned state (the sums of every key), differentiable; with
+    k, v None the queries read the state alone."""
+    q = _inputs((2, 5, 3))[0]
+    k, v = _inputs((2, 7, 3), seed=1)[1:] if with_keys else (None, None)
+    S0 = torch.rand(2, 3, 2, dtype=torch.float64, requires_grad=True)
+    Z0 = (torch.rand(2, 3, dtype=torch.float64) + 0.5).requires_grad_()
+
+    def f(q, S0, Z0, *kv):
+        out, (S, Z) = lt.linear_attention(q, *(kv or (k, v)), initial_state=(S0, Z0), return_state=True, scale=0.7)
+        return out, S, Z
+
+    assert torch.autograd.gradcheck(f, (q, S0, Z0) + ((k, v) if with_keys else ()))
+    assert torch.autograd.gradcheck(lambda q, S0, Z0: lt.linear_attention(q, k, v, initial_state=(S0, Z0)),
+                                    (q, S0, Z0))
+
+
 @pytest.mark.parametrize("feature_map", ["softplus", Taylor(), DPFP(2)])
 def test_gradcheck_other_maps(feature_map):
     """Maps the backward kernel does not differentiate itself (their vjp), causal and not."""

@@ -55,6 +55,15 @@ def _no_state(dt, dk, dv):
 
 
 _NO_PARTS = np.zeros((0, 1, 1, 1))  # the kernels' segments' partial sums, none
+# the non-causal kernel's "no initial state" (typed writable there: see cpu/chunked.py's _noncausal_forward)
+_NO_INITIAL = {dt: (np.zeros((0, 1, 1), dt), np.zeros((0, 1), dt)) for dt in _FLOATS}
+
+
+def _initial_for_noncausal(S0, Z0, bh):
+    """A checked initial state as the non-causal kernel takes it: C-contiguous (BH, D', Dv), (BH, D'),
+    writable (copied where not)."""
+    S0, Z0 = (np.ascontiguousarray(_flat(np.asarray(x), bh, t)) for x, t in ((S0, 2), (Z0, 1)))
+    return tuple(x if x.flags.writeable else x.copy() for x in (S0, Z0))
 
 
 def _run(kernel, nthreads, args, parts):
@@ -94,7 +103,7 @@ def _fast_plan(causal, dt, shape, dv, threads):
             kernel = chunked.causal_forward.get(dt, ("C", 0))
             extra = (_full_lengths(bh, n),) + _no_state(dt, d, dv) + (_NO_DEN[dt], _NO_STATES[dt])
         else:
-            kernel, extra = chunked.noncausal_forward.get(dt, "C"), ()
+            kernel, extra = chunked.noncausal_forward.get(dt, "C"), _NO_INITIAL[dt] + _no_state(dt, d, dv)[2:]
         found = (chunk, frac, nthreads, pooled, kernel, no_gates, one, two_runs) + extra
         if len(_constants) > 256:
             _constants.clear()
@@ -149,18 +158,61 @@ def _fast(causal, q, k, v, feature_map, eps, normalize, keep=False, return_state
         args = (q4, k4, v4, code, no_gates, 0, dt.type(eps), normalize, one, lengths, chunk, frac, S0, Z0,
                 o4, S, Z, no_gates, _ZERO_DECAY, status, den4, states4)
     else:
-        args = (q4, k4, v4, code, no_gates, 0, dt.type(eps), normalize, one, chunk, frac, o4)
-    if two_runs:  # heads in segments, each summing its own part first (runs on one thread have one segment a head)
-        _run(kernel, nthreads, args, _parts(True, bh, frac, d, dv, causal))
-    elif nthreads > 1:
-        with kernel_section(nthreads):
-            kernel(nthreads, *args, 1, _NO_PARTS)
-    else:  # the worker on this thread, as the kernel would call it (no parallel region, no section),
-        # through its unchecked entry point: the arguments built above have the signature's types
-        kernel.unchecked(*args, 1, _NO_PARTS, np.zeros(1, np.int64))
+        S0, Z0, S, Z = found[8:]
+        args = (q4, k4, v4, code, no_gates, 0, dt.type(eps), normalize, one, chunk, frac, S0, Z0, o4, S, Z)
+    _launch(kernel, nthreads, args, _parts(True, bh, frac, d, dv, causal) if two_runs else None)
     if causal and keep:
         state = State(S.reshape(shape[:-2] + (d, dv)), Z.reshape(shape[:-2] + (d,))) if return_state else None
         return (out, state), (den, states, chunk)
+    return out
+
+
+def _launch(kernel, nthreads, args, parts):
+    """Run a forward kernel for a short path: twice with ``parts`` (heads in segments, each summing its own
+    part first; runs on one thread have one segment a head), else once: on ``nthreads`` threads, or on
+    this thread alone through its unchecked entry point (no parallel region, no section: ``args`` must
+    have the signature's types)."""
+    if parts is not None:
+        _run(kernel, nthreads, args, parts)
+    elif nthreads > 1:
+        with kernel_section(nthreads):
+            kernel(nthreads, *args, 1, _NO_PARTS)
+    else:
+        kernel.unchecked(*args, 1, _NO_PARTS, np.zeros(1, np.int64))
+
+
+def _fast_over_state(q, state, feature_map, eps, normalize):
+    """linear_attention's short path for queries over a state alone (k and v None: a decoder reading its
+    encoder's keys): C-contiguous NumPy q and state of one float dtype (the state writable), a named
+    map, nothing else; None for anything else (the checked path)."""
+    dt = q.dtype
+    if (type(state) is not State or dt not in _FLOATS or type(feature_map) is not str or type(eps) is not float
+            or not (normalize is True or normalize is False) or not 0.0 <= eps < _INF):
+        return None
+    S0, Z0 = state
+    shape = q.shape
+    if (type(S0) is not _ndarray or type(Z0) is not _ndarray or S0.dtype != dt or Z0.dtype != dt
+            or len(shape) < 2 or S0.shape[:-1] != shape[:-2] + (shape[-1],) or Z0.shape != S0.shape[:-1]
+            or q.size == 0 or S0.shape[-1] == 0):
+        return None
+    if not (q.flags.c_contiguous and S0.flags.c_contiguous and Z0.flags.c_contiguous and S0.flags.writeable
+            and Z0.flags.writeable):
+        return None
+    code = _CODES.get(feature_map)
+    if code is None:  # (the named maps keep D' = D)
+        return None
+    dv = S0.shape[-1]
+    found = _constants.get((False, dt, shape, dv, num_threads()))
+    if found is None:
+        found = _fast_plan(False, dt, shape, dv, num_threads())
+    chunk, frac, nthreads, pooled, kernel, no_gates, one = found[:7]
+    out = workspace.empty(shape[:-1] + (dv,), dt) if pooled else np.empty(shape[:-1] + (dv,), dt)
+    n, d = shape[-2], shape[-1]
+    bh = q.size // (n * d)
+    q4, o4 = (q, out) if len(shape) == 4 else (q.reshape(1, bh, n, d), out.reshape(1, bh, n, dv))
+    args = (q4, q4[:, :, :0], o4[:, :, :0], code, no_gates, 0, dt.type(eps), normalize, one, chunk, frac,
+            S0.reshape(bh, d, dv), Z0.reshape(bh, d), o4) + found[10:]
+    _launch(kernel, nthreads, args, None)  # (no keys: each segment reads the state itself)
     return out
 
 
@@ -206,8 +258,8 @@ def _seq4(arrays, lead, layout_of=4):
     heads of a fused QKV projection, (B, H) with heads D apart, merge into no single dim but fit
     two); an array that fits none is copied once, and so is one whose rows are not unit-stride.
     """
-    if all(x.flags.c_contiguous for x in arrays):
-        return tuple(x.reshape((1, -1) + x.shape[-2:]) for x in arrays), "C", (False,) * len(arrays)
+    if all(x.flags.c_contiguous for x in arrays):  # ((1, BH), not (1, -1): arrays with no positions too)
+        return tuple(x.reshape((1, math.prod(lead)) + x.shape[-2:]) for x in arrays), "C", (False,) * len(arrays)
     rows = tuple(unit_rows(x) for x in arrays)
     if any(r is not x for r, x in zip(rows, arrays)):
         out, layout, copied = _seq4(rows, lead, layout_of)
@@ -471,17 +523,47 @@ def causal_with_denominators(q, k, v, feature_map="elu", eps=1e-6, normalize=Tru
     return res, kept
 
 
-def linear_attention(q, k, v, *, feature_map="elu", eps=1e-6, normalize=True, scale=None, out=None, device=None,
-                     **unsupported):
+def _keys_from_state(q, k, v, initial_state, where):
+    """k and v for a call that reads its keys from ``initial_state`` alone (k and v None): arrays of no
+    positions (of q's dtype, D and leading dims; the state's Dv). Other k, v are returned as given."""
+    if k is not None and v is not None:
+        return k, v
+    if k is not None or v is not None or initial_state is None:
+        name = "k" if k is None else "v"
+        raise TypeError(f"{name}: expected an array, got None (k and v may both be None only with an initial_state, "
+                        f"the sums of the keys the queries attend to)")
+    S = checks.state_parts(initial_state)[0]
+    if len(getattr(S, "shape", ())) < 2:
+        raise TypeError(f"initial_state: expected a linattn.State (S, Z), got {type(initial_state).__name__}")
+    q = q if hasattr(q, "shape") and hasattr(q, "dtype") else np.asarray(q)
+    if len(q.shape) < 2:
+        raise ValueError(f"q: expected at least 2 dimensions (..., N, D), got shape {tuple(q.shape)}")
+    if tuple(S.shape[:-2]) != tuple(q.shape[:-2]):
+        raise ValueError(f"initial_state.S: expected leading dimensions {tuple(q.shape[:-2])} like q, got shape "
+                         f"{tuple(S.shape)}")
+    if where == "device":  # views of no positions of q and of S ((..., D', Dv): (..., 0, Dv))
+        return q[..., :0, :], S[..., :0, :]
+    lead = tuple(q.shape[:-2])
+    return np.zeros(lead + (0, q.shape[-1]), q.dtype), np.zeros(lead + (0, S.shape[-1]), q.dtype)
+
+
+def linear_attention(q, k=None, v=None, *, feature_map="elu", eps=1e-6, normalize=True, initial_state=None,
+                     return_state=False, scale=None, out=None, device=None, **unsupported):
     r"""Non-causal linear attention: every query attends to all the keys.
 
     .. math:: out_i = \frac{\phi(q_i)^T S}{\phi(q_i)^T Z + eps},\quad
-              S = \sum_j \phi(k_j) v_j^T,\quad Z = \sum_j \phi(k_j)
+              S = S_0 + \sum_j \phi(k_j) v_j^T,\quad Z = Z_0 + \sum_j \phi(k_j)
 
-    Parameters and returns are as for :func:`causal_linear_attention`, without the state,
-    ``lengths``, ``decay`` and ``gate`` (only causal attention forgets); ``scale`` and ``out`` as there.
+    Parameters and returns are as for :func:`causal_linear_attention`, without ``lengths``, ``decay``
+    and ``gate`` (only causal attention forgets); ``scale``, ``out`` and ``device`` as there.
     k and v may have another length than q (cross-attention: shapes (..., Nk, D) and (..., Nk, Dv) with
     q (..., N, D), the result (..., N, Dv)), as an encoder-decoder's queries read the encoder's keys.
+
+    ``initial_state`` (S0, Z0), a :class:`State` returned by ``return_state=True``, holds the sums of
+    keys seen before: the queries attend to those and to k, v. ``return_state=True`` also returns the
+    state of all of them, so keys given in pieces sum to the state of one call, and a decoder reads
+    an encoder's keys once: each later call passes only its queries, ``k`` and ``v`` None, and the
+    state (O(D' Dv) a head, whatever the keys' number).
 
     Examples
     --------
@@ -493,49 +575,71 @@ def linear_attention(q, k, v, *, feature_map="elu", eps=1e-6, normalize=True, sc
            [3., 4.],
            [3., 4.]], dtype=float32)
 
-    Cross-attention, two queries over the four keys:
+    Cross-attention, two queries over the four keys; then a query over the keys' state alone:
 
-    >>> linattn.linear_attention(q[:2], k, v, eps=0.0)
+    >>> out, memory = linattn.linear_attention(q[:2], k, v, eps=0.0, return_state=True)
+    >>> out
     array([[3., 4.],
            [3., 4.]], dtype=float32)
+    >>> linattn.linear_attention(q[:1], initial_state=memory, eps=0.0)
+    array([[3., 4.]], dtype=float32)
     """
     if unsupported:
         name = next(iter(unsupported))
         why = (" (decay and gates make the state forget the past: only causal attention has one; use "
                "causal_linear_attention)" if name in ("decay", "gate") else "")
         raise TypeError(f"linear_attention() got an unexpected keyword argument {name!r}{why}")
-    if type(q) is _ndarray and out is None and device is None and scale is None:
-        res = _fast(False, q, k, v, feature_map, eps, normalize)
+    if type(q) is _ndarray and out is None and device is None and scale is None and return_state is False:
+        if initial_state is None:
+            res = _fast(False, q, k, v, feature_map, eps, normalize)
+        elif k is None and v is None:
+            res = _fast_over_state(q, initial_state, feature_map, eps, normalize)
+        else:
+            res = None
         if res is not None:
             return res
-    if _dask(q, k, v):
+    S_in, Z_in = checks.state_parts(initial_state)
+    if _dask(q, k, v, S_in, Z_in):
         from . import dask as dask_mod
 
-        return dask_mod.linear_attention(q, k, v, feature_map=feature_map, eps=eps, normalize=normalize, scale=scale,
+        return dask_mod.linear_attention(q, k, v, feature_map=feature_map, eps=eps, normalize=normalize,
+                                         initial_state=initial_state, return_state=return_state, scale=scale,
                                          out=out, device=device)
-    where = _placement(device, q, k, v, names=("q", "k", "v"))
+    where = _placement(device, q, k, v, S_in, Z_in, names=("q", "k", "v", "initial_state.S", "initial_state.Z"))
+    k, v = _keys_from_state(q, k, v, initial_state, where)
     q, k, v, lead, n, dk, dv, comp, out_dt, eps, normalize, code = _prepare(
         q, k, v, feature_map, eps, normalize, where, cross=True)
+    return_state = checks.check_flag(return_state, "return_state")
     scale = gates_mod.check_scale(scale)
     if out is not None:
         out = _check_out(out, lead + (n, dv), out_dt, where)
+    S0 = Z0 = None
+    if initial_state is not None:
+        S0, Z0 = checks.check_state(initial_state, "initial_state", lead, dk, dv, comp)
     bh = math.prod(lead)
     if where != "cpu":
         from .cuda import api as cuda_api
 
-        res = cuda_api.noncausal(_flat(q, bh, 2), _flat(k, bh, 2), _flat(v, bh, 2),
-                                 code, eps, normalize, comp, scale)
+        if S0 is not None:
+            S0, Z0 = cuda_api.flat_state(S0, Z0, bh, dk, dv, where)
+        res, S, Z = cuda_api.noncausal(_flat(q, bh, 2), _flat(k, bh, 2), _flat(v, bh, 2),
+                                       code, eps, normalize, comp, scale, S0, Z0, return_state)
         res = res.reshape(lead + (n, dv))
     else:
-        res = _result_array(out, lead, n, dv, comp, (q, k, v))
-        if bh and n and not k.shape[-2]:  # no keys: S = Z = 0
-            res[...] = np.nan if normalize and eps == 0 else 0  # (0 / eps)
-        elif bh and n:
-            chunk, frac, nthreads, two_runs = plan(bh, max(n, k.shape[-2]), dk, dv, causal=False)
+        # (an initial state in out's memory would be overwritten before a later head reads it)
+        res = _result_array(out, lead, n, dv, comp, (q, k, v) + ((S0, Z0) if S0 is not None else ()))
+        rows = bh if return_state else 0  # no rows: the kernel writes no state
+        S, Z = np.empty((rows, dk, dv), comp), np.empty((rows, dk), comp)
+        S0, Z0 = _NO_INITIAL[comp] if S0 is None else _initial_for_noncausal(S0, Z0, bh)
+        if bh and (n or return_state):
+            chunk, frac, nthreads, two_runs = plan(bh, max(n, k.shape[-2], 1), dk, dv, causal=False)
             (q4, k4, v4, o4), layout, copied = _seq4((q, k, v, res), lead)
             kernel = chunked.noncausal_forward.get(comp, layout)
-            _run(kernel, nthreads, (q4, k4, v4, *code, comp.type(eps), normalize, comp.type(scale), chunk, frac, o4),
-                 _parts(two_runs, bh, frac, dk, dv, False))
+            _run(kernel, nthreads, (q4, k4, v4, *code, comp.type(eps), normalize, comp.type(scale), chunk, frac, S0, Z0,
+                                    o4, S, Z), _parts(two_runs and k.shape[-2] > 0, bh, frac, dk, dv, False))
             if copied[3]:
                 res[...] = o4.reshape(res.shape)
-    return _deliver(res, out, out_dt, where)
+    res = _deliver(res, out, out_dt, where)
+    if return_state:
+        return res, State(S.reshape(lead + (dk, dv)), Z.reshape(lead + (dk,)))
+    return res

@@ -141,17 +141,18 @@ def _block_out(q, k, v, item, g, lens, gamma, p0, *, fn, kwargs, dk, dv, comp):
 
 def _unify(arrays, lead_nd, groups=None):
     """Dask arrays for q, k, v (and a gate): the first dask input's chunks along the leading dims and
-    N, one chunk along a last axis past N (NumPy inputs wrapped). With ``groups`` (a group number per
-    array: arrays of one length), N's chunks are the first dask input's of the array's group (one chunk
-    where the group has none)."""
+    N (one chunk each where none is), one chunk along a last axis past N (NumPy inputs wrapped). With
+    ``groups`` (a group number per array: arrays of one length), N's chunks are the first dask input's
+    of the array's group (one chunk where the group has none)."""
     da = _dask_array()
-    ref = next(x for x in arrays if is_dask(x))
+    ref = next((x for x in arrays if is_dask(x)), None)  # (none: only the state is a dask array)
+    lead_chunks = ref.chunks[:lead_nd] if ref is not None else tuple((s,) for s in arrays[0].shape[:lead_nd])
     groups = groups or (0,) * len(arrays)
     out = []
     for x, group in zip(arrays, groups):
         same = [y for y, g in zip(arrays, groups) if g == group]
         along_n = next((y.chunks[lead_nd] for y in same if is_dask(y)), (x.shape[lead_nd],))
-        chunks = ref.chunks[:lead_nd] + (along_n,) + (((x.shape[-1],),) if len(x.shape) > lead_nd + 1 else ())
+        chunks = lead_chunks + (along_n,) + (((x.shape[-1],),) if len(x.shape) > lead_nd + 1 else ())
         out.append(da.from_array(np.asarray(x), chunks=chunks) if not is_dask(x) else x.rechunk(chunks))
     return out
 
@@ -275,17 +276,12 @@ def causal_linear_attention(q, k, v, *, feature_map="elu", eps=1e-6, normalize=T
     items = da.blockwise(local, L + "nw", k, L + "nx", v, L + "ny", *g_args, lens_d, L, *ld_args, starts, "n",
                          new_axes={"w": W}, adjust_chunks={"n": 1}, concatenate=True, align_arrays=False,
                          dtype=np.float64, meta=np.empty((0,) * (nl + 2), np.float64))
-    init = np.zeros(lead + (1, W))
-    if initial_state is not None:  # (NumPy or dask) S0, Z0 into the first item
-        S0 = S_in if is_dask(S_in) else np.asarray(S_in)
-        Z0 = Z_in if is_dask(Z_in) else np.asarray(Z_in)
-        init = da.concatenate([da.zeros(lead + (dk,), chunks=lead_chunks + ((dk,),)),
-                               da.asarray(Z0).astype(np.float64).rechunk(lead_chunks + ((dk,),)),
-                               da.asarray(S0).astype(np.float64).reshape(lead + (dk * dv,)).rechunk(
-                                   lead_chunks + ((dk * dv,),))], axis=-1)[..., None, :].rechunk(
-                                       lead_chunks + ((1,), (W,)))  # one chunk along W, as the items
+    if initial_state is not None:  # S0, Z0 into the first item (no log decay: A = 0)
+        init = da.concatenate([da.zeros(lead + (1, dk), chunks=lead_chunks + ((1,), (dk,))),
+                               _state_item(S_in, Z_in, lead, lead_chunks, dk, dv)], axis=-1).rechunk(
+                                   lead_chunks + ((1,), (W,)))  # one chunk along W, as the items
     else:
-        init = da.from_array(init, chunks=lead_chunks + ((1,), (W,)))
+        init = da.from_array(np.zeros(lead + (1, W)), chunks=lead_chunks + ((1,), (W,)))
     combine, cumulative = _make_scan(dk, dv)
     scanned = da.reductions.cumreduction(cumulative, combine, 0, da.concatenate([init, items], axis=-2),
                                          axis=nl, dtype=np.float64)
@@ -308,6 +304,15 @@ def causal_linear_attention(q, k, v, *, feature_map="elu", eps=1e-6, normalize=T
     return res, State(S.astype(comp), Z.astype(comp))
 
 
+def _state_item(S, Z, lead, lead_chunks, dk, dv):
+    """A state (NumPy or dask S, Z) as a dask item [Z | S] (lead + (1, D' + D' Dv), float64), chunked
+    along the leading dims as ``lead_chunks`` and in one chunk along the last two axes."""
+    da = _dask_array()
+    S = da.asarray(S if is_dask(S) else np.asarray(S)).astype(np.float64).reshape(lead + (dk * dv,))
+    Z = da.asarray(Z if is_dask(Z) else np.asarray(Z)).astype(np.float64)
+    return da.concatenate([Z, S], axis=-1)[..., None, :].rechunk(lead_chunks + ((1,), (dk + dk * dv,)))
+
+
 def _global_item(k, v, *, fmap, comp):
     kf = _phi(fmap, k, comp).astype(np.float64)
     return np.concatenate([kf.sum(-2), (np.swapaxes(kf, -1, -2) @ v.astype(np.float64)).reshape(
@@ -323,11 +328,12 @@ def _noncausal_out(q, item, *, fmap, comp, out_dt, dk, dv, eps, normalize, scale
     return num.astype(comp).astype(out_dt, copy=False)
 
 
-def linear_attention(q, k, v, *, feature_map="elu", eps=1e-6, normalize=True, scale=None, out=None, device=None,
-                     **unsupported):
-    """:func:`linattn.linear_attention` on Dask arrays: the blocks' states summed (one reduction), then
-    each block's outputs from the sum, lazily; a dask array. k and v may have another length than q
-    (and other chunks along it).
+def linear_attention(q, k=None, v=None, *, feature_map="elu", eps=1e-6, normalize=True, initial_state=None,
+                     return_state=False, scale=None, out=None, device=None, **unsupported):
+    """:func:`linattn.linear_attention` on Dask arrays: the blocks' states summed (one reduction, with
+    ``initial_state``, NumPy or dask), then each block's outputs from the sum, lazily; a dask array
+    (and a :class:`~linattn.State` of dask arrays with ``return_state=True``). k and v may have
+    another length than q (and other chunks along it), or be None with ``initial_state``.
 
     Examples
     --------
@@ -343,10 +349,16 @@ def linear_attention(q, k, v, *, feature_map="elu", eps=1e-6, normalize=True, sc
         from .attention import linear_attention as numpy_fn
 
         return numpy_fn(_meta(q) if is_dask(q) else q, k, v, **unsupported)  # the NumPy function's TypeError
+    from .attention import _keys_from_state
+
     if out is not None or device is not None:
         raise TypeError("out, device: not available with dask arrays (the result is a new dask array, on the CPU)")
+    k, v = _keys_from_state(_as_meta(q), k, v, initial_state, "cpu")  # (None, None: keys of no positions)
     lead, n, d, dv, comp, out_dt, fmap, eps, normalize, scale, dk = _check(q, k, v, feature_map, eps, normalize,
                                                                            scale, cross=True)
+    return_state = checks.check_flag(return_state, "return_state")
+    if initial_state is not None:
+        S_in, Z_in = checks.check_state(initial_state, "initial_state", lead, dk, dv, comp)
     nl = len(lead)
     q, k, v = _unify([q, k, v], nl, groups=(0, 1, 1))  # (k and v may have another length than q)
     L = string.ascii_lowercase[:nl]
@@ -354,13 +366,18 @@ def linear_attention(q, k, v, *, feature_map="elu", eps=1e-6, normalize=True, sc
                          v, L + "ny", new_axes={"w": dk + dk * dv}, adjust_chunks={"n": 1}, concatenate=True,
                          align_arrays=False, dtype=np.float64, meta=np.empty((0,) * (nl + 2), np.float64))
     total = items.sum(axis=nl, keepdims=True).rechunk({nl: 1})
+    if initial_state is not None:
+        total = total + _state_item(S_in, Z_in, lead, q.chunks[:nl], dk, dv)
 
     def block(q_b, item):
         return _noncausal_out(q_b, item, fmap=fmap, comp=comp, out_dt=out_dt, dk=dk, dv=dv, eps=eps,
                               normalize=normalize, scale=scale)
 
-    return da.blockwise(block, L + "ny", q, L + "nx", total, L + "mw", concatenate=True, align_arrays=False,
-                        new_axes={"y": dv}, dtype=out_dt, meta=np.empty((0,) * (nl + 2), out_dt))
+    res = da.blockwise(block, L + "ny", q, L + "nx", total, L + "mw", concatenate=True, align_arrays=False,
+                       new_axes={"y": dv}, dtype=out_dt, meta=np.empty((0,) * (nl + 2), out_dt))
+    if not return_state:
+        return res
+    return res, State(total[..., 0, dk:].reshape(lead + (dk, dv)).astype(comp), total[..., 0, :dk].astype(comp))
 
 
 def worker_settings(threads=1):

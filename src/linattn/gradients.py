@@ -33,8 +33,8 @@ import numpy as np
 from . import checks
 from . import gates as gates_mod
 from . import workspace
-from .attention import (_fast, _full_lengths, _no_state, _parts, _run, _seq4, causal_with_denominators,
-                        linear_attention)
+from .attention import (_fast, _full_lengths, _keys_from_state, _no_state, _parts, _run, _seq4,
+                        causal_with_denominators, linear_attention)
 from .cpu import backward, gate_sums, half, noncausal_grad
 from .cpu.elementwise import ELU, IDENTITY, RELU
 from .cpu.runtime import BACKWARD_PREFIX_COST, plan
@@ -298,10 +298,14 @@ def _backward(q, k, v, fmap, code, lead, d, out_dt, normalize, s, initial_state,
     return vjp
 
 
-def linear_attention_vjp(q, k, v, *, feature_map="elu", eps=1e-6, normalize=True, scale=None):
-    """:func:`linattn.linear_attention` and its vector-Jacobian product: ``(out, vjp)``, ``vjp(dout)``
-    returns ``(dq, dk, dv)`` (and a dict of the map's parameters' gradients for a map with parameters).
-    Feature maps, and the inputs read when ``vjp`` is called, as for :func:`causal_linear_attention_vjp`.
+def linear_attention_vjp(q, k=None, v=None, *, feature_map="elu", eps=1e-6, normalize=True, initial_state=None,
+                         return_state=False, scale=None):
+    """:func:`linattn.linear_attention` and its vector-Jacobian product: ``(out, vjp)`` (``(out, state,
+    vjp)`` with ``return_state=True``); ``vjp(dout)`` (``vjp(dout, dstate)`` where the returned state
+    has a gradient) returns ``(dq, dk, dv)`` (dk, dv None when k, v were None), then ``dstate0`` (a
+    :class:`State`) when ``initial_state`` was given, and a dict of the map's parameters' gradients for
+    a map with parameters. Feature maps, and the inputs read when ``vjp`` is called, as for
+    :func:`causal_linear_attention_vjp`.
 
     Examples
     --------
@@ -313,42 +317,62 @@ def linear_attention_vjp(q, k, v, *, feature_map="elu", eps=1e-6, normalize=True
     [(30, 4), (30, 4), (30, 4)]
     """
     fmap, code = _map_and_code(feature_map)
-    out = None
-    if type(q) is np.ndarray and type(feature_map) is str and code is not None and scale is None:
+    out = state = None
+    keyless = k is None and v is None
+    if (type(q) is np.ndarray and type(feature_map) is str and code is not None and scale is None
+            and initial_state is None and return_state is False):
         out = _fast(False, q, k, v, feature_map, eps, normalize)  # (None unless the plain call)
     if out is not None:  # C-contiguous float arrays of one dtype, eps and normalize as the checks pass them
         lead, n, dv, comp, out_dt, s = q.shape[:-2], q.shape[-2], v.shape[-1], q.dtype, q.dtype, 1.0
     else:
+        k, v = _keys_from_state(q, k, v, initial_state, "cpu")
         q, k, v, lead, n, _, dv, comp, out_dt = checks.check_qkv(q, k, v, cross=True)
         eps = checks.check_eps(eps)
         normalize = checks.check_flag(normalize, "normalize")
+        return_state = checks.check_flag(return_state, "return_state")
         s = gates_mod.check_scale(scale)
         q, k, v = (half.astype(x, comp) for x in (q, k, v))
-        out = linear_attention(q, k, v, feature_map=fmap, eps=eps, normalize=normalize, scale=s)
+        res = linear_attention(q, k, v, feature_map=fmap, eps=eps, normalize=normalize, scale=s,
+                               initial_state=initial_state, return_state=return_state)
+        out, state = res if return_state else (res, None)
 
-    def vjp(dout):
+    def vjp(dout, dstate=None):
         g = _check_grad(dout, "dout", lead + (n, dv), comp)
         # the kernel computes phi and phi' of the maps it knows (code); other maps' features are its inputs
         # and their vjp is applied after it
         src, fm = ((q, k), code) if code is not None else ((_mapped(fmap, q, comp), _mapped(fmap, k, comp)), IDENTITY)
         dk_, nk = src[0].shape[-1], k.shape[-2]
+        dS, dZ = _final_state_gradient(dstate, return_state, lead, dk_, dv, comp)
         dqf, dkf = workspace.take_views([lead + (n, dk_), lead + (nk, dk_)], comp)  # (pooled: no fresh pages)
         dvv = workspace.empty(lead + (nk, dv), comp)
         bh = math.prod(lead)
-        if bh and n and nk:  # (cpu/noncausal_grad.py)
+        base = None  # the rows added to the sums [S | Z] and G: the initial state, the returned state's gradient
+        if initial_state is not None or dS is not None:
+            base = np.zeros((2, bh, dk_, dv + 1))
+            for row, (S_, Z_) in enumerate((checks.state_parts(initial_state), (dS, dZ))):
+                if S_ is not None:
+                    base[row, :, :, :dv] = np.asarray(S_).reshape(bh, dk_, dv)
+                    base[row, :, :, dv] = np.asarray(Z_).reshape(bh, dk_)
+        G = base[1] if base is not None else None  # (+ the queries' part: the state's whole gradient)
+        if bh and (n or nk):  # (cpu/noncausal_grad.py)
             arrays, _, _ = _seq4(src + (v, g, out, dqf, dkf, dvv), lead)
             chunk, frac, nthreads, _ = plan(bh, max(n, nk), dk_, dv, causal=False)
-            noncausal_grad.backward(nthreads, *arrays[:5], fm, comp.type(s), comp.type(eps), normalize, chunk, frac,
-                                    *arrays[5:])
-        else:  # no queries or no keys: nothing depends on the other side
-            for x in (dqf, dkf, dvv):
-                x[...] = 0
+            G = noncausal_grad.backward(nthreads, *arrays[:5], fm, comp.type(s), comp.type(eps), normalize, chunk,
+                                        frac, *arrays[5:], base=base)
         dmap = None
         if code is not None:
-            grads = (dqf, dkf, dvv)
+            grads = [dqf, dkf, dvv]
         else:
             (dq, dk), dmap = _map_grads(fmap, (q, k), (dqf, dkf), src)
-            grads = (dq, dk, dvv)
-        return tuple(half.astype(x, out_dt) for x in grads) + ((dmap,) if dmap is not None else ())
+            grads = [dq, dk, dvv]
+        grads = [half.astype(x, out_dt) for x in grads]
+        if keyless:
+            grads[1:] = [None, None]
+        if initial_state is not None:
+            grads.append(State(G[..., :dv].astype(comp).reshape(lead + (dk_, dv)),
+                               G[..., dv].astype(comp).reshape(lead + (dk_,))))
+        return tuple(grads) + ((dmap,) if dmap is not None else ())
 
+    if return_state:
+        return half.astype(out, out_dt), state, vjp
     return half.astype(out, out_dt), vjp

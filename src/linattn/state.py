@@ -1,11 +1,12 @@
-"""The recurrent state (S, Z) that carries causal linear attention from one call or step to the next."""
+"""The state (S, Z): what carries causal linear attention from one call or step to the next, and the sums of
+non-causal attention's keys."""
 from typing import NamedTuple
 
 import numpy as np
 
 
 class State(NamedTuple):
-    """State of causal linear attention after some positions.
+    """State of causal linear attention after some positions (or of non-causal attention's keys).
 
     ``S`` has shape ``(..., D', Dv)`` and holds ``sum_j phi(k_j) v_j^T``; ``Z`` has shape ``(..., D')``
     and holds ``sum_j phi(k_j)``, where ``D'`` is the feature dimension after the feature map.

@@ -100,19 +100,29 @@ class _Causal(torch.autograd.Function):
 
 class _NonCausal(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, q, k, v, fmap, options, *params):
-        out, vjp = gradients.linear_attention_vjp(_array(q, "q"), _array(k, "k"), _array(v, "v"),
-                                                  feature_map=_numpy_map(fmap), **options)
+    def forward(ctx, q, k, v, S0, Z0, fmap, options, return_state, *params):
+        state = None if S0 is None else State(_array(S0, "initial_state.S"), _array(Z0, "initial_state.Z"))
+        res = gradients.linear_attention_vjp(
+            _array(q, "q"), None if k is None else _array(k, "k"), None if v is None else _array(v, "v"),
+            initial_state=state, return_state=return_state, feature_map=_numpy_map(fmap), **options)
         ctx.save_for_backward(q, k, v)  # (the vjp reads them: torch refuses a backward if changed in place)
-        ctx.vjp, ctx.fmap, ctx.params = vjp, fmap, params
-        return _tensor(out)
+        ctx.vjp, ctx.has_state, ctx.fmap, ctx.params = res[-1], S0 is not None, fmap, params
+        final = res[1] if return_state else State(None, None)
+        return _tensor(res[0]), _tensor(final.S), _tensor(final.Z)
 
     @staticmethod
-    def backward(ctx, dout):
+    def backward(ctx, dout, dS, dZ):
         ctx.saved_tensors  # (raises if q, k or v changed since the forward)
-        grads = ctx.vjp(dout.detach().contiguous().numpy())
-        return _first_only((*(_tensor(g) for g in grads[:3]), None, None,
-                            *_param_grads(ctx.fmap, ctx.params, grads[3:])))
+        dout = dout.detach().contiguous().numpy()
+        dstate = None if dS is None else State(*(g.detach().contiguous().numpy() for g in (dS, dZ)))
+        grads = ctx.vjp(dout, dstate)
+        rest = grads[3:]
+        dS0 = dZ0 = None
+        if ctx.has_state:
+            dS0, dZ0 = _tensor(rest[0].S), _tensor(rest[0].Z)
+            rest = rest[1:]
+        return _first_only((*(_tensor(g) for g in grads[:3]), dS0, dZ0, None, None, None,
+                            *_param_grads(ctx.fmap, ctx.params, rest)))
 
 
 class _MapFunction(torch.autograd.Function):
@@ -227,8 +237,13 @@ def causal_linear_attention(q, k, v, *, feature_map="elu", eps=1e-6, normalize=T
     return (out, (S, Z)) if return_state else out
 
 
-def linear_attention(q, k, v, *, feature_map="elu", eps=1e-6, normalize=True, scale=None):
-    """:func:`linattn.linear_attention` on CPU tensors, differentiable (q, k, v and the parameters of a
-    :class:`TrainableMap`); k and v may have another length than q (cross-attention)."""
-    return _NonCausal.apply(q, k, v, feature_map, dict(eps=eps, normalize=normalize, scale=scale),
-                            *_map_params(feature_map))
+def linear_attention(q, k=None, v=None, *, feature_map="elu", eps=1e-6, normalize=True, initial_state=None,
+                     return_state=False, scale=None):
+    """:func:`linattn.linear_attention` on CPU tensors, differentiable (q, k, v, the initial state and the
+    parameters of a :class:`TrainableMap`); k and v may have another length than q (cross-attention),
+    or be None with ``initial_state`` (a pair of tensors (S, Z): the sums of keys seen before);
+    ``return_state=True`` returns ``(out, (S, Z))``, the state of every key, differentiable too."""
+    S0, Z0 = (None, None) if initial_state is None else initial_state
+    out, S, Z = _NonCausal.apply(q, k, v, S0, Z0, feature_map, dict(eps=eps, normalize=normalize, scale=scale),
+                                 bool(return_state), *_map_params(feature_map))
+    return (out, (S, Z)) if return_state else out

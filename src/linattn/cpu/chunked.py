@@ -516,44 +516,73 @@ def _write_parts(acc, accz, dst):
 
 
 @njit(helper=True)
-def _noncausal_segment(q, k, v, out, mp, eps, normalize, scale, chunk, c0, c1, QA, Kf, V, S, parts):
-    """Outputs of chunks [c0, c1) of one head's queries (views (N, X); k and v (Nk, X)), from the state of
-    the whole head: the sum of its segments' partial sums ``parts`` (nseg, D', Dv + 1) when it has rows,
-    else summed here."""
-    n, d_ = q.shape[0], Kf.shape[1]
-    dv = v.shape[1]
-    owners = _state_buffers(d_, dv, out.dtype)
+def _noncausal_state(k, v, mp, chunk, Kf, V, S, Z, parts, S0, Z0, h):
+    """S, Z (the compute dtype) = the state of every key of head h: the initial state S0[h], Z0[h] (when
+    S0 has rows) plus the sum of the head's segments' parts (nseg, D', Dv + 1) when ``parts`` has rows,
+    else of its keys k, v (views (Nk, X)), summed here."""
+    d_, dv = S.shape[0], S.shape[1]
+    owners = _state_buffers(d_, dv, S.dtype)
     sbuf = unowned(owners)
-    P, B, acc, Pz, Bz, Z, accz, lam = sbuf
+    acc, accz = sbuf[2], sbuf[6]
     if parts.shape[0] > 0:
         _summed_parts(parts, acc, accz)
     else:
         _noncausal_sum(k, v, mp, chunk, int(0), (k.shape[0] + chunk - 1) // chunk, Kf, V, sbuf)
+    if S0.shape[0] > 0:
+        for a in range(d_):
+            for e in range(dv):
+                acc[a, e] += S0[h, a, e]
+            accz[a] += Z0[h, a]
     for a in range(d_):  # the state rounded to the compute dtype
         for e in range(dv):
             S[a, e] = acc[a, e]
         Z[a] = accz[a]
+    keep_alive(owners)
+
+
+@njit(helper=True)
+def _noncausal_segment(q, k, v, out, mp, eps, normalize, scale, chunk, c0, c1, QA, Kf, V, S, Zb, parts, S0, Z0, h,
+                       S_out, Z_out, first):
+    """Outputs of chunks [c0, c1) of one head's queries (views (N, X); k and v (Nk, X)), from the state of
+    the whole head (_noncausal_state; with no keys and no parts, S0[h] and Z0[h] themselves: a decoder
+    reading its encoder's state), which the head's ``first`` segment writes to S_out[h], Z_out[h] when
+    they have rows."""
+    n, d_ = q.shape[0], Kf.shape[1]
+    dv = v.shape[1]
+    direct = parts.shape[0] == 0 and k.shape[0] == 0 and S0.shape[0] > 0  # (no buffers: ~25 ns an allocation)
+    if not direct:
+        _noncausal_state(k, v, mp, chunk, Kf, V, S, Zb, parts, S0, Z0, h)
+    Sh = S0[h] if direct else S
+    Z = Z0[h] if direct else Zb
+    if first and S_out.shape[0] > 0:
+        for a in range(d_):
+            for e in range(dv):
+                S_out[h, a, e] = Sh[a, e]
+            Z_out[h, a] = Z[a]
     for ci in range(c0, c1):
         i0 = ci * chunk
         c = min(chunk, n - i0)
         touch_rows(q, i0, _rows_to_touch(ci, c0, c1, chunk, n))
         load_features(q, i0, c, mp, QA)
-        small_gemm(QA[:c], S, out[i0:i0 + c], False, -1, -1)
+        small_gemm(QA[:c], Sh, out[i0:i0 + c], False, -1, -1)
         if normalize:
             _normalize_rows(out, i0, c, QA, Z, d_, eps, scale, QA[0, :0])
         elif scale != 1:
             _scale_rows(out, i0, c, scale)
-    keep_alive(owners)
 
 
-def _noncausal_forward(q, k, v, fm, fp, fa, eps, normalize, scale, chunk, frac, out, phase, parts, counter):
+def _noncausal_forward(q, k, v, fm, fp, fa, eps, normalize, scale, chunk, frac, S0, Z0, out, S_out, Z_out, phase,
+                       parts, counter):
     """Non-causal linear attention: every query attends to all the keys of its head.
 
     Arrays and threads as for the causal kernel; k and v (G1, G2, Nk, X) may have another length than q
-    and out. With one segment per head (``parts`` has no rows), each item sums its head's state itself,
-    then writes its outputs. With several, the kernel runs twice: ``phase`` 0, each segment's item sums
-    its own chunks of the keys into parts[head, segment] (float64, (heads, nseg, D', Dv + 1)); phase 1,
-    each adds its head's parts up and writes its segment's chunks of the outputs.
+    and out. S0, Z0 (heads, D', Dv), (heads, D'), C-contiguous: an initial state (the sums of earlier
+    keys) when they have rows (only read, though typed writable: S0[h] then has the type of the kernel's
+    own state buffer, one compiled product for both); S_out, Z_out: where the state of every key goes,
+    when they have rows. With one segment per head (``parts`` has no rows), each item sums its head's
+    state itself, then writes its outputs. With several, the kernel runs twice: ``phase`` 0, each
+    segment's item sums its own chunks of the keys into parts[head, segment] (float64, (heads, nseg, D',
+    Dv + 1)); phase 1, each adds its head's parts up and writes its segment's chunks of the outputs.
     """
     g2, d_ = q.shape[1], mapped_dim(fm, fp, q.shape[3])
     dv, dt = v.shape[3], out.dtype
@@ -563,10 +592,11 @@ def _noncausal_forward(q, k, v, fm, fp, fa, eps, normalize, scale, chunk, frac, 
     n = k.shape[2] if phase == 0 else q.shape[2]  # the rows this run's segments divide
     nchunks = (n + chunk - 1) // chunk
     items = q.shape[0] * g2 * nseg
-    q, k, v, out, parts = unowned((q, k, v, out, parts))  # (see _causal_forward)
+    # (see _causal_forward)
+    q, k, v, out, parts, S0, Z0, S_out, Z_out = unowned((q, k, v, out, parts, S0, Z0, S_out, Z_out))
     owners = (empty((chunk, d_), dt), empty((chunk, d_), dt), empty((chunk, dv), dt),
-              empty((d_, dv), dt))
-    QA, Kf, V, S = unowned(owners)
+              empty((d_, dv), dt), empty(d_, dt))
+    QA, Kf, V, S, Zb = unowned(owners)
     item = take(counter)
     while item < items:
         h, s, c0, c1 = _segment(item, nseg, frac, nchunks)
@@ -577,9 +607,10 @@ def _noncausal_forward(q, k, v, fm, fp, fa, eps, normalize, scale, chunk, frac, 
             _noncausal_sum(k[h1, h2], v[h1, h2], mp, chunk, c0, c1, Kf, V, sbuf)
             _write_parts(sbuf[2], sbuf[6], parts[h, s])
             keep_alive(sums)
-        elif c0 < c1:
+        elif c0 < c1 or (s == 0 and S_out.shape[0] > 0):
             _noncausal_segment(q[h1, h2], k[h1, h2], v[h1, h2], out[h1, h2], mp, eps, normalize, scale, chunk, c0,
-                               c1, QA, Kf, V, S, parts[h] if parts.shape[0] > 0 else parts[0, :0])
+                               c1, QA, Kf, V, S, Zb, parts[h] if parts.shape[0] > 0 else parts[0, :0], S0, Z0,
+                               h, S_out, Z_out, s == 0)
         item = take(counter)
     keep_alive((owners, mapper))
 
@@ -604,8 +635,8 @@ def _causal_signature(dt, variant):
 def _noncausal_signature(dt, layout):
     seq, i64 = array(dt, 4, layout, readonly=True), types.int64
     return types.void(seq, seq, seq, i64, array(dt, 1, readonly=True), i64, dt, types.boolean, dt, i64,
-                      array(types.float64, 1, readonly=True), array(dt, 4, layout), i64,
-                      array(types.float64, 4))
+                      array(types.float64, 1, readonly=True), array(dt, 3), array(dt, 2), array(dt, 4, layout),
+                      array(dt, 3), array(dt, 2), i64, array(types.float64, 4))
 
 
 causal_forward = ThreadedKernel(_causal_forward, _causal_signature,

@@ -197,20 +197,26 @@ noncausal_backward = ThreadedKernel(_noncausal_backward, _signature)
 _NO_PARTS = np.zeros((2, 0, 1, 1, 1))  # the segments' partial sums, none
 
 
-def backward(nthreads, q, k, v, g, out, fm, s, eps, normalize, chunk, frac, dq, dk, dv):
+def backward(nthreads, q, k, v, g, out, fm, s, eps, normalize, chunk, frac, dq, dk, dv, base=None):
     """Run the kernel (arguments as ``_noncausal_backward``'s, 4-D arrays of one float dtype) on
     ``nthreads`` threads: once when every head is one segment, else three times (the segments' parts of
-    [S | Z], then of G, then the rows)."""
+    [S | Z], then of G, then the rows). ``base`` (2, heads, D, Dv + 1), float64: what [S | Z] and G
+    start from (an initial state; the gradient of the state returned), one more part of each head's
+    sums (the kernel then runs three times); G's sums are then returned, (heads, D, Dv + 1)."""
     kernel = noncausal_backward.get(dq.dtype, None)
     args = (q, k, v, g, out, fm, s, eps, normalize, chunk, frac, dq, dk, dv)
-    if nthreads <= 1 and len(frac) == 2:  # the worker on this thread through its unchecked entry point (no
-        # type dispatch of its 17 arguments): they have the signature's types (dtype scalars, float64 frac)
+    if base is None and nthreads <= 1 and len(frac) == 2:  # the worker on this thread through its unchecked entry
+        # point (no type dispatch of its 17 arguments): they have the signature's types (dtype scalars, float64 frac)
         kernel.unchecked(*args, 3, _NO_PARTS, np.zeros(1, np.int64))
-        return
+        return None
     with kernel_section(nthreads):
-        if len(frac) == 2:
+        if base is None and len(frac) == 2:
             kernel(nthreads, *args, 3, _NO_PARTS)
-        else:
-            parts = np.empty((2, q.shape[0] * q.shape[1], len(frac) - 1, q.shape[3], v.shape[3] + 1))
-            for phase in range(3):
-                kernel(nthreads, *args, phase, parts)
+            return None
+        nseg = len(frac) - 1
+        parts = np.empty((2, q.shape[0] * q.shape[1], nseg + (base is not None), q.shape[3], v.shape[3] + 1))
+        if base is not None:
+            parts[:, :, nseg] = base
+        for phase in range(3):
+            kernel(nthreads, *args, phase, parts)
+    return parts[1].sum(1) if base is not None else None

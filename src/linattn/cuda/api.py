@@ -96,9 +96,10 @@ def causal(q, k, v, fmap, eps, normalize, lengths, S0, Z0, want_state, dtype, ga
     return _result(out, host), _result(S, host), _result(Z, host), status.copy_to_host()
 
 
-def noncausal(q, k, v, fmap, eps, normalize, dtype, scale=1.0):
+def noncausal(q, k, v, fmap, eps, normalize, dtype, scale=1.0, S0=None, Z0=None, want_state=False):
     """Non-causal forward of q (BH, N, D) over k (BH, Nk, D) and v (BH, Nk, Dv) with feature map ``fmap`` (as
-    ``causal``); ``scale`` multiplies phi(q)."""
+    ``causal``); ``scale`` multiplies phi(q); S0, Z0 ((BH, D', Dv), (BH, D')) the keys' sums before k. Returns
+    (out, S, Z) (the state of every key: S, Z None unless ``want_state``), on the host for a host q."""
     cuda = cuda_module()
     from .kernels import noncausal as kern
     host = not is_device_array(q)
@@ -106,12 +107,19 @@ def noncausal(q, k, v, fmap, eps, normalize, dtype, scale=1.0):
     code, fp, d = _map_args(fmap)
     dv = v.shape[2]
     q, k, v = (_on_device(x) for x in (q, k, v))
+    if S0 is None:
+        S0, Z0 = to_device(np.zeros((0, d, dv), dtype)), to_device(np.zeros((0, d), dtype))
+    else:
+        S0, Z0 = _on_device(S0), _on_device(Z0)
     out = cuda.device_array((bh, n, dv), dtype)
-    if bh and n:
+    rows = bh if want_state else 0
+    S, Z = cuda.device_array((rows, d, dv), dtype), cuda.device_array((rows, d), dtype)
+    if bh:
         c, te = tiles(d, dv)
         kern[(bh, -(-dv // te)), (te, c), 0, shared_doubles(c, te, d) * 8](
-            q, k, v, code, fp, float(eps), bool(normalize), out, c, te, float(scale))
-    return _result(out, host)
+            q, k, v, code, fp, float(eps), bool(normalize), S0, Z0, out, S, Z, c, te, float(scale))
+    state = (_result(S, host), _result(Z, host)) if want_state else (None, None)
+    return (_result(out, host),) + state
 
 
 def step(q, k, v, fmap, eps, normalize, S, Z, out, dtype, gates=None, kind=0, decay=None, scale=1.0):

@@ -127,6 +127,32 @@ def gkw_reset(Rs, w, t, a):
     return Rs[t * w + a]
 
 
+@cuda.jit(device=True)
+def start_state(S0, Z0, h, e0, Ss, Zs, d, dv, TE, tid, nthreads):
+    """The block's tile of S (D' x TE) and all of Z from the initial state (zero when S0 has no rows)."""
+    has_init = S0.shape[0] > 0
+    for i in range(tid, d * TE, nthreads):
+        a = i // TE
+        e = i - a * TE
+        Ss[i] = S0[h, a, e0 + e] if (has_init and e0 + e < dv) else 0.0
+    for a in range(tid, d, nthreads):
+        Zs[a] = Z0[h, a] if has_init else 0.0
+
+
+@cuda.jit(device=True)
+def write_state(Ss, Zs, S_out, Z_out, h, e0, d, dv, TE, tid, nthreads):
+    """The block's tile of S into S_out, and Z into Z_out from the first tile's block (nothing when
+    S_out has no rows)."""
+    if S_out.shape[0] > 0:
+        for i in range(tid, d * TE, nthreads):
+            a = i // TE
+            if e0 + i - a * TE < dv:
+                S_out[h, a, e0 + i - a * TE] = Ss[i]
+        if cuda.blockIdx.y == 0:
+            for a in range(tid, d, nthreads):
+                Z_out[h, a] = Zs[a]
+
+
 @cuda.jit
 def causal(q, k, v, fm, fp, eps, normalize, lengths, S0, Z0, out, S_out, Z_out, C, TE, gates, gk, ld, scale,
            status):
@@ -136,13 +162,7 @@ def causal(q, k, v, fm, fp, eps, normalize, lengths, S0, Z0, out, S_out, Z_out, 
     Qs, Ks, Vs, As, Ss, Zs, dens, Ms = carve(sm, C, TE, d)
     w = 0 if gk == 0 else (1 if gk == 1 else d)
     Gs, Rs = carve_gates(sm, C, TE, d, w)
-    has_init = S0.shape[0] > 0
-    for i in range(tid, d * TE, nthreads):
-        a = i // TE
-        e = i - a * TE
-        Ss[i] = S0[h, a, e0 + e] if (has_init and e0 + e < dv) else 0.0
-    for a in range(tid, d, nthreads):
-        Zs[a] = Z0[h, a] if has_init else 0.0
+    start_state(S0, Z0, h, e0, Ss, Zs, d, dv, TE, tid, nthreads)
     cuda.syncthreads()
     length = lengths[h]
     e = e0 + tx
@@ -187,14 +207,7 @@ def causal(q, k, v, fm, fp, eps, normalize, lengths, S0, Z0, out, S_out, Z_out, 
     if e < dv:
         for i in range(length + ty, n, C):
             out[h, i, e] = 0.0
-    if S_out.shape[0] > 0:
-        for i in range(tid, d * TE, nthreads):
-            a = i // TE
-            if e0 + i - a * TE < dv:
-                S_out[h, a, e0 + i - a * TE] = Ss[i]
-        if cuda.blockIdx.y == 0:
-            for a in range(tid, d, nthreads):
-                Z_out[h, a] = Zs[a]
+    write_state(Ss, Zs, S_out, Z_out, h, e0, d, dv, TE, tid, nthreads)
 
 
 @cuda.jit(device=True)
@@ -215,16 +228,14 @@ def add_decayed_chunk(Ks, Vs, Ss, Zs, c, C, TE, d, tx, ty, tid, nthreads, Gs, Rs
 
 
 @cuda.jit
-def noncausal(q, k, v, fm, fp, eps, normalize, out, C, TE, scale):
-    """One block per head and tile of TE value columns: the state summed over the keys' chunks, then
-    each chunk of queries' outputs from it (q (BH, N, D), k (BH, Nk, D), v (BH, Nk, Dv))."""
+def noncausal(q, k, v, fm, fp, eps, normalize, S0, Z0, out, S_out, Z_out, C, TE, scale):
+    """One block per head and tile of TE value columns: the state (from S0, Z0 when they have rows)
+    summed over the keys' chunks, written to S_out, Z_out when they have rows, then each chunk of
+    queries' outputs from it (q (BH, N, D), k (BH, Nk, D), v (BH, Nk, Dv))."""
     h, e0, tx, ty, tid, nthreads = block_position(C, TE)
     n, nk, d, dv = q.shape[1], k.shape[1], int(fp[1]), v.shape[2]
     Qs, Ks, Vs, _, Ss, Zs, dens, Ms = carve(cuda.shared.array(0, float64), C, TE, d)
-    for i in range(tid, d * TE, nthreads):
-        Ss[i] = 0.0
-    for a in range(tid, d, nthreads):
-        Zs[a] = 0.0
+    start_state(S0, Z0, h, e0, Ss, Zs, d, dv, TE, tid, nthreads)
     cuda.syncthreads()
     for i0 in range(0, nk, C):  # the state over all the keys (k and v may be longer or shorter than q)
         c = min(C, nk - i0)
@@ -232,6 +243,7 @@ def noncausal(q, k, v, fm, fp, eps, normalize, out, C, TE, scale):
         cuda.syncthreads()
         add_chunk_to_state(Ks, Vs, Ss, Zs, c, C, TE, d, tx, ty, tid, nthreads)
         cuda.syncthreads()
+    write_state(Ss, Zs, S_out, Z_out, h, e0, d, dv, TE, tid, nthreads)
     e = e0 + tx
     for i0 in range(0, n, C):
         c = min(C, n - i0)
