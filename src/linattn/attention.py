@@ -533,18 +533,21 @@ def _keys_from_state(q, k, v, initial_state, where):
         raise TypeError(f"{name}: expected an array, got None (k and v may both be None only with an initial_state, "
                         f"the sums of the keys the queries attend to)")
     S = checks.state_parts(initial_state)[0]
-    if len(getattr(S, "shape", ())) < 2:
+    ss = tuple(getattr(S, "shape", ()))  # (plain tuples, also for device arrays)
+    if len(ss) < 2:
         raise TypeError(f"initial_state: expected a linattn.State (S, Z), got {type(initial_state).__name__}")
     q = q if hasattr(q, "shape") and hasattr(q, "dtype") else np.asarray(q)
-    if len(q.shape) < 2:
-        raise ValueError(f"q: expected at least 2 dimensions (..., N, D), got shape {tuple(q.shape)}")
-    if tuple(S.shape[:-2]) != tuple(q.shape[:-2]):
-        raise ValueError(f"initial_state.S: expected leading dimensions {tuple(q.shape[:-2])} like q, got shape "
-                         f"{tuple(S.shape)}")
-    if where == "device":  # views of no positions of q and of S ((..., D', Dv): (..., 0, Dv))
-        return q[..., :0, :], S[..., :0, :]
-    lead = tuple(q.shape[:-2])
-    return np.zeros(lead + (0, q.shape[-1]), q.dtype), np.zeros(lead + (0, S.shape[-1]), q.dtype)
+    qs = tuple(q.shape)
+    if len(qs) < 2:
+        raise ValueError(f"q: expected at least 2 dimensions (..., N, D), got shape {qs}")
+    if ss[:-2] != qs[:-2]:
+        raise ValueError(f"initial_state.S: expected leading dimensions {qs[:-2]} like q, got shape {ss}")
+    k, v = np.zeros(qs[:-2] + (0, qs[-1]), q.dtype), np.zeros(qs[:-2] + (0, ss[-1]), q.dtype)
+    if where == "device":  # (device arrays of no elements: Numba's device arrays take no ``...`` index)
+        from .cuda.api import to_device
+
+        return to_device(k), to_device(v)
+    return k, v
 
 
 def linear_attention(q, k=None, v=None, *, feature_map="elu", eps=1e-6, normalize=True, initial_state=None,
