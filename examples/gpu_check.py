@@ -102,6 +102,22 @@ def main():
         ok &= err < 1e-4
         t = timed(lambda: linattn.causal_linear_attention(dq, dk, dv, feature_map=fmap), sync)
         print(f"{name} map (mapped on the device), {(b, h, n, d)}: max rel err {err:.2e}, {t * 1e3:.3f} ms")
+    b, h, n, nk, d = (1, 2, 6, 9, 4) if TINY else (1, 8, 2048, 512, 64)  # cross-attention, the keys' state
+    rng = np.random.default_rng(3)
+    q = (rng.standard_normal((b, h, n, d)) * 0.5).astype(np.float32)
+    k, v = ((rng.standard_normal((b, h, nk, d)) * 0.5).astype(np.float32) for _ in range(2))
+    dq, dk, dv = (cuda.to_device(x) for x in (q, k, v))
+    ref, st_ref = linattn.linear_attention(q, k, v, return_state=True)
+    got, st = linattn.linear_attention(dq, dk, dv, return_state=True)
+    dq1 = cuda.to_device(np.ascontiguousarray(q[:, :, :1]))
+    over_state = linattn.linear_attention(dq1, initial_state=st).copy_to_host()
+    err = max(float(np.max(np.abs(x - y)) / np.max(np.abs(y))) for x, y in (
+        (got.copy_to_host(), ref), (st.S.copy_to_host(), st_ref.S), (over_state, ref[:, :, :1])))
+    ok &= err < 1e-4
+    t = timed(lambda: linattn.linear_attention(dq, dk, dv), sync)
+    t1 = timed(lambda: linattn.linear_attention(dq1, initial_state=st), sync, repeat=20)
+    print(f"cross-attention {(b, h, n, d)} over {nk} keys: max rel err {err:.2e} (outputs, state, a query over "
+          f"the state), {t * 1e3:.3f} ms; a query over the state {t1 * 1e6:.1f} us")
     print("OK" if ok else "MISMATCH")
     return 0 if ok else 1
 
