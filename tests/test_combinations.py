@@ -340,7 +340,7 @@ def test_bad_input_is_named(data, lead, n, d, dv, f64):
             linattn.causal_linear_attention(**args)
         elif fn == "noncausal":
             linattn.linear_attention(**{a: args[a] for a in ("q", "k", "v", "scale", "eps", "out", "feature_map",
-                                                             "normalize", "initial_state")})
+                                                             "normalize", "initial_state", "lengths")})
         elif fn == "step":
             state = args["initial_state"]
             linattn.step(*(x[..., 0, :] if isinstance(x, np.ndarray) and x.ndim >= 2 else x

@@ -70,9 +70,12 @@ def test_kernel_segments(rng, frac, n, nk):
     """Every kind of split of a head into segments, on two threads: each segment's part of the state
     over the keys' chunks (first run), then its chunks of the outputs from those parts and the initial
     state, the first segment writing the state of every key, even when it has no outputs (second run);
-    and the backward's three runs."""
+    the keys of each head up to its length (NaN past it); and the backward's three runs."""
     d, dv = 6, 5
     q, k, v = _cross(rng, (3,), n, nk, d, dv)
+    lengths = np.array([nk, nk // 2, 0])
+    for h, L in enumerate(lengths):
+        k[h, L:], v[h, L:] = np.nan, np.nan
     S0, Z0 = rng.random((3, d, dv)).astype(np.float32), rng.random((3, d)).astype(np.float32) + 0.5
     chunk, frac = runtime.chunk_size(max(n, nk)), np.asarray(frac, np.float64)
     out = np.full((3, n, dv), np.nan, np.float32)
@@ -81,8 +84,10 @@ def test_kernel_segments(rng, frac, n, nk):
     kernel = chunked.noncausal_forward.get(np.float32, "C")
     for phase in (0, 1) if len(frac) > 2 else (1,):
         kernel(2, q[None], k[None], v[None], 1, np.zeros(0, np.float32), 0, np.float32(1e-6), True, np.float32(1),
-               chunk, frac, S0, Z0, out[None], S, Z, phase, parts if len(frac) > 2 else parts[:0])
-    kf = np.where(k > 0, k + 1.0, np.exp(np.minimum(k, 0.0)))
+               lengths, chunk, frac, S0, Z0, out[None], S, Z, phase, parts if len(frac) > 2 else parts[:0])
+    valid = (np.arange(nk) < lengths[:, None])[..., None]
+    k, v = np.where(valid, k, 0.0), np.where(valid, v, 0.0)
+    kf = np.where(valid, np.where(k > 0, k + 1.0, np.exp(np.minimum(k, 0.0))), 0.0)
     S_want, Z_want = S0 + np.swapaxes(kf, -1, -2) @ v, Z0 + kf.sum(-2)
     assert_close(S, S_want, np.float32)
     assert_close(Z, Z_want, np.float32)
@@ -90,11 +95,12 @@ def test_kernel_segments(rng, frac, n, nk):
     assert_close(out, (qf @ S_want) / ((qf @ Z_want[..., None]) + 1e-6), np.float32)
     if not (n and nk):
         return
+    q, k, v = _cross(rng, (3,), n, nk, d, dv)  # (the backward: all keys)
     out = linattn.linear_attention(q, k, v)
     g = rng.standard_normal((3, n, dv)).astype(np.float32)
     grads = [np.full_like(x, np.nan) for x in (q, k, v)]
     noncausal_grad.backward(2, q[None], k[None], v[None], g[None], out[None], ELU, np.float32(1), np.float32(1e-6),
-                            True, chunk, frac, *(x[None] for x in grads))
+                            True, np.full(3, nk), chunk, frac, *(x[None] for x in grads))
     for got, want in zip(grads, _noncausal_reference_grads(q, k, v, g, "elu", 1.0, 1e-6, True)):
         assert np.abs(got - want).max() <= 2e-5 * np.abs(want).max()
 
@@ -346,3 +352,91 @@ def test_state_errors(rng):
     _, _, vjp = linattn.linear_attention_vjp(q, k, v, return_state=True)
     with pytest.raises(ValueError, match=r"dstate.S: expected shape \(2, 3, 2\)"):
         vjp(np.ones((2, 6, 2), np.float32), linattn.State(st.S[..., :1], st.Z))
+
+
+def _padded(rng, lead, n, nk, d, dv, lengths, dtype=np.float32):
+    """Cross-attention inputs whose keys and values hold NaN past each sequence's length."""
+    q, k, v = _cross(rng, lead, n, nk, d, dv, dtype)
+    valid = np.arange(nk) < np.broadcast_to(np.asarray(lengths).reshape(np.shape(lengths) + (1,) * (
+        len(lead) - np.ndim(lengths))), lead)[..., None]
+    return q, np.where(valid[..., None], k, np.nan), np.where(valid[..., None], v, np.nan), valid
+
+
+def _per_sequence(fn, q, k, v, lengths, lead):
+    """fn(q_b, k_b[:L], v_b[:L]) for each sequence b of the leading dims, stacked."""
+    lens = np.broadcast_to(np.asarray(lengths).reshape(np.shape(lengths) + (1,) * (len(lead) - np.ndim(lengths))),
+                           lead)
+    return [fn(q[i], k[i][:lens[i]], v[i][:lens[i]]) for i in np.ndindex(lead)], list(np.ndindex(lead))
+
+
+@pytest.mark.parametrize("dtype", [np.float32, np.float64])
+@pytest.mark.parametrize("n, nk", [(63, 65), (1000, 63), (65, 1000), (70, 70)])
+def test_lengths_of_padded_keys(rng, dtype, n, nk):
+    """Keys and values right-padded (NaN past each length, lengths per sequence or per batch row):
+    every query attends to its sequence's keys alone, the state is theirs, with an initial state too."""
+    lead = (3, 2)
+    for lengths in (np.array([nk, nk // 2, 0]), np.array([[nk, 1], [0, nk - 1], [nk // 3, nk]])):
+        q, k, v, _ = _padded(rng, lead, n, nk, 5, 3, lengths, dtype)
+        out, st = linattn.linear_attention(q, k, v, lengths=lengths, return_state=True)
+        wants, idx = _per_sequence(lambda a, b, c: reference.masked(a, b, c, causal=False), q, k, v, lengths, lead)
+        for i, want in zip(idx, wants):
+            assert_close(out[i], want if want.size else np.zeros_like(out[i]), dtype)
+        kf = np.where(np.isnan(k), 0.0, np.where(k > 0, k + 1.0, np.exp(np.minimum(k, 0.0))))
+        assert_close(st.S, np.swapaxes(kf, -1, -2) @ np.nan_to_num(v.astype(np.float64)), dtype)
+        assert_close(st.Z, kf.sum(-2), dtype)
+        np.testing.assert_array_equal(linattn.linear_attention(q, k, v, lengths=lengths), out)
+        S0 = linattn.State((rng.random(lead + (5, 3)) * 0.5).astype(dtype),
+                           (rng.random(lead + (5,)) + 0.5).astype(dtype))
+        out2, st2 = linattn.linear_attention(q, k, v, lengths=lengths, initial_state=S0, return_state=True)
+        assert_close(st2.S, st.S + S0.S, dtype)
+        assert_close(out2, linattn.linear_attention(q, initial_state=st2), dtype)
+
+
+def test_lengths_in_segments(rng, monkeypatch):
+    """One long head cut into segments (two runs), its keys padded: the segments past the length sum
+    nothing."""
+    q, k, v, _ = _padded(rng, (1,), 300, 4001, 8, 4, np.array([2500]))
+    want = reference.masked(q, k[:, :2500], v[:, :2500], causal=False)
+    assert_close(linattn.linear_attention(q, k, v, lengths=np.array([2500])), want, np.float32)
+    real_plan = linattn.attention.plan
+    monkeypatch.setattr(linattn.attention, "plan", lambda bh, n, dk, dv, causal=True, two_runs=True: (
+        real_plan(bh, n, dk, dv, causal, two_runs)[0], np.array([0, 0.3, 0.7, 0.9, 1.0]), 2, True))
+    assert_close(linattn.linear_attention(q, k, v, lengths=np.array([2500])), want, np.float32)
+
+
+@pytest.mark.parametrize("fmap", ["elu", "relu", "taylor", "hedgehog"])
+def test_lengths_vjp(rng, fmap):
+    """Gradients with padded keys: those of each sequence's own call, 0 past its length (NaN there
+    reaches nothing, a map's parameters' gradients included)."""
+    lead, n, nk, d, dv = (2, 2), 9, 11, 3, 2
+    lengths = np.array([11, 4])
+    q, k, v, valid = _padded(rng, lead, n, nk, d, dv, lengths, np.float64)
+    fm = {"taylor": linattn.feature_maps.Taylor(),
+          "hedgehog": linattn.feature_maps.Hedgehog(rng.standard_normal((d, 2)), rng.standard_normal(2) * 0.1)}.get(
+        fmap, fmap)
+    W = rng.standard_normal(lead + (n, dv))
+    out, vjp = linattn.linear_attention_vjp(q, k, v, lengths=lengths, feature_map=fm)
+    got = vjp(W)
+    assert all(np.isfinite(g).all() for g in got[:3])
+    for g in got[1:3]:
+        np.testing.assert_array_equal(np.where(valid[..., None], 0, g), 0)
+    if fmap == "hedgehog":
+        assert all(np.isfinite(x).all() for x in got[3].values())
+    for i in np.ndindex(lead):
+        L = lengths[i[0]]
+        o_i, vjp_i = linattn.linear_attention_vjp(q[i], k[i][:L], v[i][:L], feature_map=fm)
+        assert_close(out[i], o_i, np.float64)
+        for g, w in zip(got[:3], vjp_i(W[i])[:3]):
+            assert_close(g[i][:w.shape[0]], w, np.float64)
+
+
+def test_lengths_errors(rng):
+    q, k, v = _cross(rng, (2,), 6, 9, 3, 2)
+    with pytest.raises(ValueError, match=r"lengths: expected values in \[0, Nk=9\], got 10"):
+        linattn.linear_attention(q, k, v, lengths=np.array([9, 10]))
+    with pytest.raises(ValueError, match=r"lengths: expected shape \(2,\)"):
+        linattn.linear_attention(q, k, v, lengths=np.array([9, 9, 9]))
+    with pytest.raises(TypeError, match=r"lengths: expected an integer array"):
+        linattn.linear_attention(q, k, v, lengths=np.array([9.0, 9.0]))
+    with pytest.raises(ValueError, match=r"lengths: expected values in \[0, Nk=9\]"):
+        linattn.linear_attention_vjp(q, k, v, lengths=np.array([9, -1]))

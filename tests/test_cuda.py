@@ -101,6 +101,13 @@ def test_state_of_keys_on_device(cuda):
         assert isinstance(out, np.ndarray) and isinstance(st3.S, np.ndarray)
         close(out, want, dtype)
         close(st3.S, st_want.S, dtype)
+        lengths = np.array([9, 3])  # right-padded keys (NaN past each length)
+        kp, vp = (np.where((np.arange(9) < lengths[:, None])[..., None], x, np.nan).astype(dtype) for x in (k, v))
+        want, st_want = linattn.linear_attention(q, kp, vp, lengths=lengths, return_state=True)
+        out, st4 = linattn.linear_attention(dev(cuda, q), dev(cuda, kp), dev(cuda, vp), lengths=lengths,
+                                            return_state=True)
+        close(out.copy_to_host(), want, dtype)
+        close(st4.S.copy_to_host(), st_want.S, dtype)
 
 
 def test_scale_on_device(cuda):

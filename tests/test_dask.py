@@ -160,6 +160,13 @@ def test_noncausal_state(rng):
         assert_close(st.Z.compute(), st_want.Z, np.float64)
     keyless = linattn.linear_attention(_lazy(q, (1, 2, 15, 5)), initial_state=st_want)
     assert_close(keyless.compute(), linattn.linear_attention(q, initial_state=st_want), np.float64)
+    lengths = np.array([70, 31])  # right-padded keys (NaN past each length), the lengths inside blocks
+    kp, vp = (np.where((np.arange(70) < lengths[:, None, None])[..., None], x, np.nan) for x in (k, v))
+    want, st_want = linattn.linear_attention(q, kp, vp, lengths=lengths, initial_state=S0, return_state=True)
+    out, st = linattn.linear_attention(q, _lazy(kp, (1, 3, 20, 5)), _lazy(vp, (2, 1, 35, 4)), lengths=lengths,
+                                       initial_state=S0, return_state=True)
+    assert_close(out.compute(), want, np.float64)
+    assert_close(st.S.compute(), st_want.S, np.float64)
     S1 = linattn.State(rng.random((2, 3, 5, 5)), rng.random((2, 3, 5)) + 0.5)
     out, st = linattn.causal_linear_attention(q, q, q, initial_state=linattn.State(_lazy(S1.S, (1, 3, 5, 5)), S1.Z),
                                               return_state=True)

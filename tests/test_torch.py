@@ -76,6 +76,9 @@ def test_gradcheck_noncausal_state(with_keys):
     assert torch.autograd.gradcheck(f, (q, S0, Z0) + ((k, v) if with_keys else ()))
     assert torch.autograd.gradcheck(lambda q, S0, Z0: lt.linear_attention(q, k, v, initial_state=(S0, Z0)),
                                     (q, S0, Z0))
+    if with_keys:  # the keys' lengths (right padding)
+        assert torch.autograd.gradcheck(lambda q, k, v: lt.linear_attention(q, k, v, lengths=np.array([7, 4])),
+                                        (q, k, v))
 
 
 @pytest.mark.parametrize("feature_map", ["softplus", Taylor(), DPFP(2)])

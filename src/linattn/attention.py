@@ -103,7 +103,8 @@ def _fast_plan(causal, dt, shape, dv, threads):
             kernel = chunked.causal_forward.get(dt, ("C", 0))
             extra = (_full_lengths(bh, n),) + _no_state(dt, d, dv) + (_NO_DEN[dt], _NO_STATES[dt])
         else:
-            kernel, extra = chunked.noncausal_forward.get(dt, "C"), _NO_INITIAL[dt] + _no_state(dt, d, dv)[2:]
+            kernel = chunked.noncausal_forward.get(dt, "C")
+            extra = (_full_lengths(bh, n),) + _NO_INITIAL[dt] + _no_state(dt, d, dv)[2:]
         found = (chunk, frac, nthreads, pooled, kernel, no_gates, one, two_runs) + extra
         if len(_constants) > 256:
             _constants.clear()
@@ -158,8 +159,8 @@ def _fast(causal, q, k, v, feature_map, eps, normalize, keep=False, return_state
         args = (q4, k4, v4, code, no_gates, 0, dt.type(eps), normalize, one, lengths, chunk, frac, S0, Z0,
                 o4, S, Z, no_gates, _ZERO_DECAY, status, den4, states4)
     else:
-        S0, Z0, S, Z = found[8:]
-        args = (q4, k4, v4, code, no_gates, 0, dt.type(eps), normalize, one, chunk, frac, S0, Z0, o4, S, Z)
+        lengths, S0, Z0, S, Z = found[8:]
+        args = (q4, k4, v4, code, no_gates, 0, dt.type(eps), normalize, one, lengths, chunk, frac, S0, Z0, o4, S, Z)
     _launch(kernel, nthreads, args, _parts(True, bh, frac, d, dv, causal) if two_runs else None)
     if causal and keep:
         state = State(S.reshape(shape[:-2] + (d, dv)), Z.reshape(shape[:-2] + (d,))) if return_state else None
@@ -210,8 +211,8 @@ def _fast_over_state(q, state, feature_map, eps, normalize):
     n, d = shape[-2], shape[-1]
     bh = q.size // (n * d)
     q4, o4 = (q, out) if len(shape) == 4 else (q.reshape(1, bh, n, d), out.reshape(1, bh, n, dv))
-    args = (q4, q4[:, :, :0], o4[:, :, :0], code, no_gates, 0, dt.type(eps), normalize, one, chunk, frac,
-            S0.reshape(bh, d, dv), Z0.reshape(bh, d), o4) + found[10:]
+    args = (q4, q4[:, :, :0], o4[:, :, :0], code, no_gates, 0, dt.type(eps), normalize, one, _full_lengths(bh, 0),
+            chunk, frac, S0.reshape(bh, d, dv), Z0.reshape(bh, d), o4) + found[11:]
     _launch(kernel, nthreads, args, None)  # (no keys: each segment reads the state itself)
     return out
 
@@ -551,7 +552,7 @@ def _keys_from_state(q, k, v, initial_state, where):
 
 
 def linear_attention(q, k=None, v=None, *, feature_map="elu", eps=1e-6, normalize=True, initial_state=None,
-                     return_state=False, scale=None, out=None, device=None, **unsupported):
+                     return_state=False, lengths=None, scale=None, out=None, device=None, **unsupported):
     r"""Non-causal linear attention: every query attends to all the keys.
 
     .. math:: out_i = \frac{\phi(q_i)^T S}{\phi(q_i)^T Z + eps},\quad
@@ -567,6 +568,11 @@ def linear_attention(q, k=None, v=None, *, feature_map="elu", eps=1e-6, normaliz
     state of all of them, so keys given in pieces sum to the state of one call, and a decoder reads
     an encoder's keys once: each later call passes only its queries, ``k`` and ``v`` None, and the
     state (O(D' Dv) a head, whatever the keys' number).
+
+    ``lengths`` (of the shape of the leading dims or of their first dims, as for the causal call) are
+    the true lengths of right-padded keys and values: keys at or past a sequence's length do not
+    enter its state (padding may hold anything, NaN included). Queries are not masked: each query,
+    a padded one too, attends to its sequence's keys (the causal call's outputs past a length are 0).
 
     Examples
     --------
@@ -592,7 +598,8 @@ def linear_attention(q, k=None, v=None, *, feature_map="elu", eps=1e-6, normaliz
         why = (" (decay and gates make the state forget the past: only causal attention has one; use "
                "causal_linear_attention)" if name in ("decay", "gate") else "")
         raise TypeError(f"linear_attention() got an unexpected keyword argument {name!r}{why}")
-    if type(q) is _ndarray and out is None and device is None and scale is None and return_state is False:
+    if (type(q) is _ndarray and out is None and device is None and scale is None and return_state is False
+            and lengths is None):
         if initial_state is None:
             res = _fast(False, q, k, v, feature_map, eps, normalize)
         elif k is None and v is None:
@@ -606,8 +613,8 @@ def linear_attention(q, k=None, v=None, *, feature_map="elu", eps=1e-6, normaliz
         from . import dask as dask_mod
 
         return dask_mod.linear_attention(q, k, v, feature_map=feature_map, eps=eps, normalize=normalize,
-                                         initial_state=initial_state, return_state=return_state, scale=scale,
-                                         out=out, device=device)
+                                         initial_state=initial_state, return_state=return_state, lengths=lengths,
+                                         scale=scale, out=out, device=device)
     where = _placement(device, q, k, v, S_in, Z_in, names=("q", "k", "v", "initial_state.S", "initial_state.Z"))
     k, v = _keys_from_state(q, k, v, initial_state, where)
     q, k, v, lead, n, dk, dv, comp, out_dt, eps, normalize, code = _prepare(
@@ -619,14 +626,15 @@ def linear_attention(q, k=None, v=None, *, feature_map="elu", eps=1e-6, normaliz
     S0 = Z0 = None
     if initial_state is not None:
         S0, Z0 = checks.check_state(initial_state, "initial_state", lead, dk, dv, comp)
-    bh = math.prod(lead)
+    bh, nk = math.prod(lead), tuple(k.shape)[-2]  # (device arrays' shapes take no negative index)
+    lens = _full_lengths(bh, nk) if lengths is None else checks.check_lengths(lengths, lead, nk, "Nk")
     if where != "cpu":
         from .cuda import api as cuda_api
 
         if S0 is not None:
             S0, Z0 = cuda_api.flat_state(S0, Z0, bh, dk, dv, where)
         res, S, Z = cuda_api.noncausal(_flat(q, bh, 2), _flat(k, bh, 2), _flat(v, bh, 2),
-                                       code, eps, normalize, comp, scale, S0, Z0, return_state)
+                                       code, eps, normalize, comp, scale, S0, Z0, return_state, lens)
         res = res.reshape(lead + (n, dv))
     else:
         # (an initial state in out's memory would be overwritten before a later head reads it)
@@ -635,11 +643,11 @@ def linear_attention(q, k=None, v=None, *, feature_map="elu", eps=1e-6, normaliz
         S, Z = np.empty((rows, dk, dv), comp), np.empty((rows, dk), comp)
         S0, Z0 = _NO_INITIAL[comp] if S0 is None else _initial_for_noncausal(S0, Z0, bh)
         if bh and (n or return_state):
-            chunk, frac, nthreads, two_runs = plan(bh, max(n, k.shape[-2], 1), dk, dv, causal=False)
+            chunk, frac, nthreads, two_runs = plan(bh, max(n, nk, 1), dk, dv, causal=False)
             (q4, k4, v4, o4), layout, copied = _seq4((q, k, v, res), lead)
             kernel = chunked.noncausal_forward.get(comp, layout)
-            _run(kernel, nthreads, (q4, k4, v4, *code, comp.type(eps), normalize, comp.type(scale), chunk, frac, S0, Z0,
-                                    o4, S, Z), _parts(two_runs and k.shape[-2] > 0, bh, frac, dk, dv, False))
+            _run(kernel, nthreads, (q4, k4, v4, *code, comp.type(eps), normalize, comp.type(scale), lens, chunk, frac,
+                                    S0, Z0, o4, S, Z), _parts(two_runs and nk > 0, bh, frac, dk, dv, False))
             if copied[3]:
                 res[...] = o4.reshape(res.shape)
     res = _deliver(res, out, out_dt, where)

@@ -190,8 +190,9 @@ def check_written_apart(S, Z, out, name="state"):
                              "got an array that overlaps it")
 
 
-def check_lengths(lengths, lead, n):
-    """Integer lengths in [0, n] with the shape of the leading dims or of their first dims.
+def check_lengths(lengths, lead, n, what="N"):
+    """Integer lengths in [0, n] (``what``: n's name in the message) with the shape of the leading dims or
+    of their first dims.
 
     Returns the lengths broadcast over all leading dims and flattened, as int64.
     """
@@ -204,7 +205,7 @@ def check_lengths(lengths, lead, n):
             f"{lead[:1]}, got {arr.shape}")
     if arr.size and (arr.min() < 0 or arr.max() > n):
         bad = arr[(arr < 0) | (arr > n)].ravel()[0]
-        raise ValueError(f"lengths: expected values in [0, N={n}], got {bad}")
+        raise ValueError(f"lengths: expected values in [0, {what}={n}], got {bad}")
     full = np.broadcast_to(arr.reshape(arr.shape + (1,) * (len(lead) - arr.ndim)), lead)
     return np.ascontiguousarray(full, dtype=np.int64).reshape(-1)
 

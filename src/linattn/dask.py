@@ -313,10 +313,14 @@ def _state_item(S, Z, lead, lead_chunks, dk, dv):
     return da.concatenate([Z, S], axis=-1)[..., None, :].rechunk(lead_chunks + ((1,), (dk + dk * dv,)))
 
 
-def _global_item(k, v, *, fmap, comp):
-    kf = _phi(fmap, k, comp).astype(np.float64)
-    return np.concatenate([kf.sum(-2), (np.swapaxes(kf, -1, -2) @ v.astype(np.float64)).reshape(
-        k.shape[:-2] + (-1,))], -1)[..., None, :]
+def _global_item(k, v, lens, p0, *, fmap, comp):
+    """A block's part [Z | S] of the non-causal state: its keys before each sequence's length (``lens``;
+    the block starts at position p0[0]), in float64."""
+    valid = (np.arange(k.shape[-2]) < (lens[..., None] - p0[0]))[..., None]  # (padding may hold NaN)
+    kf = np.where(valid, _phi(fmap, np.where(valid, k, 0), comp).astype(np.float64), 0.0)
+    v64 = np.where(valid, v.astype(np.float64), 0.0)
+    return np.concatenate([kf.sum(-2), (np.swapaxes(kf, -1, -2) @ v64).reshape(k.shape[:-2] + (-1,))],
+                          -1)[..., None, :]
 
 
 def _noncausal_out(q, item, *, fmap, comp, out_dt, dk, dv, eps, normalize, scale):
@@ -329,11 +333,12 @@ def _noncausal_out(q, item, *, fmap, comp, out_dt, dk, dv, eps, normalize, scale
 
 
 def linear_attention(q, k=None, v=None, *, feature_map="elu", eps=1e-6, normalize=True, initial_state=None,
-                     return_state=False, scale=None, out=None, device=None, **unsupported):
+                     return_state=False, lengths=None, scale=None, out=None, device=None, **unsupported):
     """:func:`linattn.linear_attention` on Dask arrays: the blocks' states summed (one reduction, with
     ``initial_state``, NumPy or dask), then each block's outputs from the sum, lazily; a dask array
     (and a :class:`~linattn.State` of dask arrays with ``return_state=True``). k and v may have
-    another length than q (and other chunks along it), or be None with ``initial_state``.
+    another length than q (and other chunks along it), or be None with ``initial_state``; ``lengths``
+    (the keys') work across blocks.
 
     Examples
     --------
@@ -359,11 +364,15 @@ def linear_attention(q, k=None, v=None, *, feature_map="elu", eps=1e-6, normaliz
     return_state = checks.check_flag(return_state, "return_state")
     if initial_state is not None:
         S_in, Z_in = checks.check_state(initial_state, "initial_state", lead, dk, dv, comp)
-    nl = len(lead)
+    nl, nk = len(lead), k.shape[-2]
+    lens = np.full(lead, nk, np.int64) if lengths is None else checks.check_lengths(lengths, lead, nk, "Nk").reshape(
+        lead)
     q, k, v = _unify([q, k, v], nl, groups=(0, 1, 1))  # (k and v may have another length than q)
     L = string.ascii_lowercase[:nl]
-    items = da.blockwise(lambda k_b, v_b: _global_item(k_b, v_b, fmap=fmap, comp=comp), L + "nw", k, L + "nx",
-                         v, L + "ny", new_axes={"w": dk + dk * dv}, adjust_chunks={"n": 1}, concatenate=True,
+    lens_d = _lead_array(lens, lead, k.chunks[:nl], np.int64)
+    items = da.blockwise(lambda k_b, v_b, lens_b, p0: _global_item(k_b, v_b, lens_b, p0, fmap=fmap, comp=comp),
+                         L + "nw", k, L + "nx", v, L + "ny", lens_d, L, _starts(k.chunks[nl]), "n",
+                         new_axes={"w": dk + dk * dv}, adjust_chunks={"n": 1}, concatenate=True,
                          align_arrays=False, dtype=np.float64, meta=np.empty((0,) * (nl + 2), np.float64))
     total = items.sum(axis=nl, keepdims=True).rechunk({nl: 1})
     if initial_state is not None:

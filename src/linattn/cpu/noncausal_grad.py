@@ -104,12 +104,14 @@ def _copy_matrix(src, dst):
             row[e] = src[a, e]
 
 
-def _noncausal_backward(q, k, v, g, out, fm, s, eps, normalize, chunk, frac, dq, dk, dv, phase, parts, counter):
+def _noncausal_backward(q, k, v, g, out, fm, s, eps, normalize, lengths, chunk, frac, dq, dk, dv, phase, parts,
+                        counter):
     """Gradients of non-causal linear attention for every head (see the module docstring).
 
     q: (G1, G2, N, D), k: (G1, G2, Nk, D); v: (G1, G2, Nk, Dv), g (the output's gradient), out (the
     forward's result): (G1, G2, N, Dv); dq, dk, dv like q, k, v; every array with unit stride along its
-    last axis. ``fm``:
+    last axis. Only the first lengths[head] keys of a head are read (right-padded keys); dk and dv past
+    them are not written. ``fm``:
     cpu/elementwise.py's map code (elu + 1, relu, identity), ``s``: the scale of phi(q). ``frac`` splits
     each head's chunks into segments, one work item each. Run by threaded.ThreadedKernel: each thread
     takes items from ``counter``. ``phase`` 3: each item sums its head's [S | Z] and G itself, then
@@ -131,19 +133,22 @@ def _noncausal_backward(q, k, v, g, out, fm, s, eps, normalize, chunk, frac, dq,
     sbuf = _state_buffers(d, e, dt)
     acc = sbuf[2]
     nseg = frac.shape[0] - 1
-    n, nk = q.shape[2], k.shape[2]
-    nchunks, kchunks = (n + chunk - 1) // chunk, (nk + chunk - 1) // chunk
+    n = q.shape[2]
+    nchunks, kchunks = (n + chunk - 1) // chunk, (k.shape[2] + chunk - 1) // chunk
     items = q.shape[0] * g2 * nseg
     item = take(counter)
     while item < items:
         h, sg, c0, c1 = _segment(item, nseg, frac, nchunks)  # the segment's query chunks, then its key chunks
+        nk = lengths[h]
+        kc = (nk + chunk - 1) // chunk  # (this head's chunks of keys)
         k0, k1 = _segment(item, nseg, frac, kchunks)[2:]
+        k0, k1 = min(k0, kc), min(k1, kc)
         h1, h2 = h // g2, h % g2
-        qh, kh, vh, gh, oh = q[h1, h2], k[h1, h2], v[h1, h2], g[h1, h2], out[h1, h2]
+        qh, kh, vh, gh, oh = q[h1, h2], k[h1, h2][:nk], v[h1, h2][:nk], g[h1, h2], out[h1, h2]
         for which in range(2):  # [S | Z] of the whole head, then G (from its Z)
             if phase == 3:
                 _sum_chunks(which, qh, kh, vh, gh, oh, fm, s, eps, normalize, chunk, int(0),
-                            kchunks if which == 0 else nchunks, KF, V1, QS, AB, DEN, Z, sbuf)
+                            kc if which == 0 else nchunks, KF, V1, QS, AB, DEN, Z, sbuf)
             elif phase == which:  # this segment's part of it, for the next run
                 _sum_chunks(which, qh, kh, vh, gh, oh, fm, s, eps, normalize, chunk, k0 if which == 0 else c0,
                             k1 if which == 0 else c1, KF, V1, QS, AB, DEN, Z, sbuf)
@@ -189,22 +194,23 @@ def _noncausal_backward(q, k, v, g, out, fm, s, eps, normalize, chunk, frac, dq,
 
 def _signature(dt, variant):
     seq, i64 = array(dt, 4, "A", readonly=True), types.int64
-    return types.void(seq, seq, seq, seq, seq, i64, dt, dt, types.boolean, i64, array(types.float64, 1, readonly=True),
-                      array(dt, 4, "A"), array(dt, 4, "A"), array(dt, 4, "A"), i64, array(types.float64, 5))
+    return types.void(seq, seq, seq, seq, seq, i64, dt, dt, types.boolean, array(i64, 1, readonly=True), i64,
+                      array(types.float64, 1, readonly=True), array(dt, 4, "A"), array(dt, 4, "A"), array(dt, 4, "A"),
+                      i64, array(types.float64, 5))
 
 
 noncausal_backward = ThreadedKernel(_noncausal_backward, _signature)
 _NO_PARTS = np.zeros((2, 0, 1, 1, 1))  # the segments' partial sums, none
 
 
-def backward(nthreads, q, k, v, g, out, fm, s, eps, normalize, chunk, frac, dq, dk, dv, base=None):
+def backward(nthreads, q, k, v, g, out, fm, s, eps, normalize, lengths, chunk, frac, dq, dk, dv, base=None):
     """Run the kernel (arguments as ``_noncausal_backward``'s, 4-D arrays of one float dtype) on
     ``nthreads`` threads: once when every head is one segment, else three times (the segments' parts of
     [S | Z], then of G, then the rows). ``base`` (2, heads, D, Dv + 1), float64: what [S | Z] and G
     start from (an initial state; the gradient of the state returned), one more part of each head's
     sums (the kernel then runs three times); G's sums are then returned, (heads, D, Dv + 1)."""
     kernel = noncausal_backward.get(dq.dtype, None)
-    args = (q, k, v, g, out, fm, s, eps, normalize, chunk, frac, dq, dk, dv)
+    args = (q, k, v, g, out, fm, s, eps, normalize, lengths, chunk, frac, dq, dk, dv)
     if base is None and nthreads <= 1 and len(frac) == 2:  # the worker on this thread through its unchecked entry
         # point (no type dispatch of its 17 arguments): they have the signature's types (dtype scalars, float64 frac)
         kernel.unchecked(*args, 3, _NO_PARTS, np.zeros(1, np.int64))
