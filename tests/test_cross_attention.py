@@ -201,22 +201,25 @@ def test_errors(rng):
 @given(lead=st.sampled_from([(), (1,), (2, 3)]), n=st.integers(1, 200), nk=st.integers(0, 200),
        d=st.integers(1, 9), dv=st.integers(1, 9), f64=st.booleans(),
        fmap=st.sampled_from(["elu", "relu", "taylor", "dpfp", "hedgehog"]), scale=st.sampled_from([None, 0.5]),
-       normalize=st.booleans(), with_state=st.booleans(), seed=st.integers(0, 2**31))
-def test_random_shapes(lead, n, nk, d, dv, f64, fmap, scale, normalize, with_state, seed):
-    """Forward (and the keys' state) and vjp against the reference for drawn lengths, dims, maps and
-    initial states."""
+       normalize=st.booleans(), with_state=st.booleans(), with_lengths=st.booleans(), seed=st.integers(0, 2**31))
+def test_random_shapes(lead, n, nk, d, dv, f64, fmap, scale, normalize, with_state, with_lengths, seed):
+    """Forward (and the keys' state) and vjp against the reference for drawn lengths, dims, maps,
+    initial states and key lengths (NaN past them)."""
     rng = np.random.default_rng(seed)
     dtype = np.float64 if f64 else np.float32
     fmap, dk, _ = random_options(rng, lead, n, d, dv, dtype, fmap, "none", False, False, scale)
     q, k, v = _cross(rng, lead, n, nk, d, dv, dtype)
     kw = dict(feature_map=fmap, scale=scale, normalize=normalize, eps=1e-3)
+    lengths = rng.integers(0, nk + 1, lead) if with_lengths else None
+    valid = (np.arange(nk) < (nk if lengths is None else lengths[..., None]))[..., None]
+    k, v = np.where(valid, k, np.nan), np.where(valid, v, np.nan)
     S0 = linattn.State(rng.random(lead + (dk, dv)).astype(dtype), (rng.random(lead + (dk,)) + 0.5).astype(dtype))
     out, state, vjp = linattn.linear_attention_vjp(q, k, v, initial_state=S0 if with_state else None,
-                                                   return_state=True, **kw)
+                                                   return_state=True, lengths=lengths, **kw)
     assert out.shape == lead + (n, dv) and out.dtype == dtype
     phi = linattn.feature_maps.as_map(fmap)
-    kf = phi(k.astype(np.float64))
-    S_want, Z_want = np.swapaxes(kf, -1, -2) @ v.astype(np.float64), kf.sum(-2)
+    kf = np.where(valid, phi(np.where(valid, k, 0).astype(np.float64)), 0.0)
+    S_want, Z_want = np.swapaxes(kf, -1, -2) @ np.where(valid, v, 0).astype(np.float64), kf.sum(-2)
     if with_state:
         S_want, Z_want = S_want + S0.S, Z_want + S0.Z
     assert_close(state.S, S_want, dtype)
@@ -227,6 +230,8 @@ def test_random_shapes(lead, n, nk, d, dv, f64, fmap, scale, normalize, with_sta
     grads = vjp(np.ones_like(out))
     assert [g.shape for g in grads[:3]] == [q.shape, k.shape, v.shape]
     assert all(np.isfinite(g).all() for g in grads[:3])
+    for g in grads[1:3]:
+        np.testing.assert_array_equal(np.where(valid, 0, g), 0)
 
 
 @pytest.mark.parametrize("dtype", [np.float32, np.float64])
