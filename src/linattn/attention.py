@@ -558,8 +558,8 @@ def linear_attention(q, k=None, v=None, *, feature_map="elu", eps=1e-6, normaliz
     .. math:: out_i = \frac{\phi(q_i)^T S}{\phi(q_i)^T Z + eps},\quad
               S = S_0 + \sum_j \phi(k_j) v_j^T,\quad Z = Z_0 + \sum_j \phi(k_j)
 
-    Parameters and returns are as for :func:`causal_linear_attention`, without ``lengths``, ``decay``
-    and ``gate`` (only causal attention forgets); ``scale``, ``out`` and ``device`` as there.
+    Parameters and returns are as for :func:`causal_linear_attention`, without ``decay`` and ``gate``
+    (only causal attention forgets); ``scale``, ``out`` and ``device`` as there; ``lengths`` below.
     k and v may have another length than q (cross-attention: shapes (..., Nk, D) and (..., Nk, Dv) with
     q (..., N, D), the result (..., N, Dv)), as an encoder-decoder's queries read the encoder's keys.
 

@@ -365,8 +365,8 @@ def linear_attention(q, k=None, v=None, *, feature_map="elu", eps=1e-6, normaliz
     if initial_state is not None:
         S_in, Z_in = checks.check_state(initial_state, "initial_state", lead, dk, dv, comp)
     nl, nk = len(lead), k.shape[-2]
-    lens = np.full(lead, nk, np.int64) if lengths is None else checks.check_lengths(lengths, lead, nk, "Nk").reshape(
-        lead)
+    lens = (np.full(lead, nk, np.int64) if lengths is None
+            else checks.check_lengths(lengths, lead, nk, "Nk").reshape(lead))
     q, k, v = _unify([q, k, v], nl, groups=(0, 1, 1))  # (k and v may have another length than q)
     L = string.ascii_lowercase[:nl]
     lens_d = _lead_array(lens, lead, k.chunks[:nl], np.int64)

@@ -344,8 +344,11 @@ def linear_attention_vjp(q, k=None, v=None, *, feature_map="elu", eps=1e-6, norm
         g = _check_grad(dout, "dout", lead + (n, dv), comp)
         # the kernel computes phi and phi' of the maps it knows (code); other maps' features are its inputs
         # and their vjp is applied after it
-        kk = k if valid is None else np.where(valid, k, 0).astype(comp, copy=False)  # (a map's vjp reads them)
-        src, fm = ((q, k), code) if code is not None else ((_mapped(fmap, q, comp), _mapped(fmap, kk, comp)), IDENTITY)
+        if code is not None:
+            src, fm = (q, k), code
+        else:  # (a map's vjp reads the keys: padding as 0)
+            kk = k if valid is None else np.where(valid, k, 0).astype(comp, copy=False)
+            src, fm = (_mapped(fmap, q, comp), _mapped(fmap, kk, comp)), IDENTITY
         dk_, nk = src[0].shape[-1], k.shape[-2]
         dS, dZ = _final_state_gradient(dstate, return_state, lead, dk_, dv, comp)
         dqf, dkf = workspace.take_views([lead + (n, dk_), lead + (nk, dk_)], comp)  # (pooled: no fresh pages)
@@ -366,8 +369,8 @@ def linear_attention_vjp(q, k=None, v=None, *, feature_map="elu", eps=1e-6, norm
                                         _full_lengths(bh, nk) if lens is None else lens, chunk, frac, *arrays[5:],
                                         base=base)
         if valid is not None:  # (the kernel writes no row past a length)
-            dkf[...] = np.where(valid, dkf, 0)
-            dvv[...] = np.where(valid, dvv, 0)
+            np.copyto(dkf, 0, where=~valid)
+            np.copyto(dvv, 0, where=~valid)
         dmap = None
         if code is not None:
             grads = [dqf, dkf, dvv]

@@ -212,7 +212,7 @@ def backward(nthreads, q, k, v, g, out, fm, s, eps, normalize, lengths, chunk, f
     kernel = noncausal_backward.get(dq.dtype, None)
     args = (q, k, v, g, out, fm, s, eps, normalize, lengths, chunk, frac, dq, dk, dv)
     if base is None and nthreads <= 1 and len(frac) == 2:  # the worker on this thread through its unchecked entry
-        # point (no type dispatch of its 17 arguments): they have the signature's types (dtype scalars, float64 frac)
+        # point (no type dispatch of its 18 arguments): they have the signature's types (dtype scalars, float64 frac)
         kernel.unchecked(*args, 3, _NO_PARTS, np.zeros(1, np.int64))
         return None
     with kernel_section(nthreads):
