@@ -111,8 +111,12 @@ def main():
     got, st = linattn.linear_attention(dq, dk, dv, return_state=True)
     dq1 = cuda.to_device(np.ascontiguousarray(q[:, :, :1]))
     over_state = linattn.linear_attention(dq1, initial_state=st).copy_to_host()
+    qlens = np.full((b, h), n // 2)  # (padded queries: 0 past their lengths)
+    padded = linattn.linear_attention(dq, dk, dv, query_lengths=qlens).copy_to_host()
+    ok &= bool((padded[:, :, n // 2:] == 0).all())
     err = max(float(np.max(np.abs(x - y)) / np.max(np.abs(y))) for x, y in (
-        (got.copy_to_host(), ref), (st.S.copy_to_host(), st_ref.S), (over_state, ref[:, :, :1])))
+        (got.copy_to_host(), ref), (st.S.copy_to_host(), st_ref.S), (over_state, ref[:, :, :1]),
+        (padded[:, :, :n // 2], ref[:, :, :n // 2])))
     ok &= err < 1e-4
     t = timed(lambda: linattn.linear_attention(dq, dk, dv), sync)
     t1 = timed(lambda: linattn.linear_attention(dq1, initial_state=st), sync, repeat=20)

@@ -225,7 +225,8 @@ def test_segments(rng, frac, two_runs):
     parts = np.full((3, len(frac) - 1, d, dv + 1), np.nan)
     for phase in (0, 1) if len(frac) > 2 else (1,):
         chunked.noncausal_forward.get(np.float32, "C")(2, q[None], k[None], v[None], 1, *no_map, np.float32(1e-6),
-                                                        True, np.float32(1), np.full(3, n), chunk_size(n), frac,
+                                                        True, np.float32(1), np.full(3, n), np.full(3, n),
+                                                        chunk_size(n), frac,
                                                         S0[:0], Z0[:0],
                                                         out2[None], S[:0], Z[:0], phase,
                                                         parts if len(frac) > 2 else parts[:0])

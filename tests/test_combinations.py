@@ -293,8 +293,8 @@ def test_gradients_together(lead, n, d, dv, map_name, gating, with_state, with_l
                        x, dx)
 
 
-ARG_NAMES = ("q", "k", "v", "feature_map", "eps", "normalize", "initial_state", "state", "lengths", "decay", "gate",
-             "scale", "out", "dout", "dstate", "return_state", "causal")
+ARG_NAMES = ("q", "k", "v", "feature_map", "eps", "normalize", "initial_state", "state", "lengths", "query_lengths",
+             "decay", "gate", "scale", "out", "dout", "dstate", "return_state", "causal")
 
 
 def _maybe_bad(draw, good, name):
@@ -330,6 +330,7 @@ def test_bad_input_is_named(data, lead, n, d, dv, f64):
     v = rng.standard_normal(lead + (n, dv)).astype(dtype)
     good = dict(q=q, k=k, v=v, gate=np.log(rng.uniform(0.5, 1, lead + (n,))).astype(dtype),
                 decay=np.full(lead[-1:], 0.9, dtype), lengths=np.full(lead[:1], n) if lead else None,
+                query_lengths=np.full(lead, n - 1) if lead else None,
                 initial_state=linattn.State.zeros(lead, d, dv, dtype), scale=0.5, eps=1e-6,
                 out=np.zeros(lead + (n, dv), dtype), feature_map="elu", normalize=True)
     draw = data.draw
@@ -337,10 +338,11 @@ def test_bad_input_is_named(data, lead, n, d, dv, f64):
     fn = draw(st.sampled_from(["causal", "noncausal", "step", "weights", "vjp"]))
     try:
         if fn == "causal":
-            linattn.causal_linear_attention(**args)
+            linattn.causal_linear_attention(**{a: x for a, x in args.items() if a != "query_lengths"})
         elif fn == "noncausal":
             linattn.linear_attention(**{a: args[a] for a in ("q", "k", "v", "scale", "eps", "out", "feature_map",
-                                                             "normalize", "initial_state", "lengths")})
+                                                             "normalize", "initial_state", "lengths",
+                                                             "query_lengths")})
         elif fn == "step":
             state = args["initial_state"]
             linattn.step(*(x[..., 0, :] if isinstance(x, np.ndarray) and x.ndim >= 2 else x

@@ -70,12 +70,13 @@ def test_kernel_segments(rng, frac, n, nk):
     """Every kind of split of a head into segments, on two threads: each segment's part of the state
     over the keys' chunks (first run), then its chunks of the outputs from those parts and the initial
     state, the first segment writing the state of every key, even when it has no outputs (second run);
-    the keys of each head up to its length (NaN past it); and the backward's three runs."""
+    the keys and the queries of each head up to their lengths (NaN past them; outputs 0 there); and the
+    backward's three runs."""
     d, dv = 6, 5
     q, k, v = _cross(rng, (3,), n, nk, d, dv)
-    lengths = np.array([nk, nk // 2, 0])
-    for h, L in enumerate(lengths):
-        k[h, L:], v[h, L:] = np.nan, np.nan
+    lengths, qlengths = np.array([nk, nk // 2, 0]), np.array([n // 3, n, 0])
+    for h, (L, M) in enumerate(zip(lengths, qlengths)):
+        k[h, L:], v[h, L:], q[h, M:] = np.nan, np.nan, np.nan
     S0, Z0 = rng.random((3, d, dv)).astype(np.float32), rng.random((3, d)).astype(np.float32) + 0.5
     chunk, frac = runtime.chunk_size(max(n, nk)), np.asarray(frac, np.float64)
     out = np.full((3, n, dv), np.nan, np.float32)
@@ -84,25 +85,31 @@ def test_kernel_segments(rng, frac, n, nk):
     kernel = chunked.noncausal_forward.get(np.float32, "C")
     for phase in (0, 1) if len(frac) > 2 else (1,):
         kernel(2, q[None], k[None], v[None], 1, np.zeros(0, np.float32), 0, np.float32(1e-6), True, np.float32(1),
-               lengths, chunk, frac, S0, Z0, out[None], S, Z, phase, parts if len(frac) > 2 else parts[:0])
+               lengths, qlengths, chunk, frac, S0, Z0, out[None], S, Z, phase, parts if len(frac) > 2 else parts[:0])
     valid = (np.arange(nk) < lengths[:, None])[..., None]
-    k, v = np.where(valid, k, 0.0), np.where(valid, v, 0.0)
+    qvalid = (np.arange(n) < qlengths[:, None])[..., None]
+    k, v, q = np.where(valid, k, 0.0), np.where(valid, v, 0.0), np.where(qvalid, q, 0.0)
     kf = np.where(valid, np.where(k > 0, k + 1.0, np.exp(np.minimum(k, 0.0))), 0.0)
     S_want, Z_want = S0 + np.swapaxes(kf, -1, -2) @ v, Z0 + kf.sum(-2)
     assert_close(S, S_want, np.float32)
     assert_close(Z, Z_want, np.float32)
     qf = np.where(q > 0, q + 1.0, np.exp(np.minimum(q, 0.0)))
-    assert_close(out, (qf @ S_want) / ((qf @ Z_want[..., None]) + 1e-6), np.float32)
+    assert_close(out, np.where(qvalid, (qf @ S_want) / ((qf @ Z_want[..., None]) + 1e-6), 0.0), np.float32)
     if not (n and nk):
         return
-    q, k, v = _cross(rng, (3,), n, nk, d, dv)  # (the backward: all keys)
-    out = linattn.linear_attention(q, k, v)
+    q, k, v = _cross(rng, (3,), n, nk, d, dv)  # (the backward: all keys, the queries up to their lengths)
+    out = linattn.linear_attention(q, k, v, query_lengths=qlengths)
     g = rng.standard_normal((3, n, dv)).astype(np.float32)
+    for h, M in enumerate(qlengths):
+        q[h, M:], g[h, M:], out[h, M:] = np.nan, np.nan, np.nan
     grads = [np.full_like(x, np.nan) for x in (q, k, v)]
     noncausal_grad.backward(2, q[None], k[None], v[None], g[None], out[None], ELU, np.float32(1), np.float32(1e-6),
-                            True, np.full(3, nk), chunk, frac, *(x[None] for x in grads))
-    for got, want in zip(grads, _noncausal_reference_grads(q, k, v, g, "elu", 1.0, 1e-6, True)):
-        assert np.abs(got - want).max() <= 2e-5 * np.abs(want).max()
+                            True, np.full(3, nk), qlengths, chunk, frac, *(x[None] for x in grads))
+    for h, M in enumerate(qlengths):
+        want = _noncausal_reference_grads(q[h, :M], k[h], v[h], g[h, :M], "elu", 1.0, 1e-6, True)
+        assert (grads[0][h, M:] == 0).all()
+        for got, w in zip((grads[0][h, :M], grads[1][h], grads[2][h]), want):
+            assert np.abs(got - w).max(initial=0) <= 2e-5 * np.abs(w).max(initial=0)
 
 
 @pytest.mark.parametrize("n, nk", [(4001, 300), (300, 4001)])
@@ -201,10 +208,11 @@ def test_errors(rng):
 @given(lead=st.sampled_from([(), (1,), (2, 3)]), n=st.integers(1, 200), nk=st.integers(0, 200),
        d=st.integers(1, 9), dv=st.integers(1, 9), f64=st.booleans(),
        fmap=st.sampled_from(["elu", "relu", "taylor", "dpfp", "hedgehog"]), scale=st.sampled_from([None, 0.5]),
-       normalize=st.booleans(), with_state=st.booleans(), with_lengths=st.booleans(), seed=st.integers(0, 2**31))
-def test_random_shapes(lead, n, nk, d, dv, f64, fmap, scale, normalize, with_state, with_lengths, seed):
+       normalize=st.booleans(), with_state=st.booleans(), with_lengths=st.booleans(), with_qlengths=st.booleans(),
+       seed=st.integers(0, 2**31))
+def test_random_shapes(lead, n, nk, d, dv, f64, fmap, scale, normalize, with_state, with_lengths, with_qlengths, seed):
     """Forward (and the keys' state) and vjp against the reference for drawn lengths, dims, maps,
-    initial states and key lengths (NaN past them)."""
+    initial states, key and query lengths (NaN past them)."""
     rng = np.random.default_rng(seed)
     dtype = np.float64 if f64 else np.float32
     fmap, dk, _ = random_options(rng, lead, n, d, dv, dtype, fmap, "none", False, False, scale)
@@ -213,9 +221,13 @@ def test_random_shapes(lead, n, nk, d, dv, f64, fmap, scale, normalize, with_sta
     lengths = rng.integers(0, nk + 1, lead) if with_lengths else None
     valid = (np.arange(nk) < (nk if lengths is None else lengths[..., None]))[..., None]
     k, v = np.where(valid, k, np.nan), np.where(valid, v, np.nan)
+    qlengths = rng.integers(0, n + 1, lead[:1]) if with_qlengths else None
+    qvalid = np.arange(n) < (n if qlengths is None else qlengths.reshape(qlengths.shape + (1,) * len(lead)))
+    qvalid = qvalid[..., None]
+    q = np.where(qvalid, q, np.nan)
     S0 = linattn.State(rng.random(lead + (dk, dv)).astype(dtype), (rng.random(lead + (dk,)) + 0.5).astype(dtype))
     out, state, vjp = linattn.linear_attention_vjp(q, k, v, initial_state=S0 if with_state else None,
-                                                   return_state=True, lengths=lengths, **kw)
+                                                   return_state=True, lengths=lengths, query_lengths=qlengths, **kw)
     assert out.shape == lead + (n, dv) and out.dtype == dtype
     phi = linattn.feature_maps.as_map(fmap)
     kf = np.where(valid, phi(np.where(valid, k, 0).astype(np.float64)), 0.0)
@@ -224,14 +236,16 @@ def test_random_shapes(lead, n, nk, d, dv, f64, fmap, scale, normalize, with_sta
         S_want, Z_want = S_want + S0.S, Z_want + S0.Z
     assert_close(state.S, S_want, dtype)
     assert_close(state.Z, Z_want, dtype)
-    qf = phi(q.astype(np.float64)) * (1.0 if scale is None else scale)
+    qf = phi(np.where(qvalid, q, 0).astype(np.float64)) * (1.0 if scale is None else scale)
     want = qf @ S_want
-    assert_close(out, want / ((qf @ Z_want[..., None]) + 1e-3) if normalize else want, dtype)
-    grads = vjp(np.ones_like(out))
+    want = want / ((qf @ Z_want[..., None]) + 1e-3) if normalize else want
+    assert_close(out, np.where(qvalid, want, 0.0), dtype)
+    np.testing.assert_array_equal(np.where(qvalid, 0, out), 0)
+    grads = vjp(np.where(qvalid, 1.0, np.nan).astype(dtype) * np.ones_like(out))
     assert [g.shape for g in grads[:3]] == [q.shape, k.shape, v.shape]
     assert all(np.isfinite(g).all() for g in grads[:3])
-    for g in grads[1:3]:
-        np.testing.assert_array_equal(np.where(valid, 0, g), 0)
+    for g, m in zip(grads[:3], (qvalid, valid, valid)):
+        np.testing.assert_array_equal(np.where(m, 0, g), 0)
 
 
 @pytest.mark.parametrize("dtype", [np.float32, np.float64])

@@ -108,6 +108,12 @@ def test_state_of_keys_on_device(cuda):
                                             return_state=True)
         close(out.copy_to_host(), want, dtype)
         close(st4.S.copy_to_host(), st_want.S, dtype)
+        qlengths = np.array([2, 0])  # and right-padded queries: 0 past their lengths
+        qp = np.where((np.arange(q.shape[1]) < qlengths[:, None])[..., None], q, np.nan).astype(dtype)
+        out = linattn.linear_attention(dev(cuda, qp), dev(cuda, kp), dev(cuda, vp), lengths=lengths,
+                                       query_lengths=qlengths).copy_to_host()
+        close(out, linattn.linear_attention(qp, kp, vp, lengths=lengths, query_lengths=qlengths), dtype)
+        np.testing.assert_array_equal(out[np.isnan(qp[..., 0])], 0)
 
 
 def test_scale_on_device(cuda):

@@ -167,6 +167,13 @@ def test_noncausal_state(rng):
                                        initial_state=S0, return_state=True)
     assert_close(out.compute(), want, np.float64)
     assert_close(st.S.compute(), st_want.S, np.float64)
+    qlengths = np.array([[40, 0, 17], [16, 15, 1]])  # and right-padded queries, their lengths inside blocks
+    qp = np.where((np.arange(40) < qlengths[..., None])[..., None], q, np.nan)
+    want = linattn.linear_attention(qp, kp, vp, lengths=lengths, query_lengths=qlengths)
+    out = linattn.linear_attention(_lazy(qp, (1, 2, 15, 5)), _lazy(kp, (1, 3, 20, 5)), vp, lengths=lengths,
+                                   query_lengths=qlengths).compute()
+    assert_close(out, want, np.float64)
+    np.testing.assert_array_equal(out[np.isnan(qp[..., 0])], 0)
     S1 = linattn.State(rng.random((2, 3, 5, 5)), rng.random((2, 3, 5)) + 0.5)
     out, st = linattn.causal_linear_attention(q, q, q, initial_state=linattn.State(_lazy(S1.S, (1, 3, 5, 5)), S1.Z),
                                               return_state=True)

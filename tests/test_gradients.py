@@ -284,7 +284,8 @@ def test_noncausal_backward_kernel_segments(rng, frac):
     out = linattn.linear_attention(q, k, v)
     dq, dk, dv_ = np.full_like(q, np.nan), np.full_like(k, np.nan), np.full_like(v, np.nan)
     noncausal_grad.backward(min(2, runtime.num_threads()), q, k, v, g, out, ELU, np.float32(1), np.float32(1e-6), True,
-                            np.full(3, n), runtime.chunk_size(n), np.asarray(frac, np.float64), dq, dk, dv_)
+                            np.full(3, n), np.full(3, n), runtime.chunk_size(n), np.asarray(frac, np.float64), dq, dk,
+                            dv_)
     want = _noncausal_reference_grads(q, k, v, g, "elu", 1.0, 1e-6, True)
     for got, w in zip((dq, dk, dv_), want):
         assert np.abs(got - w).max() <= 2e-5 * np.abs(w).max()

@@ -169,7 +169,8 @@ def test_any_number_of_threads_takes_all_items(rng, nthreads):
     parts = np.full((6, 3, d, dv + 1), np.nan)  # each segment's part of its head's state, then the outputs
     for phase in (0, 1):
         chunked.noncausal_forward.get(np.float32, "C")(nthreads, q, k, v, 1, *no_map, np.float32(1e-6), True,
-                                                        np.float32(1), np.full(6, n), chunk_size(n), frac,
+                                                        np.float32(1), np.full(6, n), np.full(6, n), chunk_size(n),
+                                                        frac,
                                                         *_NO_STATE(d, dv)[:2],
                                                         out2, *_NO_STATE(d, dv)[2:], phase, parts)
     assert_close(out2, reference.masked(q, k, v, causal=False), np.float32)

@@ -76,9 +76,20 @@ def test_gradcheck_noncausal_state(with_keys):
     assert torch.autograd.gradcheck(f, (q, S0, Z0) + ((k, v) if with_keys else ()))
     assert torch.autograd.gradcheck(lambda q, S0, Z0: lt.linear_attention(q, k, v, initial_state=(S0, Z0)),
                                     (q, S0, Z0))
-    if with_keys:  # the keys' lengths (right padding)
+    if with_keys:  # the keys' and the queries' lengths (right padding)
         assert torch.autograd.gradcheck(lambda q, k, v: lt.linear_attention(q, k, v, lengths=np.array([7, 4])),
                                         (q, k, v))
+
+        def padded(q, k, v, S0, Z0):
+            out, (S, Z) = lt.linear_attention(q, k, v, lengths=np.array([7, 4]), query_lengths=np.array([2, 5]),
+                                              initial_state=(S0, Z0), return_state=True)
+            return out, S, Z
+
+        assert torch.autograd.gradcheck(padded, (q, k, v, S0, Z0))
+        out = lt.linear_attention(q, k, v, query_lengths=np.array([2, 0]))
+        out.sum().backward()
+        assert (out[0, 2:] == 0).all() and (out[1] == 0).all()
+        assert (q.grad[0, 2:] == 0).all() and (q.grad[1] == 0).all() and (k.grad[1] == 0).all()
 
 
 @pytest.mark.parametrize("feature_map", ["softplus", Taylor(), DPFP(2)])

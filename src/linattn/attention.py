@@ -89,8 +89,8 @@ def _fast_plan(causal, dt, shape, dv, threads):
     """Everything a plain call of ``shape`` (q's) passes besides its own arrays, one lookup per call
     (each part was a lookup of its own: ~1.5 us of a tiny call): ``plan``'s (chunk, frac, nthreads) for
     ``threads``, whether the result comes from the workspace pool, the kernel, no gates, scale 1 and,
-    causal, the full lengths, (S0, Z0, S_out, Z_out) with no rows and the "keep no denominators /
-    chunk states" arrays."""
+    the full lengths (non-causal: the keys', the queries'), (S0, Z0, S_out, Z_out) with no rows and,
+    causal, the "keep no denominators / chunk states" arrays."""
     key = (causal, dt, shape, dv, threads)
     found = _constants.get(key)
     if found is None:
@@ -104,7 +104,7 @@ def _fast_plan(causal, dt, shape, dv, threads):
             extra = (_full_lengths(bh, n),) + _no_state(dt, d, dv) + (_NO_DEN[dt], _NO_STATES[dt])
         else:
             kernel = chunked.noncausal_forward.get(dt, "C")
-            extra = (_full_lengths(bh, n),) + _NO_INITIAL[dt] + _no_state(dt, d, dv)[2:]
+            extra = (_full_lengths(bh, n),) * 2 + _NO_INITIAL[dt] + _no_state(dt, d, dv)[2:]
         found = (chunk, frac, nthreads, pooled, kernel, no_gates, one, two_runs) + extra
         if len(_constants) > 256:
             _constants.clear()
@@ -159,8 +159,9 @@ def _fast(causal, q, k, v, feature_map, eps, normalize, keep=False, return_state
         args = (q4, k4, v4, code, no_gates, 0, dt.type(eps), normalize, one, lengths, chunk, frac, S0, Z0,
                 o4, S, Z, no_gates, _ZERO_DECAY, status, den4, states4)
     else:
-        lengths, S0, Z0, S, Z = found[8:]
-        args = (q4, k4, v4, code, no_gates, 0, dt.type(eps), normalize, one, lengths, chunk, frac, S0, Z0, o4, S, Z)
+        lengths, qlengths, S0, Z0, S, Z = found[8:]
+        args = (q4, k4, v4, code, no_gates, 0, dt.type(eps), normalize, one, lengths, qlengths, chunk, frac, S0, Z0,
+                o4, S, Z)
     _launch(kernel, nthreads, args, _parts(True, bh, frac, d, dv, causal) if two_runs else None)
     if causal and keep:
         state = State(S.reshape(shape[:-2] + (d, dv)), Z.reshape(shape[:-2] + (d,))) if return_state else None
@@ -212,7 +213,7 @@ def _fast_over_state(q, state, feature_map, eps, normalize):
     bh = q.size // (n * d)
     q4, o4 = (q, out) if len(shape) == 4 else (q.reshape(1, bh, n, d), out.reshape(1, bh, n, dv))
     args = (q4, q4[:, :, :0], o4[:, :, :0], code, no_gates, 0, dt.type(eps), normalize, one, _full_lengths(bh, 0),
-            chunk, frac, S0.reshape(bh, d, dv), Z0.reshape(bh, d), o4) + found[11:]
+            found[9], chunk, frac, S0.reshape(bh, d, dv), Z0.reshape(bh, d), o4) + found[12:]
     _launch(kernel, nthreads, args, None)  # (no keys: each segment reads the state itself)
     return out
 
@@ -552,14 +553,16 @@ def _keys_from_state(q, k, v, initial_state, where):
 
 
 def linear_attention(q, k=None, v=None, *, feature_map="elu", eps=1e-6, normalize=True, initial_state=None,
-                     return_state=False, lengths=None, scale=None, out=None, device=None, **unsupported):
+                     return_state=False, lengths=None, query_lengths=None, scale=None, out=None, device=None,
+                     **unsupported):
     r"""Non-causal linear attention: every query attends to all the keys.
 
     .. math:: out_i = \frac{\phi(q_i)^T S}{\phi(q_i)^T Z + eps},\quad
               S = S_0 + \sum_j \phi(k_j) v_j^T,\quad Z = Z_0 + \sum_j \phi(k_j)
 
     Parameters and returns are as for :func:`causal_linear_attention`, without ``decay`` and ``gate``
-    (only causal attention forgets); ``scale``, ``out`` and ``device`` as there; ``lengths`` below.
+    (only causal attention forgets); ``scale``, ``out`` and ``device`` as there; ``lengths`` and
+    ``query_lengths`` below.
     k and v may have another length than q (cross-attention: shapes (..., Nk, D) and (..., Nk, Dv) with
     q (..., N, D), the result (..., N, Dv)), as an encoder-decoder's queries read the encoder's keys.
 
@@ -571,8 +574,11 @@ def linear_attention(q, k=None, v=None, *, feature_map="elu", eps=1e-6, normaliz
 
     ``lengths`` (of the shape of the leading dims or of their first dims, as for the causal call) are
     the true lengths of right-padded keys and values: keys at or past a sequence's length do not
-    enter its state (padding may hold anything, NaN included). Queries are not masked: each query,
-    a padded one too, attends to its sequence's keys (the causal call's outputs past a length are 0).
+    enter its state (padding may hold anything, NaN included). ``query_lengths`` (same shapes) are
+    the true lengths of right-padded queries: queries at or past a sequence's length are not read
+    and their outputs are 0, as the causal call's past its lengths. Without it every query, a padded
+    one too, attends to its sequence's keys. A padded batch's self-attention passes both:
+    ``linear_attention(q, k, v, lengths=n, query_lengths=n)``.
 
     Examples
     --------
@@ -599,7 +605,7 @@ def linear_attention(q, k=None, v=None, *, feature_map="elu", eps=1e-6, normaliz
                "causal_linear_attention)" if name in ("decay", "gate") else "")
         raise TypeError(f"linear_attention() got an unexpected keyword argument {name!r}{why}")
     if (type(q) is _ndarray and out is None and device is None and scale is None and return_state is False
-            and lengths is None):
+            and lengths is None and query_lengths is None):
         if initial_state is None:
             res = _fast(False, q, k, v, feature_map, eps, normalize)
         elif k is None and v is None:
@@ -614,7 +620,7 @@ def linear_attention(q, k=None, v=None, *, feature_map="elu", eps=1e-6, normaliz
 
         return dask_mod.linear_attention(q, k, v, feature_map=feature_map, eps=eps, normalize=normalize,
                                          initial_state=initial_state, return_state=return_state, lengths=lengths,
-                                         scale=scale, out=out, device=device)
+                                         query_lengths=query_lengths, scale=scale, out=out, device=device)
     where = _placement(device, q, k, v, S_in, Z_in, names=("q", "k", "v", "initial_state.S", "initial_state.Z"))
     k, v = _keys_from_state(q, k, v, initial_state, where)
     q, k, v, lead, n, dk, dv, comp, out_dt, eps, normalize, code = _prepare(
@@ -628,13 +634,15 @@ def linear_attention(q, k=None, v=None, *, feature_map="elu", eps=1e-6, normaliz
         S0, Z0 = checks.check_state(initial_state, "initial_state", lead, dk, dv, comp)
     bh, nk = math.prod(lead), tuple(k.shape)[-2]  # (device arrays' shapes take no negative index)
     lens = _full_lengths(bh, nk) if lengths is None else checks.check_lengths(lengths, lead, nk, "Nk")
+    qlens = (_full_lengths(bh, n) if query_lengths is None
+             else checks.check_lengths(query_lengths, lead, n, "N", "query_lengths"))
     if where != "cpu":
         from .cuda import api as cuda_api
 
         if S0 is not None:
             S0, Z0 = cuda_api.flat_state(S0, Z0, bh, dk, dv, where)
         res, S, Z = cuda_api.noncausal(_flat(q, bh, 2), _flat(k, bh, 2), _flat(v, bh, 2),
-                                       code, eps, normalize, comp, scale, S0, Z0, return_state, lens)
+                                       code, eps, normalize, comp, scale, S0, Z0, return_state, lens, qlens)
         res = res.reshape(lead + (n, dv))
     else:
         # (an initial state in out's memory would be overwritten before a later head reads it)
@@ -646,8 +654,8 @@ def linear_attention(q, k=None, v=None, *, feature_map="elu", eps=1e-6, normaliz
             chunk, frac, nthreads, two_runs = plan(bh, max(n, nk, 1), dk, dv, causal=False)
             (q4, k4, v4, o4), layout, copied = _seq4((q, k, v, res), lead)
             kernel = chunked.noncausal_forward.get(comp, layout)
-            _run(kernel, nthreads, (q4, k4, v4, *code, comp.type(eps), normalize, comp.type(scale), lens, chunk, frac,
-                                    S0, Z0, o4, S, Z), _parts(two_runs and nk > 0, bh, frac, dk, dv, False))
+            _run(kernel, nthreads, (q4, k4, v4, *code, comp.type(eps), normalize, comp.type(scale), lens, qlens, chunk,
+                                    frac, S0, Z0, o4, S, Z), _parts(two_runs and nk > 0, bh, frac, dk, dv, False))
             if copied[3]:
                 res[...] = o4.reshape(res.shape)
     res = _deliver(res, out, out_dt, where)

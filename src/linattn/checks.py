@@ -190,22 +190,22 @@ def check_written_apart(S, Z, out, name="state"):
                              "got an array that overlaps it")
 
 
-def check_lengths(lengths, lead, n, what="N"):
-    """Integer lengths in [0, n] (``what``: n's name in the message) with the shape of the leading dims or
-    of their first dims.
+def check_lengths(lengths, lead, n, what="N", name="lengths"):
+    """Integer lengths in [0, n] (``what``: n's name in the message, ``name``: the argument's) with the
+    shape of the leading dims or of their first dims.
 
     Returns the lengths broadcast over all leading dims and flattened, as int64.
     """
     arr = np.asarray(lengths)
     if arr.dtype.kind not in "iu":
-        raise TypeError(f"lengths: expected an integer array, got dtype {arr.dtype}")
+        raise TypeError(f"{name}: expected an integer array, got dtype {arr.dtype}")
     if arr.shape != lead[:arr.ndim] or (arr.ndim == 0 and lead != ()):
         raise ValueError(
-            f"lengths: expected shape {lead} (the leading dims) or a prefix of it such as "
+            f"{name}: expected shape {lead} (the leading dims) or a prefix of it such as "
             f"{lead[:1]}, got {arr.shape}")
     if arr.size and (arr.min() < 0 or arr.max() > n):
         bad = arr[(arr < 0) | (arr > n)].ravel()[0]
-        raise ValueError(f"lengths: expected values in [0, {what}={n}], got {bad}")
+        raise ValueError(f"{name}: expected values in [0, {what}={n}], got {bad}")
     full = np.broadcast_to(arr.reshape(arr.shape + (1,) * (len(lead) - arr.ndim)), lead)
     return np.ascontiguousarray(full, dtype=np.int64).reshape(-1)
 

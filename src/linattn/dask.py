@@ -323,22 +323,27 @@ def _global_item(k, v, lens, p0, *, fmap, comp):
                           -1)[..., None, :]
 
 
-def _noncausal_out(q, item, *, fmap, comp, out_dt, dk, dv, eps, normalize, scale):
+def _noncausal_out(q, item, qlens, p0, *, fmap, comp, out_dt, dk, dv, eps, normalize, scale):
+    """A block's outputs from the state's item [Z | S]: 0 for its queries at or past each sequence's
+    length (``qlens``; the block starts at position p0[0])."""
+    valid = (np.arange(q.shape[-2]) < (qlens[..., None] - p0[0]))[..., None]  # (padding may hold NaN)
+    whole = valid.all()
     Z, S = item[..., 0, :dk], item[..., 0, dk:].reshape(item.shape[:-2] + (dk, dv))
-    qf = _phi(fmap, q, comp).astype(np.float64) * scale
+    qf = _phi(fmap, q if whole else np.where(valid, q, 0), comp).astype(np.float64) * scale
     num = qf @ S
     if normalize:
         num = num / ((qf @ Z[..., None]) + eps)
-    return num.astype(comp).astype(out_dt, copy=False)
+    return (num if whole else np.where(valid, num, 0.0)).astype(comp).astype(out_dt, copy=False)
 
 
 def linear_attention(q, k=None, v=None, *, feature_map="elu", eps=1e-6, normalize=True, initial_state=None,
-                     return_state=False, lengths=None, scale=None, out=None, device=None, **unsupported):
+                     return_state=False, lengths=None, query_lengths=None, scale=None, out=None, device=None,
+                     **unsupported):
     """:func:`linattn.linear_attention` on Dask arrays: the blocks' states summed (one reduction, with
     ``initial_state``, NumPy or dask), then each block's outputs from the sum, lazily; a dask array
     (and a :class:`~linattn.State` of dask arrays with ``return_state=True``). k and v may have
     another length than q (and other chunks along it), or be None with ``initial_state``; ``lengths``
-    (the keys') work across blocks.
+    and ``query_lengths`` work across blocks.
 
     Examples
     --------
@@ -367,6 +372,8 @@ def linear_attention(q, k=None, v=None, *, feature_map="elu", eps=1e-6, normaliz
     nl, nk = len(lead), k.shape[-2]
     lens = (np.full(lead, nk, np.int64) if lengths is None
             else checks.check_lengths(lengths, lead, nk, "Nk").reshape(lead))
+    qlens = (np.full(lead, n, np.int64) if query_lengths is None
+             else checks.check_lengths(query_lengths, lead, n, "N", "query_lengths").reshape(lead))
     q, k, v = _unify([q, k, v], nl, groups=(0, 1, 1))  # (k and v may have another length than q)
     L = string.ascii_lowercase[:nl]
     lens_d = _lead_array(lens, lead, k.chunks[:nl], np.int64)
@@ -378,12 +385,13 @@ def linear_attention(q, k=None, v=None, *, feature_map="elu", eps=1e-6, normaliz
     if initial_state is not None:
         total = total + _state_item(S_in, Z_in, lead, q.chunks[:nl], dk, dv)
 
-    def block(q_b, item):
-        return _noncausal_out(q_b, item, fmap=fmap, comp=comp, out_dt=out_dt, dk=dk, dv=dv, eps=eps,
+    def block(q_b, item, qlens_b, p0):
+        return _noncausal_out(q_b, item, qlens_b, p0, fmap=fmap, comp=comp, out_dt=out_dt, dk=dk, dv=dv, eps=eps,
                               normalize=normalize, scale=scale)
 
-    res = da.blockwise(block, L + "ny", q, L + "nx", total, L + "mw", concatenate=True, align_arrays=False,
-                       new_axes={"y": dv}, dtype=out_dt, meta=np.empty((0,) * (nl + 2), out_dt))
+    res = da.blockwise(block, L + "ny", q, L + "nx", total, L + "mw", _lead_array(qlens, lead, q.chunks[:nl], np.int64),
+                       L, _starts(q.chunks[nl]), "n", concatenate=True, align_arrays=False, new_axes={"y": dv},
+                       dtype=out_dt, meta=np.empty((0,) * (nl + 2), out_dt))
     if not return_state:
         return res
     return res, State(total[..., 0, dk:].reshape(lead + (dk, dv)).astype(comp), total[..., 0, :dk].astype(comp))

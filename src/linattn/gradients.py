@@ -299,13 +299,14 @@ def _backward(q, k, v, fmap, code, lead, d, out_dt, normalize, s, initial_state,
 
 
 def linear_attention_vjp(q, k=None, v=None, *, feature_map="elu", eps=1e-6, normalize=True, initial_state=None,
-                         return_state=False, lengths=None, scale=None):
+                         return_state=False, lengths=None, query_lengths=None, scale=None):
     """:func:`linattn.linear_attention` and its vector-Jacobian product: ``(out, vjp)`` (``(out, state,
     vjp)`` with ``return_state=True``); ``vjp(dout)`` (``vjp(dout, dstate)`` where the returned state
     has a gradient) returns ``(dq, dk, dv)`` (dk, dv None when k, v were None), then ``dstate0`` (a
     :class:`State`) when ``initial_state`` was given, and a dict of the map's parameters' gradients for
     a map with parameters. Feature maps, and the inputs read when ``vjp`` is called, as for
-    :func:`causal_linear_attention_vjp`; dk and dv are 0 past ``lengths``.
+    :func:`causal_linear_attention_vjp`; dk and dv are 0 past ``lengths``, dq past ``query_lengths``
+    (the output's gradient there is not read).
 
     Examples
     --------
@@ -320,11 +321,11 @@ def linear_attention_vjp(q, k=None, v=None, *, feature_map="elu", eps=1e-6, norm
     out = state = None
     keyless = k is None and v is None
     if (type(q) is np.ndarray and type(feature_map) is str and code is not None and scale is None
-            and initial_state is None and return_state is False and lengths is None):
+            and initial_state is None and return_state is False and lengths is None and query_lengths is None):
         out = _fast(False, q, k, v, feature_map, eps, normalize)  # (None unless the plain call)
     if out is not None:  # C-contiguous float arrays of one dtype, eps and normalize as the checks pass them
         lead, n, dv, comp, out_dt, s = q.shape[:-2], q.shape[-2], v.shape[-1], q.dtype, q.dtype, 1.0
-        lens = valid = None
+        lens = valid = qlens = qvalid = None
     else:
         k, v = _keys_from_state(q, k, v, initial_state, "cpu")
         q, k, v, lead, n, _, dv, comp, out_dt = checks.check_qkv(q, k, v, cross=True)
@@ -333,12 +334,15 @@ def linear_attention_vjp(q, k=None, v=None, *, feature_map="elu", eps=1e-6, norm
         return_state = checks.check_flag(return_state, "return_state")
         s = gates_mod.check_scale(scale)
         lens = None if lengths is None else checks.check_lengths(lengths, lead, k.shape[-2], "Nk")
+        qlens = None if query_lengths is None else checks.check_lengths(query_lengths, lead, n, "N", "query_lengths")
         q, k, v = (half.astype(x, comp) for x in (q, k, v))
         res = linear_attention(q, k, v, feature_map=fmap, eps=eps, normalize=normalize, scale=s,
-                               initial_state=initial_state, return_state=return_state, lengths=lengths)
+                               initial_state=initial_state, return_state=return_state, lengths=lengths,
+                               query_lengths=query_lengths)
         out, state = res if return_state else (res, None)
-        # the keys past a length (padding: it may hold NaN), as a mask (..., Nk, 1)
-        valid = None if lens is None else (np.arange(k.shape[-2]) < lens.reshape(lead + (1,)))[..., None]
+        # the keys and the queries past a length (padding: it may hold NaN), as masks (..., Nk or N, 1)
+        valid, qvalid = (None if ls is None else (np.arange(m) < ls.reshape(lead + (1,)))[..., None]
+                         for ls, m in ((lens, k.shape[-2]), (qlens, n)))
 
     def vjp(dout, dstate=None):
         g = _check_grad(dout, "dout", lead + (n, dv), comp)
@@ -346,9 +350,10 @@ def linear_attention_vjp(q, k=None, v=None, *, feature_map="elu", eps=1e-6, norm
         # and their vjp is applied after it
         if code is not None:
             src, fm = (q, k), code
-        else:  # (a map's vjp reads the keys: padding as 0)
-            kk = k if valid is None else np.where(valid, k, 0).astype(comp, copy=False)
-            src, fm = (_mapped(fmap, q, comp), _mapped(fmap, kk, comp)), IDENTITY
+        else:  # (a map's vjp reads the queries and keys: padding as 0)
+            qq, kk = (x if m is None else np.where(m, x, 0).astype(comp, copy=False)
+                      for x, m in ((q, qvalid), (k, valid)))
+            src, fm = (_mapped(fmap, qq, comp), _mapped(fmap, kk, comp)), IDENTITY
         dk_, nk = src[0].shape[-1], k.shape[-2]
         dS, dZ = _final_state_gradient(dstate, return_state, lead, dk_, dv, comp)
         dqf, dkf = workspace.take_views([lead + (n, dk_), lead + (nk, dk_)], comp)  # (pooled: no fresh pages)
@@ -366,7 +371,8 @@ def linear_attention_vjp(q, k=None, v=None, *, feature_map="elu", eps=1e-6, norm
             arrays, _, _ = _seq4(src + (v, g, out, dqf, dkf, dvv), lead)
             chunk, frac, nthreads, _ = plan(bh, max(n, nk), dk_, dv, causal=False)
             G = noncausal_grad.backward(nthreads, *arrays[:5], fm, comp.type(s), comp.type(eps), normalize,
-                                        _full_lengths(bh, nk) if lens is None else lens, chunk, frac, *arrays[5:],
+                                        _full_lengths(bh, nk) if lens is None else lens,
+                                        _full_lengths(bh, n) if qlens is None else qlens, chunk, frac, *arrays[5:],
                                         base=base)
         if valid is not None:  # (the kernel writes no row past a length)
             np.copyto(dkf, 0, where=~valid)
@@ -375,8 +381,9 @@ def linear_attention_vjp(q, k=None, v=None, *, feature_map="elu", eps=1e-6, norm
         if code is not None:
             grads = [dqf, dkf, dvv]
         else:
-            (dq, dk), dmap = _map_grads(fmap, (q, kk), (dqf, dkf), src)
-            grads = [dq, dk if valid is None else np.where(valid, dk, 0), dvv]
+            (dq, dk), dmap = _map_grads(fmap, (qq, kk), (dqf, dkf), src)
+            grads = [dq if qvalid is None else np.where(qvalid, dq, 0), dk if valid is None else np.where(valid, dk, 0),
+                     dvv]
         grads = [half.astype(x, out_dt) for x in grads]
         if keyless:
             grads[1:] = [None, None]

@@ -238,13 +238,14 @@ def causal_linear_attention(q, k, v, *, feature_map="elu", eps=1e-6, normalize=T
 
 
 def linear_attention(q, k=None, v=None, *, feature_map="elu", eps=1e-6, normalize=True, initial_state=None,
-                     return_state=False, lengths=None, scale=None):
+                     return_state=False, lengths=None, query_lengths=None, scale=None):
     """:func:`linattn.linear_attention` on CPU tensors, differentiable (q, k, v, the initial state and the
     parameters of a :class:`TrainableMap`); k and v may have another length than q (cross-attention),
     or be None with ``initial_state`` (a pair of tensors (S, Z): the sums of keys seen before);
     ``return_state=True`` returns ``(out, (S, Z))``, the state of every key, differentiable too;
-    ``lengths``: the keys' true lengths (right padding), as for :func:`linattn.linear_attention`."""
+    ``lengths``, ``query_lengths``: the keys' and the queries' true lengths (right padding), as for
+    :func:`linattn.linear_attention`."""
     S0, Z0 = (None, None) if initial_state is None else initial_state
-    options = dict(eps=eps, normalize=normalize, scale=scale, lengths=lengths)
+    options = dict(eps=eps, normalize=normalize, scale=scale, lengths=lengths, query_lengths=query_lengths)
     out, S, Z = _NonCausal.apply(q, k, v, S0, Z0, feature_map, options, bool(return_state), *_map_params(feature_map))
     return (out, (S, Z)) if return_state else out

@@ -571,12 +571,13 @@ def _noncausal_segment(q, k, v, out, mp, eps, normalize, scale, chunk, c0, c1, Q
             _scale_rows(out, i0, c, scale)
 
 
-def _noncausal_forward(q, k, v, fm, fp, fa, eps, normalize, scale, lengths, chunk, frac, S0, Z0, out, S_out, Z_out,
-                       phase, parts, counter):
+def _noncausal_forward(q, k, v, fm, fp, fa, eps, normalize, scale, lengths, qlengths, chunk, frac, S0, Z0, out,
+                       S_out, Z_out, phase, parts, counter):
     """Non-causal linear attention: every query attends to all the keys of its head.
 
     Arrays and threads as for the causal kernel; k and v (G1, G2, Nk, X) may have another length than q
-    and out; only the first lengths[head] keys of a head enter its state (right-padded keys). S0, Z0
+    and out; only the first lengths[head] keys of a head enter its state (right-padded keys), and only
+    its first qlengths[head] queries are read (right-padded queries: their outputs are 0). S0, Z0
     (heads, D', Dv), (heads, D'), C-contiguous: an initial state (the sums of earlier keys) when they
     have rows (only read, though typed writable: S0[h] then has the type of the kernel's own state
     buffer, one compiled product for both); S_out, Z_out: where the state of every key goes,
@@ -602,7 +603,7 @@ def _noncausal_forward(q, k, v, fm, fp, fa, eps, normalize, scale, lengths, chun
     while item < items:
         h, s, c0, c1 = _segment(item, nseg, frac, nchunks)
         h1, h2 = h // g2, h % g2
-        length = lengths[h]
+        length, qlength = lengths[h], qlengths[h]
         kh, vh = k[h1, h2][:length], v[h1, h2][:length]  # (the keys past the length are never read)
         if phase == 0:
             kc = (length + chunk - 1) // chunk  # (this head's chunks of keys)
@@ -611,10 +612,16 @@ def _noncausal_forward(q, k, v, fm, fp, fa, eps, normalize, scale, lengths, chun
             _noncausal_sum(kh, vh, mp, chunk, min(c0, kc), min(c1, kc), Kf, V, sbuf)
             _write_parts(sbuf[2], sbuf[6], parts[h, s])
             keep_alive(sums)
-        elif c0 < c1 or (s == 0 and S_out.shape[0] > 0):
-            _noncausal_segment(q[h1, h2], kh, vh, out[h1, h2], mp, eps, normalize, scale, chunk, c0, c1, QA, Kf, V,
-                               S, Zb, parts[h] if parts.shape[0] > 0 else parts[0, :0], S0, Z0, h, S_out, Z_out,
-                               s == 0)
+            item = take(counter)
+            continue
+        qc = (qlength + chunk - 1) // chunk  # (this head's chunks of queries: those past the length are 0)
+        c0, c1 = min(c0, qc), min(c1, qc)
+        if c0 < c1 or (s == 0 and S_out.shape[0] > 0):
+            _noncausal_segment(q[h1, h2][:qlength], kh, vh, out[h1, h2], mp, eps, normalize, scale, chunk, c0, c1,
+                               QA, Kf, V, S, Zb, parts[h] if parts.shape[0] > 0 else parts[0, :0], S0, Z0, h, S_out,
+                               Z_out, s == 0)
+        if s == nseg - 1 and qlength < n:
+            out[h1, h2][qlength:] = 0
         item = take(counter)
     keep_alive((owners, mapper))
 
@@ -639,7 +646,8 @@ def _causal_signature(dt, variant):
 def _noncausal_signature(dt, layout):
     seq, i64 = array(dt, 4, layout, readonly=True), types.int64
     return types.void(seq, seq, seq, i64, array(dt, 1, readonly=True), i64, dt, types.boolean, dt,
-                      array(i64, 1, readonly=True), i64, array(types.float64, 1, readonly=True), array(dt, 3),
+                      array(i64, 1, readonly=True), array(i64, 1, readonly=True), i64,
+                      array(types.float64, 1, readonly=True), array(dt, 3),
                       array(dt, 2), array(dt, 4, layout), array(dt, 3), array(dt, 2), i64, array(types.float64, 4))
 
 

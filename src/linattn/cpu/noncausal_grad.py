@@ -104,14 +104,15 @@ def _copy_matrix(src, dst):
             row[e] = src[a, e]
 
 
-def _noncausal_backward(q, k, v, g, out, fm, s, eps, normalize, lengths, chunk, frac, dq, dk, dv, phase, parts,
-                        counter):
+def _noncausal_backward(q, k, v, g, out, fm, s, eps, normalize, lengths, qlengths, chunk, frac, dq, dk, dv, phase,
+                        parts, counter):
     """Gradients of non-causal linear attention for every head (see the module docstring).
 
     q: (G1, G2, N, D), k: (G1, G2, Nk, D); v: (G1, G2, Nk, Dv), g (the output's gradient), out (the
     forward's result): (G1, G2, N, Dv); dq, dk, dv like q, k, v; every array with unit stride along its
     last axis. Only the first lengths[head] keys of a head are read (right-padded keys); dk and dv past
-    them are not written. ``fm``:
+    them are not written. Only its first qlengths[head] rows of q, g and out are read (right-padded
+    queries); dq is 0 past them. ``fm``:
     cpu/elementwise.py's map code (elu + 1, relu, identity), ``s``: the scale of phi(q). ``frac`` splits
     each head's chunks into segments, one work item each. Run by threaded.ThreadedKernel: each thread
     takes items from ``counter``. ``phase`` 3: each item sums its head's [S | Z] and G itself, then
@@ -139,16 +140,16 @@ def _noncausal_backward(q, k, v, g, out, fm, s, eps, normalize, lengths, chunk, 
     item = take(counter)
     while item < items:
         h, sg, c0, c1 = _segment(item, nseg, frac, nchunks)  # the segment's query chunks, then its key chunks
-        nk = lengths[h]
-        kc = (nk + chunk - 1) // chunk  # (this head's chunks of keys)
+        nk, nq = lengths[h], qlengths[h]
+        kc, qc = (nk + chunk - 1) // chunk, (nq + chunk - 1) // chunk  # (this head's chunks of keys, queries)
         k0, k1 = _segment(item, nseg, frac, kchunks)[2:]
-        k0, k1 = min(k0, kc), min(k1, kc)
+        k0, k1, c0, c1 = min(k0, kc), min(k1, kc), min(c0, qc), min(c1, qc)
         h1, h2 = h // g2, h % g2
-        qh, kh, vh, gh, oh = q[h1, h2], k[h1, h2][:nk], v[h1, h2][:nk], g[h1, h2], out[h1, h2]
+        qh, kh, vh, gh, oh = q[h1, h2][:nq], k[h1, h2][:nk], v[h1, h2][:nk], g[h1, h2][:nq], out[h1, h2][:nq]
         for which in range(2):  # [S | Z] of the whole head, then G (from its Z)
             if phase == 3:
                 _sum_chunks(which, qh, kh, vh, gh, oh, fm, s, eps, normalize, chunk, int(0),
-                            kc if which == 0 else nchunks, KF, V1, QS, AB, DEN, Z, sbuf)
+                            kc if which == 0 else qc, KF, V1, QS, AB, DEN, Z, sbuf)
             elif phase == which:  # this segment's part of it, for the next run
                 _sum_chunks(which, qh, kh, vh, gh, oh, fm, s, eps, normalize, chunk, k0 if which == 0 else c0,
                             k1 if which == 0 else c1, KF, V1, QS, AB, DEN, Z, sbuf)
@@ -166,10 +167,12 @@ def _noncausal_backward(q, k, v, g, out, fm, s, eps, normalize, lengths, chunk, 
         transpose_rows(S, ST, sums, d)
         transpose_rows(G, GT, sums, d)
         dqh, dkh, dvh = dq[h1, h2], dk[h1, h2], dv[h1, h2]
+        if sg == nseg - 1 and nq < n:
+            dqh[nq:] = 0
         for ci in range(c0, c1):  # dq
             i0 = ci * chunk
-            c = min(chunk, n - i0)
-            t = _rows_to_touch(ci, c0, c1, chunk, n)
+            c = min(chunk, nq - i0)
+            t = _rows_to_touch(ci, c0, c1, chunk, nq)
             if t > 0:
                 for x in (qh, gh, oh):
                     touch_rows(x, i0, t)
@@ -194,7 +197,8 @@ def _noncausal_backward(q, k, v, g, out, fm, s, eps, normalize, lengths, chunk, 
 
 def _signature(dt, variant):
     seq, i64 = array(dt, 4, "A", readonly=True), types.int64
-    return types.void(seq, seq, seq, seq, seq, i64, dt, dt, types.boolean, array(i64, 1, readonly=True), i64,
+    return types.void(seq, seq, seq, seq, seq, i64, dt, dt, types.boolean, array(i64, 1, readonly=True),
+                      array(i64, 1, readonly=True), i64,
                       array(types.float64, 1, readonly=True), array(dt, 4, "A"), array(dt, 4, "A"), array(dt, 4, "A"),
                       i64, array(types.float64, 5))
 
@@ -203,16 +207,17 @@ noncausal_backward = ThreadedKernel(_noncausal_backward, _signature)
 _NO_PARTS = np.zeros((2, 0, 1, 1, 1))  # the segments' partial sums, none
 
 
-def backward(nthreads, q, k, v, g, out, fm, s, eps, normalize, lengths, chunk, frac, dq, dk, dv, base=None):
+def backward(nthreads, q, k, v, g, out, fm, s, eps, normalize, lengths, qlengths, chunk, frac, dq, dk, dv,
+             base=None):
     """Run the kernel (arguments as ``_noncausal_backward``'s, 4-D arrays of one float dtype) on
     ``nthreads`` threads: once when every head is one segment, else three times (the segments' parts of
     [S | Z], then of G, then the rows). ``base`` (2, heads, D, Dv + 1), float64: what [S | Z] and G
     start from (an initial state; the gradient of the state returned), one more part of each head's
     sums (the kernel then runs three times); G's sums are then returned, (heads, D, Dv + 1)."""
     kernel = noncausal_backward.get(dq.dtype, None)
-    args = (q, k, v, g, out, fm, s, eps, normalize, lengths, chunk, frac, dq, dk, dv)
+    args = (q, k, v, g, out, fm, s, eps, normalize, lengths, qlengths, chunk, frac, dq, dk, dv)
     if base is None and nthreads <= 1 and len(frac) == 2:  # the worker on this thread through its unchecked entry
-        # point (no type dispatch of its 18 arguments): they have the signature's types (dtype scalars, float64 frac)
+        # point (no type dispatch of its 19 arguments): they have the signature's types (dtype scalars, float64 frac)
         kernel.unchecked(*args, 3, _NO_PARTS, np.zeros(1, np.int64))
         return None
     with kernel_section(nthreads):

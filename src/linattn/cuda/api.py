@@ -96,10 +96,11 @@ def causal(q, k, v, fmap, eps, normalize, lengths, S0, Z0, want_state, dtype, ga
     return _result(out, host), _result(S, host), _result(Z, host), status.copy_to_host()
 
 
-def noncausal(q, k, v, fmap, eps, normalize, dtype, scale, S0, Z0, want_state, lengths):
+def noncausal(q, k, v, fmap, eps, normalize, dtype, scale, S0, Z0, want_state, lengths, qlengths):
     """Non-causal forward of q (BH, N, D) over k (BH, Nk, D) and v (BH, Nk, Dv) with feature map ``fmap`` (as
     ``causal``); ``scale`` multiplies phi(q); S0, Z0 ((BH, D', Dv), (BH, D')) the keys' sums before k (or None);
-    ``lengths`` (BH,) how many of each head's keys count. Returns (out, S, Z) (the state of every key: S, Z
+    ``lengths``, ``qlengths`` (BH,) how many of each head's keys and queries count (outputs past them
+    are 0). Returns (out, S, Z) (the state of every key: S, Z
     None unless ``want_state``), on the host for a host q."""
     cuda = cuda_module()
     from .kernels import noncausal as kern
@@ -115,11 +116,11 @@ def noncausal(q, k, v, fmap, eps, normalize, dtype, scale, S0, Z0, want_state, l
     out = cuda.device_array((bh, n, dv), dtype)
     rows = bh if want_state else 0
     S, Z = cuda.device_array((rows, d, dv), dtype), cuda.device_array((rows, d), dtype)
-    lens = cuda.to_device(np.ascontiguousarray(lengths, dtype=np.int64))
+    lens, qlens = (cuda.to_device(np.ascontiguousarray(x, dtype=np.int64)) for x in (lengths, qlengths))
     if bh:
         c, te = tiles(d, dv)
         kern[(bh, -(-dv // te)), (te, c), 0, shared_doubles(c, te, d) * 8](
-            q, k, v, code, fp, float(eps), bool(normalize), lens, S0, Z0, out, S, Z, c, te, float(scale))
+            q, k, v, code, fp, float(eps), bool(normalize), lens, qlens, S0, Z0, out, S, Z, c, te, float(scale))
     state = (_result(S, host), _result(Z, host)) if want_state else (None, None)
     return (_result(out, host),) + state
 

@@ -228,12 +228,13 @@ def add_decayed_chunk(Ks, Vs, Ss, Zs, c, C, TE, d, tx, ty, tid, nthreads, Gs, Rs
 
 
 @cuda.jit
-def noncausal(q, k, v, fm, fp, eps, normalize, lengths, S0, Z0, out, S_out, Z_out, C, TE, scale):
+def noncausal(q, k, v, fm, fp, eps, normalize, lengths, qlengths, S0, Z0, out, S_out, Z_out, C, TE, scale):
     """One block per head and tile of TE value columns: the state (from S0, Z0 when they have rows)
     summed over the keys' chunks (the first lengths[h]), written to S_out, Z_out when they have rows,
-    then each chunk of queries' outputs from it (q (BH, N, D), k (BH, Nk, D), v (BH, Nk, Dv))."""
+    then each chunk of queries' outputs from it (the first qlengths[h]; 0 past them) (q (BH, N, D), k
+    (BH, Nk, D), v (BH, Nk, Dv))."""
     h, e0, tx, ty, tid, nthreads = block_position(C, TE)
-    n, nk, d, dv = q.shape[1], lengths[h], int(fp[1]), v.shape[2]
+    n, nk, d, dv = qlengths[h], lengths[h], int(fp[1]), v.shape[2]
     Qs, Ks, Vs, _, Ss, Zs, dens, Ms = carve(cuda.shared.array(0, float64), C, TE, d)
     start_state(S0, Z0, h, e0, Ss, Zs, d, dv, TE, tid, nthreads)
     cuda.syncthreads()
@@ -262,6 +263,9 @@ def noncausal(q, k, v, fm, fp, eps, normalize, lengths, S0, Z0, out, S_out, Z_ou
         if ty < c and e < dv:
             out[h, i0 + ty, e] = scale * num / (scale * dens[ty] + eps) if normalize else scale * num
         cuda.syncthreads()
+    if e < dv:
+        for r in range(n + ty, out.shape[1], C):  # (the padded queries)
+            out[h, r, e] = 0
 
 
 @cuda.jit
