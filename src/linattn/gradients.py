@@ -374,9 +374,6 @@ def linear_attention_vjp(q, k=None, v=None, *, feature_map="elu", eps=1e-6, norm
                                         _full_lengths(bh, nk) if lens is None else lens,
                                         _full_lengths(bh, n) if qlens is None else qlens, chunk, frac, *arrays[5:],
                                         base=base)
-        if valid is not None:  # (the kernel writes no row past a length)
-            np.copyto(dkf, 0, where=~valid)
-            np.copyto(dvv, 0, where=~valid)
         dmap = None
         if code is not None:
             grads = [dqf, dkf, dvv]

@@ -110,9 +110,8 @@ def _noncausal_backward(q, k, v, g, out, fm, s, eps, normalize, lengths, qlength
 
     q: (G1, G2, N, D), k: (G1, G2, Nk, D); v: (G1, G2, Nk, Dv), g (the output's gradient), out (the
     forward's result): (G1, G2, N, Dv); dq, dk, dv like q, k, v; every array with unit stride along its
-    last axis. Only the first lengths[head] keys of a head are read (right-padded keys); dk and dv past
-    them are not written. Only its first qlengths[head] rows of q, g and out are read (right-padded
-    queries); dq is 0 past them. ``fm``:
+    last axis. Only the first lengths[head] keys of a head are read (right-padded keys), and its first
+    qlengths[head] rows of q, g and out (right-padded queries); dk, dv and dq are 0 past them. ``fm``:
     cpu/elementwise.py's map code (elu + 1, relu, identity), ``s``: the scale of phi(q). ``frac`` splits
     each head's chunks into segments, one work item each. Run by threaded.ThreadedKernel: each thread
     takes items from ``counter``. ``phase`` 3: each item sums its head's [S | Z] and G itself, then
@@ -167,8 +166,10 @@ def _noncausal_backward(q, k, v, g, out, fm, s, eps, normalize, lengths, qlength
         transpose_rows(S, ST, sums, d)
         transpose_rows(G, GT, sums, d)
         dqh, dkh, dvh = dq[h1, h2], dk[h1, h2], dv[h1, h2]
-        if sg == nseg - 1 and nq < n:
+        if sg == nseg - 1:  # (the padding's rows: 0)
             dqh[nq:] = 0
+            dkh[nk:] = 0
+            dvh[nk:] = 0
         for ci in range(c0, c1):  # dq
             i0 = ci * chunk
             c = min(chunk, nq - i0)
