@@ -350,7 +350,7 @@ def test_bad_input_is_named(data, lead, n, d, dv, f64):
                          decay=args["decay"], feature_map=args["feature_map"], normalize=args["normalize"])
         elif fn == "weights":
             linattn.attention_weights(args["q"], args["k"], gate=args["gate"], decay=args["decay"],
-                                      scale=args["scale"], feature_map=args["feature_map"])
+                                      scale=args["scale"], feature_map=args["feature_map"], lengths=args["lengths"])
         else:
             _, vjp = linattn.causal_linear_attention_vjp(*(good[a] for a in "qkv"))
             vjp(args["v"])  # (as dout: v's shape is out's)

@@ -144,3 +144,35 @@ def test_errors(rng):
         linattn.linear_attention_vjp(q, k, v, query_lengths=np.array([-1, 0]))
     with pytest.raises(TypeError, match="query_lengths"):  # (only the non-causal call has it)
         linattn.causal_linear_attention(q, q, q, query_lengths=np.array([6, 6]))
+
+
+@pytest.mark.parametrize("causal", [True, False])
+def test_attention_weights(rng, causal):
+    """attention_weights with padded queries and keys (NaN there): the padding's rows and columns are
+    0, the rest that of each sequence alone, and W @ v the attention call's output."""
+    lead, n, nk = (3, 2), 7, 7 if causal else 9
+    qlens, klens = (np.array([7, 3, 0]),) * 2 if causal else (np.array([7, 3, 0]), np.array([9, 2, 5]))
+    q, k, v, qvalid, ql, kl = _padded(rng, lead, n, nk, 4, 3, qlens, klens, np.float64)
+    kw = dict(lengths=klens) if causal else dict(lengths=klens, query_lengths=qlens)
+    extra = dict(decay=0.9) if causal else {}
+    w = linattn.attention_weights(q, k, causal=causal, **kw, **extra)
+    assert w.shape == lead + (n, nk) and np.isfinite(w).all()
+    np.testing.assert_array_equal(w[~qvalid], 0)
+    for i in np.ndindex(lead):
+        np.testing.assert_array_equal(w[i][:, kl[i]:], 0)
+        alone = linattn.attention_weights(q[i][:ql[i]], k[i][:kl[i]], causal=causal, **extra)
+        assert_close(w[i][:ql[i], :kl[i]], alone, np.float64)
+    call = linattn.causal_linear_attention if causal else linattn.linear_attention
+    assert_close(w @ np.nan_to_num(v), call(q, k, v, **kw, **extra), np.float64)
+
+
+def test_attention_weights_errors(rng):
+    q, k = (rng.standard_normal((2, m, 3)) for m in (6, 9))
+    with pytest.raises(TypeError, match=r"query_lengths: only for causal=False"):
+        linattn.attention_weights(q, q, query_lengths=np.array([6, 6]))
+    with pytest.raises(ValueError, match=r"lengths: expected values in \[0, Nk=9\], got 10"):
+        linattn.attention_weights(q, k, causal=False, lengths=np.array([10, 1]))
+    with pytest.raises(ValueError, match=r"lengths: expected values in \[0, N=6\], got 7"):
+        linattn.attention_weights(q, q, lengths=np.array([7, 1]))
+    with pytest.raises(ValueError, match=r"query_lengths: expected shape \(2,\)"):
+        linattn.attention_weights(q, k, causal=False, query_lengths=np.array([1, 1, 1]))

@@ -327,7 +327,16 @@ def _step_device(q, k, v, state, feature_map, eps, normalize, decay, gate, scale
     return res.reshape(lead + (dv,))
 
 
-def attention_weights(q, k, *, causal=True, feature_map="elu", eps=1e-6, decay=None, gate=None, scale=None):
+def _positions(lengths, lead, m, what, name):
+    """lead + (m,) booleans, True before each sequence's length (checked: see checks.check_lengths),
+    or None for no lengths."""
+    if lengths is None:
+        return None
+    return np.arange(m) < checks.check_lengths(lengths, lead, m, what, name).reshape(lead + (1,))
+
+
+def attention_weights(q, k, *, causal=True, feature_map="elu", eps=1e-6, decay=None, gate=None, scale=None,
+                      lengths=None, query_lengths=None):
     r"""The (..., N, N) matrix of normalised weights that linear attention applies implicitly.
 
     ``W[i, j] = phi(q_i).phi(k_j) / (sum_j' phi(q_i).phi(k_j') + eps)`` over j <= i when causal (the
@@ -336,8 +345,11 @@ def attention_weights(q, k, *, causal=True, feature_map="elu", eps=1e-6, decay=N
     (..., N, Nk)). With ``decay``/``gate`` (causal only; as for :func:`causal_linear_attention`)
     each term is decayed, ``phi(q_i)_d phi(k_j)_d prod_{j<u<=i} a_u,d`` (RetNet's parallel form: the
     scores times its D matrix), and ``W @ v`` equals that call's output; ``scale`` multiplies
-    phi(q). O(N²) memory (O(N²·D') with a gate per key dimension): for inspection and teaching on
-    small N.
+    phi(q). ``lengths`` and ``query_lengths`` as for the attention calls (right padding, never read):
+    causal, the rows and columns at or past a sequence's length are 0; not causal, ``lengths`` zeroes
+    the keys' columns past them and ``query_lengths`` the queries' rows (``W @ v`` then equals the
+    call's output where v's padding is finite). O(N²) memory (O(N²·D') with a gate per key
+    dimension): for inspection and teaching on small N.
 
     Examples
     --------
@@ -366,14 +378,22 @@ def attention_weights(q, k, *, causal=True, feature_map="elu", eps=1e-6, decay=N
     scale = gates_mod.check_scale(scale)
     comp, out_dt = checks.compute_dtypes(q.dtype, k.dtype)
     fn, _, is_callable = resolve(feature_map)
-    lead, n = q.shape[:-2], q.shape[-2]
-    qf = np.asarray(fn(q.astype(comp, copy=False)))
-    kf = np.asarray(fn(k.astype(comp, copy=False)))
-    if is_callable:
-        qf = checks.check_mapped(qf, "q", lead, n)
-        kf = checks.check_mapped(kf, "k", lead, k.shape[-2], qf.shape[-1])
+    lead, n, nk = q.shape[:-2], q.shape[-2], k.shape[-2]
     if (decay is not None or gate is not None) and not causal:
         raise TypeError("decay, gate: only causal attention decays (the state forgets the past); use causal=True")
+    if query_lengths is not None and causal:
+        raise TypeError("query_lengths: only for causal=False (causal, lengths zero the queries' rows too)")
+    kvalid = _positions(lengths, lead, nk, "N" if causal else "Nk", "lengths")
+    qvalid = kvalid if causal else _positions(query_lengths, lead, n, "N", "query_lengths")
+    q, k = (x.astype(comp, copy=False) if m is None else np.where(m[..., None], x, 0).astype(comp, copy=False)
+            for x, m in ((q, qvalid), (k, kvalid)))
+    qf = np.asarray(fn(q))
+    kf = np.asarray(fn(k))
+    if is_callable:
+        qf = checks.check_mapped(qf, "q", lead, n)
+        kf = checks.check_mapped(kf, "k", lead, nk, qf.shape[-1])
+    if kvalid is not None:
+        kf = np.where(kvalid[..., None], kf, 0).astype(comp, copy=False)
     if scale != 1.0:
         qf = qf * comp.type(scale)
     if decay is None and gate is None:
@@ -388,4 +408,7 @@ def attention_weights(q, k, *, causal=True, feature_map="elu", eps=1e-6, decay=N
             0.0 if log_decay is None else log_decay.reshape(lead + (1, 1)))
         factors = reference.decay_matrix(np.broadcast_to(log_a, lead + (n, qf.shape[-1])))
         a = np.einsum("...td,...sd,...tsd->...ts", qf, kf, factors).astype(comp, copy=False)
-    return (a / (a.sum(-1, keepdims=True) + comp.type(eps))).astype(out_dt, copy=False)
+    w = a / (a.sum(-1, keepdims=True) + comp.type(eps))
+    if qvalid is not None:
+        w = np.where(qvalid[..., None], w, 0).astype(comp, copy=False)
+    return w.astype(out_dt, copy=False)
