@@ -459,3 +459,29 @@ def test_lengths_errors(rng):
         linattn.linear_attention(q, k, v, lengths=np.array([9.0, 9.0]))
     with pytest.raises(ValueError, match=r"lengths: expected values in \[0, Nk=9\]"):
         linattn.linear_attention_vjp(q, k, v, lengths=np.array([9, -1]))
+
+
+@pytest.mark.parametrize("dtype", [np.float32, np.float64])
+@pytest.mark.parametrize("lead", [(), (3,), (2, 3), (2, 1, 3), (8, 8)])
+def test_one_query_over_state(rng, lead, dtype):
+    """A decoding step's query over the keys' state (N = 1, k and v None) takes the step kernel's
+    read-only variant (in parallel from 2**18 state elements: (8, 8) at D = Dv = 64): the reference's
+    result, the general path's, the state unchanged; every named map, D != Dv, D = 1."""
+    dims = [(64, 64)] if lead == (8, 8) else [(5, 3), (1, 7), (16, 33)]
+    for d, dv in dims:
+        for kw in (dict(), dict(feature_map="relu", normalize=False), dict(feature_map="identity", eps=0.5)):
+            S = (rng.random(lead + (d, dv)) * 2 - 0.5).astype(dtype)
+            Z = (rng.random(lead + (d,)) + 0.5).astype(dtype)
+            q = rng.standard_normal(lead + (1, d)).astype(dtype)
+            state = linattn.State(S.copy(), Z.copy())
+            out = linattn.linear_attention(q, initial_state=state, **kw)
+            assert out.shape == lead + (1, dv) and out.dtype == dtype
+            np.testing.assert_array_equal(state.S, S)
+            np.testing.assert_array_equal(state.Z, Z)
+            phi = linattn.feature_maps.as_map(kw.get("feature_map", "elu"))
+            qf = phi(q.astype(np.float64))
+            want = qf @ S.astype(np.float64)
+            if kw.get("normalize", True):
+                want = want / (qf @ Z.astype(np.float64)[..., None] + kw.get("eps", 1e-6))
+            assert_close(out, want, dtype)
+            assert_close(out, linattn.linear_attention(q, initial_state=state, scale=1.0, **kw), dtype)  # (general)

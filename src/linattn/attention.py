@@ -7,7 +7,7 @@ import numpy as np
 from . import checks
 from . import gates as gates_mod
 from . import workspace
-from .cpu import chunked, half
+from .cpu import chunked, half, step as step_kernels
 from .cpu.runtime import kernel_section, num_threads, plan
 from .cpu.views import unit_rows
 from .cpu import mapfns
@@ -204,6 +204,18 @@ def _fast_over_state(q, state, feature_map, eps, normalize):
     if code is None:  # (the named maps keep D' = D)
         return None
     dv = S0.shape[-1]
+    if shape[-2] == 1:  # one query a sequence (a decoding step): the step's kernel, reading the state only
+        out = np.empty(shape[:-1] + (dv,), dt)
+        if S0.size < step_kernels.PARALLEL_MIN or num_threads() == 1:
+            kernel = step_kernels.read_nd_serial.get(dt, (len(shape) - 2, False))
+            status = kernel(q[..., 0, :], None, None, code, None, 0, eps, normalize, S0, Z0, out[..., 0, :], None, None,
+                            1.0)
+        else:
+            kernel = step_kernels.read_nd_parallel.get(dt, (len(shape) - 2, False))
+            with kernel_section():
+                status = kernel(q[..., 0, :], None, None, code, None, 0, eps, normalize, S0, Z0, out[..., 0, :], None,
+                                None, 1.0)
+        return out if status == 0 else None
     found = _constants.get((False, dt, shape, dv, num_threads()))
     if found is None:
         found = _fast_plan(False, dt, shape, dv, num_threads())

@@ -18,11 +18,7 @@ _FAST = {}
 _DECAYS = {}  # (float decay or id of a float64 array, leading dims) -> (the decay, its shape, its broadcast view)
 _LAST_DECAY = [None, None, None, None]  # the last step's decay, leading dims, the decay's shape, its view
 _ndarray, _empty, _INF, _F16 = np.ndarray, np.empty, math.inf, np.dtype(np.float16)  # (globals: cheaper per step)
-
-# Batches with at least this many state elements (B*H*D*Dv) are stepped in parallel. Measured: from 8
-# heads of 64 x 64 threads win when steps come back to back, but in a decode loop the threads sleep
-# between steps and waking them costs more than a few heads' work.
-_PARALLEL_MIN = 1 << 18
+_PARALLEL_MIN = step_kernels.PARALLEL_MIN  # (a global: cheaper per step)
 
 
 def _flat_view(x, shape):

@@ -22,6 +22,11 @@ from .mapfns import load_features, map_state, mapped_dim
 from .vector import state_pass
 from .views import as_contiguous, head_matrix, head_row, head_scalar, keep_alive, span, unowned
 
+#: Batches with at least this many state elements (B*H*D'*Dv) are stepped (or read) in parallel. Measured:
+#: from 8 heads of 64 x 64 threads win when steps come back to back, but in a decode loop the threads
+#: sleep between steps and waking them costs more than a few heads' work.
+PARALLEL_MIN = 1 << 18
+
 
 def _head_ok(gates, decay, h, q):
     """Whether head h's gate and decay values are good (gates <= 0, not NaN; a decay in (0, 1]).
@@ -209,6 +214,9 @@ def _step_nd(q, k, v, fm, fp, fa, eps, normalize, S, Z, out, gates, decay, qscal
     feature map is any of the kernels' (cpu/mapfns.py: code ``fm``, parameters ``fp``, map_rows's
     address ``fa``, 0 for the codes applied inline), so S and Z have D' rows.
 
+    With k, v (and gates, decay) None it only reads the state: out = phi(q)^T S / (phi(q)^T Z + eps),
+    S and Z unchanged (a decoder's query over its encoder's keys' state).
+
     Checks the shapes, strides and gate or decay values itself and returns 1 (shapes, strides, or
     arrays it writes sharing memory with each other or with v, gates or decay: see
     ``_written_apart``) or 2 (a bad value), touching nothing, when they do not fit (the caller then
@@ -217,13 +225,13 @@ def _step_nd(q, k, v, fm, fp, fa, eps, normalize, S, Z, out, gates, decay, qscal
     lead = q.shape[:-1]
     d_in = q.shape[-1]
     d_ = _features_dim(fm, fp, d_in)  # D'
-    if (k.shape != q.shape or v.shape[:-1] != lead or S.shape[:-2] != lead or S.shape[-2] != d_
-            or S.shape[-1] != v.shape[-1] or Z.shape[:-1] != lead or Z.shape[-1] != d_ or out.shape != v.shape):
+    isz = S.itemsize
+    if (not _keys_fit(k, v, q, out, isz) or S.shape[:-2] != lead or S.shape[-2] != d_ or S.shape[-1] != out.shape[-1]
+            or Z.shape[:-1] != lead or Z.shape[-1] != d_ or out.shape[:-1] != lead):
         return 1
     if not _gates_fit(gates, lead, d_) or not _decay_fits(decay, lead):
         return 1
-    isz = S.itemsize
-    if d_in == 0 or q.strides[-1] != isz or k.strides[-1] != isz or v.strides[-1] != isz or S.strides[-1] != isz:
+    if d_in == 0 or q.strides[-1] != isz or S.strides[-1] != isz:
         return 1
     if out.strides[-1] != isz or Z.strides[-1] != isz:
         return 1
@@ -242,10 +250,49 @@ def _step_nd(q, k, v, fm, fp, fa, eps, normalize, S, Z, out, gates, decay, qscal
     for h in prange(bh):
         fill_decay(gates, decay, h, decs[h], q)
         Sh = head_matrix(S, h)
-        state_pass(Sh, head_row(Z, h), head_row(v, h), qf[h * d_:(h + 1) * d_], kf[h * d_:(h + 1) * d_],
+        state_pass(Sh, head_row(Z, h), head_row(v, h), qf[h * d_:(h + 1) * d_], _with_keys(k, kf[h * d_:(h + 1) * d_]),
                    head_row(out, h), Sh.strides[0] // isz, eps, normalize, head_decay(gates, decay, decs, h, q), qscale)
     keep_alive(owners)
     return 0
+
+
+def _keys_fit(k, v, q, out, isz):
+    """Whether k is shaped like q and v like out, each with rows of adjacent elements (True when both
+    are None: a query over the state). Only callable from Numba code."""
+    raise NotImplementedError("runs inside Numba kernels only")
+
+
+@overload(_keys_fit, jit_options=OVERLOAD_OPTIONS)
+def _ol_keys_fit(k, v, q, out, isz):
+    if isinstance(k, types.NoneType) and isinstance(v, types.NoneType):
+        return lambda k, v, q, out, isz: True
+    return lambda k, v, q, out, isz: (k.shape == q.shape and v.shape == out.shape and k.strides[-1] == isz
+                                      and v.strides[-1] == isz)
+
+
+def _with_keys(k, x):
+    """x, or None when k is None (the state is only read). Only callable from Numba code."""
+    raise NotImplementedError("runs inside Numba kernels only")
+
+
+@overload(_with_keys, jit_options=OVERLOAD_OPTIONS)
+def _ol_with_keys(k, x):
+    if isinstance(k, types.NoneType):
+        return lambda k, x: None
+    return lambda k, x: x
+
+
+def _keys_or(k, x):
+    """k, or x when k is None (x of k's type: for code that runs only with keys). Only callable from
+    Numba code."""
+    raise NotImplementedError("runs inside Numba kernels only")
+
+
+@overload(_keys_or, jit_options=OVERLOAD_OPTIONS)
+def _ol_keys_or(k, x):
+    if isinstance(k, types.NoneType):
+        return lambda k, x: x
+    return lambda k, x: k
 
 
 @njit(helper=True)
@@ -289,24 +336,28 @@ def _map_heads(q, k, fm, fp, fa, bh, d_, feats):
 
 @overload(_map_heads, jit_options=OVERLOAD_OPTIONS)
 def _ol_map_heads(q, k, fm, fp, fa, bh, d_, feats):
+    sources = 1 if isinstance(k, types.NoneType) else 2  # (k None: q alone, into the first half)
     if isinstance(fp, types.NoneType):
         def inline(q, k, fm, fp, fa, bh, d_, feats):
             for h in range(bh):
                 map_row(as_contiguous(head_row(q, h)), fm, feats[h * d_:(h + 1) * d_])
-                map_row(as_contiguous(head_row(k, h)), fm, feats[(bh + h) * d_:(bh + h + 1) * d_])
+                if sources == 2:
+                    map_row(as_contiguous(head_row(_keys_or(k, q), h)), fm, feats[(bh + h) * d_:(bh + h + 1) * d_])
         return inline
 
     def mapped(q, k, fm, fp, fa, bh, d_, feats):
         d_in = q.shape[-1]
-        owner = empty(2 * bh * d_in, feats.dtype)
+        owner = empty(sources * bh * d_in, feats.dtype)
         rows = unowned(owner)
         for h in range(bh):
-            qh, kh = as_contiguous(head_row(q, h)), as_contiguous(head_row(k, h))
+            qh, kh = as_contiguous(head_row(q, h)), as_contiguous(head_row(_keys_or(k, q), h))
             for a in range(d_in):
                 rows[h * d_in + a] = qh[a]
-                rows[(bh + h) * d_in + a] = kh[a]
+                if sources == 2:
+                    rows[(bh + h) * d_in + a] = kh[a]
         mp = map_state(fm, fp, fa, d_in, d_, feats.dtype)
-        load_features(rows.reshape((2 * bh, d_in)), 0, 2 * bh, mp, feats.reshape((2 * bh, d_)))
+        load_features(rows.reshape((sources * bh, d_in)), 0, sources * bh, mp, feats[:sources * bh * d_].reshape(
+            (sources * bh, d_)))
         keep_alive(owner)
     return mapped
 
@@ -362,10 +413,23 @@ def _nd_signature(dt, variant):
                        _optional(gates), _optional(decay), types.float64)
 
 
+def _read_signature(dt, variant):
+    lead_ndim, mapped = variant
+    vec, none = array(dt, lead_ndim + 1, "A", readonly=True), types.none
+    fp = array(dt, 1, readonly=True) if mapped else none
+    return types.int64(vec, none, none, types.int64, fp, types.int64, types.float64, types.boolean,
+                       array(dt, lead_ndim + 2, "A", readonly=True), array(dt, lead_ndim + 1, "A", readonly=True),
+                       array(dt, lead_ndim + 1, "A"), none, none, types.float64)
+
+
 #: variant: (number of leading dims, gate kind, has decay, whether the map is one of cpu/mapfns.py's (its
 #: parameters an array; None for the maps applied inline)); any strides along the leading dims
 step_nd_serial = Kernel(_step_nd, _nd_signature, parallel=False)
 step_nd_parallel = Kernel(_step_nd, _nd_signature, parallel=True)
+#: a query over the state (k, v, gates and decay None: S and Z only read); variant: (number of leading
+#: dims, whether the map is one of cpu/mapfns.py's)
+read_nd_serial = Kernel(_step_nd, _read_signature, parallel=False)
+read_nd_parallel = Kernel(_step_nd, _read_signature, parallel=True)
 #: any strides, already flattened to (BH, ...); variant: (gate kind, has decay)
 step_strided_serial = Kernel(_step, _strided_signature, parallel=False)
 step_strided_parallel = Kernel(_step, _strided_signature, parallel=True)

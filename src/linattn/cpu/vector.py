@@ -49,6 +49,7 @@ def state_pass(typingctx, S, Z, v, q, k, out, row_stride, eps, normalize, decay,
     ``row_stride`` elements apart, unit column stride), S[a, e] = decay[a] S[a, e] + k[a] v[e] and
     Z[a] = decay[a] Z[a] + k[a] (``decay`` None: 1; a float: the same factor for every row); then
     out[e] = qscale sum_a q[a] S[a, e], divided by qscale sum_a q[a] Z[a] + eps when ``normalize``.
+    With k, v and decay None, S and Z are only read (a query over the state).
 
     Z, v, q, k, out and decay must have unit stride. Columns go in panels of PANEL vectors, then
     single vectors, then one at a time; the division is applied to the panels' registers before they
@@ -59,15 +60,20 @@ def state_pass(typingctx, S, Z, v, q, k, out, row_stride, eps, normalize, decay,
     one_factor = isinstance(decay, types.Float)
     if one_factor and decay != S.dtype:
         return None
-    arrays = (Z, v, q, k, out) + (() if isinstance(decay, (types.NoneType, types.Float)) else (decay,))
+    reading = isinstance(k, types.NoneType)  # (S and Z read, not written)
+    if reading and not (isinstance(v, types.NoneType) and isinstance(decay, types.NoneType)):
+        return None
+    arrays = ((Z, q, out) + (() if reading else (v, k))
+              + (() if isinstance(decay, (types.NoneType, types.Float)) else (decay,)))
     if not all(isinstance(x, types.Array) and x.ndim == 1 and x.dtype == S.dtype for x in arrays):
         return None
     decayed = not isinstance(decay, types.NoneType)
     sig = types.void(S, Z, v, q, k, out, row_stride, eps, normalize, decay, qscale)
 
     def codegen(context, builder, sig, args):
-        s_arr, z_arr, v_arr, q_arr, k_arr, o_arr = (context.make_array(t)(context, builder, a)
-                                                    for t, a in zip(sig.args[:6], args[:6]))
+        s_arr, z_arr, v_arr, q_arr, k_arr, o_arr = (
+            None if isinstance(t, types.NoneType) else context.make_array(t)(context, builder, a)
+            for t, a in zip(sig.args[:6], args[:6]))
         d_arr = context.make_array(sig.args[9])(context, builder, args[9]) if decayed and not one_factor else None
         stride_v = args[6]
         eps_v = context.cast(builder, args[7], sig.args[7], types.float64)
@@ -108,8 +114,11 @@ def state_pass(typingctx, S, Z, v, q, k, out, row_stride, eps, normalize, decay,
             zold = builder.load(zp)
             if decayed:
                 zold = builder.fmul(factor(loop.index, fty), zold, flags=_FLAGS)
-            z = builder.fadd(zold, builder.load(builder.gep(k_arr.data, [loop.index])))
-            builder.store(z, zp)
+            if reading:
+                z = zold
+            else:
+                z = builder.fadd(zold, builder.load(builder.gep(k_arr.data, [loop.index])))
+                builder.store(z, zp)
             qz = builder.fmul(builder.load(builder.gep(q_arr.data, [loop.index])), z, flags=_FLAGS)
             builder.store(builder.fadd(builder.load(den), qz, flags=_FLAGS), den)
         f64 = ir.DoubleType()
@@ -122,18 +131,20 @@ def state_pass(typingctx, S, Z, v, q, k, out, row_stride, eps, normalize, decay,
             """Columns [e0, e0 + nvec * lanes of ty): accumulators live in registers over all rows."""
             lanes = ty.count if ty is vec else 1
             cols = [builder.add(e0, ir.Constant(i64, j * lanes)) for j in range(nvec)]
-            vv = [builder.load(_at(builder, v_arr.data, c, ty), align=align) for c in cols]
+            vv = [None if reading else builder.load(_at(builder, v_arr.data, c, ty), align=align) for c in cols]
             accs = [cgutils.alloca_once_value(builder, ir.Constant(ty, None)) for _ in cols]
             d_one = factor(None, ty) if one_factor else None
             with cgutils.for_range(builder, rows) as loop:
-                ka, qa = splat(k_arr.data, loop.index, ty), splat(q_arr.data, loop.index, ty)
+                qa = splat(q_arr.data, loop.index, ty)
+                ka = None if reading else splat(k_arr.data, loop.index, ty)
                 da = d_one if one_factor else splat(d_arr.data, loop.index, ty) if decayed else None
                 row = builder.mul(loop.index, stride_v)
                 for c, x, acc in zip(cols, vv, accs):
                     p = _at(builder, s_arr.data, builder.add(row, c), ty)
-                    old = builder.load(p, align=align)
-                    s = fma(ka, x, builder.fmul(da, old, flags=_FLAGS) if decayed else old)
-                    builder.store(s, p, align=align)
+                    s = builder.load(p, align=align)
+                    if not reading:
+                        s = fma(ka, x, builder.fmul(da, s, flags=_FLAGS) if decayed else s)
+                        builder.store(s, p, align=align)
                     builder.store(fma(qa, s, builder.load(acc)), acc)
             sc = broadcast(scale, ty)
             for c, acc in zip(cols, accs):

@@ -50,13 +50,13 @@ def as_contiguous(typingctx, x):
 
 
 def _unowned_ok(t, inner=False):
-    return (isinstance(t, types.Array) or (inner and isinstance(t, types.Number))
+    return (isinstance(t, types.Array) or (inner and isinstance(t, (types.Number, types.NoneType)))
             or (isinstance(t, types.BaseTuple) and all(_unowned_ok(x, True) for x in t)))
 
 
 @intrinsic
 def unowned(typingctx, x):
-    """x (an array, or a tuple of arrays, numbers and such tuples) without its memory's owner (a null meminfo):
+    """x (an array, or a tuple of arrays, numbers, None and such tuples) without its memory's owner (a null meminfo):
     the same data, shape and strides, and views of it are not reference counted. Every view Numba
     makes of an owned array adds and drops a reference with an atomic add (~20 cycles; the kernels'
     per-row views made that ~20% of a chunk's time, seen with perf). The caller keeps the owner alive
@@ -72,7 +72,7 @@ def unowned(typingctx, x):
             context.populate_array(out, data=arr.data, shape=arr.shape, strides=arr.strides, itemsize=arr.itemsize,
                                    meminfo=None)
             return out._getvalue()
-        if isinstance(ty, types.Number):
+        if isinstance(ty, (types.Number, types.NoneType)):
             return value
         items = [strip(context, builder, t, builder.extract_value(value, i)) for i, t in enumerate(ty)]
         return context.make_tuple(builder, ty, items)
@@ -189,8 +189,8 @@ touch_rows = _rows_intrinsic("touch_rows", """Load one byte of every 64-byte lin
 
 
 def head_row(x, h):
-    """x[i, j, ..., :] for the flat index h over x's leading dims (C order), a 1-D view.
-    Only callable from Numba code."""
+    """x[i, j, ..., :] for the flat index h over x's leading dims (C order), a 1-D view (None for
+    None). Only callable from Numba code."""
     raise NotImplementedError("runs inside Numba kernels only")
 
 
@@ -229,6 +229,8 @@ def _head_impl(lead):
 def _head_row(x, h):
     if isinstance(x, types.Array) and x.ndim >= 1:
         return _head_impl(x.ndim - 1)
+    if isinstance(x, types.NoneType):
+        return lambda x, h: None
     return None
 
 
