@@ -153,4 +153,5 @@ def test_precompile_a_map_with_weights():
     from linattn import feature_maps as fm
 
     done = linattn.precompile(["float64"], ["step", "noncausal"], feature_map=fm.T2R(np.ones((5, 3))))
-    assert [name for name, _ in done] == ["linear_attention float64", "step float64"]
+    assert [name for name, _ in done] == ["linear_attention float64",
+                                          "linear_attention, a query over the keys' state float64", "step float64"]

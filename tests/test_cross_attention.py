@@ -466,14 +466,20 @@ def test_lengths_errors(rng):
 def test_one_query_over_state(rng, lead, dtype):
     """A decoding step's query over the keys' state (N = 1, k and v None) takes the step kernel's
     read-only variant (in parallel from 2**18 state elements: (8, 8) at D = Dv = 64): the reference's
-    result, the general path's, the state unchanged; every named map, D != Dv, D = 1."""
+    result, the general path's, the state unchanged; named maps and map objects (computed in the
+    kernel, D' != D), D != Dv, D = 1, a strided q and a read-only state."""
     dims = [(64, 64)] if lead == (8, 8) else [(5, 3), (1, 7), (16, 33)]
     for d, dv in dims:
-        for kw in (dict(), dict(feature_map="relu", normalize=False), dict(feature_map="identity", eps=0.5)):
-            S = (rng.random(lead + (d, dv)) * 2 - 0.5).astype(dtype)
-            Z = (rng.random(lead + (d,)) + 0.5).astype(dtype)
-            q = rng.standard_normal(lead + (1, d)).astype(dtype)
+        maps = [dict(), dict(feature_map="relu", normalize=False), dict(feature_map="identity", eps=0.5),
+                dict(feature_map=linattn.feature_maps.Taylor()),
+                dict(feature_map=linattn.feature_maps.T2R(rng.standard_normal((d, 4)), rng.standard_normal(4)))]
+        for kw in maps:
+            dk = linattn.feature_maps.as_map(kw.get("feature_map", "elu")).out_dim(d)
+            S = (rng.random(lead + (dk, dv)) * 2 - 0.5).astype(dtype)
+            Z = (rng.random(lead + (dk,)) + 0.5).astype(dtype)
+            q = rng.standard_normal(lead + (1, 2 * d)).astype(dtype)[..., ::2]  # (a strided view)
             state = linattn.State(S.copy(), Z.copy())
+            state.S.flags.writeable = state.Z.flags.writeable = bool(len(kw) % 2)  # (read-only ones too)
             out = linattn.linear_attention(q, initial_state=state, **kw)
             assert out.shape == lead + (1, dv) and out.dtype == dtype
             np.testing.assert_array_equal(state.S, S)
@@ -485,3 +491,5 @@ def test_one_query_over_state(rng, lead, dtype):
                 want = want / (qf @ Z.astype(np.float64)[..., None] + kw.get("eps", 1e-6))
             assert_close(out, want, dtype)
             assert_close(out, linattn.linear_attention(q, initial_state=state, scale=1.0, **kw), dtype)  # (general)
+    with pytest.raises(ValueError, match=r"initial_state.S: expected shape"):  # (a state that does not fit)
+        linattn.linear_attention(np.zeros(lead + (1, 4), dtype), initial_state=linattn.State.zeros(lead, 5, 3, dtype))

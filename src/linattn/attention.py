@@ -7,11 +7,12 @@ import numpy as np
 from . import checks
 from . import gates as gates_mod
 from . import workspace
-from .cpu import chunked, half, step as step_kernels
+from .cpu import chunked, half
 from .cpu.runtime import kernel_section, num_threads, plan
 from .cpu.views import unit_rows
 from .cpu import mapfns
 from .cpu.elementwise import IDENTITY
+from .decoding import read_state
 from .feature_maps import NAMED, FeatureMap, as_map
 from .state import State
 
@@ -185,37 +186,30 @@ def _launch(kernel, nthreads, args, parts):
 
 def _fast_over_state(q, state, feature_map, eps, normalize):
     """linear_attention's short path for queries over a state alone (k and v None: a decoder reading its
-    encoder's keys): C-contiguous NumPy q and state of one float dtype (the state writable), a named
-    map, nothing else; None for anything else (the checked path)."""
+    encoder's keys): NumPy q and state of one float dtype, nothing else; one query a sequence (a decoding
+    step), a built-in map, through the step kernel reading the state (decoding.read_state); more, a named
+    map, C-contiguous arrays (the state writable), through the non-causal kernel. None for anything else
+    (the checked path)."""
     dt = q.dtype
-    if (type(state) is not State or dt not in _FLOATS or type(feature_map) is not str or type(eps) is not float
+    if (type(state) is not State or dt not in _FLOATS or type(eps) is not float
             or not (normalize is True or normalize is False) or not 0.0 <= eps < _INF):
         return None
     S0, Z0 = state
     shape = q.shape
     if (type(S0) is not _ndarray or type(Z0) is not _ndarray or S0.dtype != dt or Z0.dtype != dt
-            or len(shape) < 2 or S0.shape[:-1] != shape[:-2] + (shape[-1],) or Z0.shape != S0.shape[:-1]
-            or q.size == 0 or S0.shape[-1] == 0):
+            or len(shape) < 2 or q.size == 0 or S0.shape[-1] == 0):
         return None
-    if not (q.flags.c_contiguous and S0.flags.c_contiguous and Z0.flags.c_contiguous and S0.flags.writeable
-            and Z0.flags.writeable):
+    if shape[-2] == 1:
+        out = read_state(q[..., 0, :], S0, Z0, feature_map, eps, normalize)
+        return None if out is None else out.reshape(shape[:-1] + (S0.shape[-1],))
+    if (type(feature_map) is not str or S0.shape[:-1] != shape[:-2] + (shape[-1],) or Z0.shape != S0.shape[:-1]
+            or not (q.flags.c_contiguous and S0.flags.c_contiguous and Z0.flags.c_contiguous and S0.flags.writeable
+                    and Z0.flags.writeable)):
         return None
     code = _CODES.get(feature_map)
     if code is None:  # (the named maps keep D' = D)
         return None
     dv = S0.shape[-1]
-    if shape[-2] == 1:  # one query a sequence (a decoding step): the step's kernel, reading the state only
-        out = np.empty(shape[:-1] + (dv,), dt)
-        if S0.size < step_kernels.PARALLEL_MIN or num_threads() == 1:
-            kernel = step_kernels.read_nd_serial.get(dt, (len(shape) - 2, False))
-            status = kernel(q[..., 0, :], None, None, code, None, 0, eps, normalize, S0, Z0, out[..., 0, :], None, None,
-                            1.0)
-        else:
-            kernel = step_kernels.read_nd_parallel.get(dt, (len(shape) - 2, False))
-            with kernel_section():
-                status = kernel(q[..., 0, :], None, None, code, None, 0, eps, normalize, S0, Z0, out[..., 0, :], None,
-                                None, 1.0)
-        return out if status == 0 else None
     found = _constants.get((False, dt, shape, dv, num_threads()))
     if found is None:
         found = _fast_plan(False, dt, shape, dv, num_threads())

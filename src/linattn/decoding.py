@@ -15,6 +15,7 @@ from .state import State
 # (feature map: a name or a map object, dtype, q's shape, gate kind, has decay)
 #   -> (map code, parameters, map_rows's address, serial kernel, variant)
 _FAST = {}
+_READ = {}  # (feature map, dtype, q's shape) -> read_state's (map code, parameters, address, mapped)
 _DECAYS = {}  # (float decay or id of a float64 array, leading dims) -> (the decay, its shape, its broadcast view)
 _LAST_DECAY = [None, None, None, None]  # the last step's decay, leading dims, the decay's shape, its view
 _ndarray, _empty, _INF, _F16 = np.ndarray, np.empty, math.inf, np.dtype(np.float16)  # (globals: cheaper per step)
@@ -31,27 +32,72 @@ def _flat_view(x, shape):
     return view
 
 
+def _map_entry(feature_map, dtype, d):
+    """(map code, parameters, map_rows's address, whether cpu/mapfns.py maps it) of a built-in map (a
+    name or a FeatureMap) for inputs of D = d; None for a callable or a map that does not fit d (the
+    checked paths say why)."""
+    if type(feature_map) is not str and not isinstance(feature_map, FeatureMap):
+        return None  # a callable: mapped in NumPy by the checked path
+    try:
+        fmap = as_map(feature_map)
+        fmap.out_dim(d)
+    except (ValueError, TypeError):
+        return None
+    code = fmap.kernel_code()
+    mapped = code >= mapfns.FIRST
+    fp, addr = (fmap.params(d, dtype), mapfns.address(dtype, code)) if mapped else (None, 0)
+    return code, fp, addr, mapped
+
+
 def _fast_entry(feature_map, dtype, shape, gate_kind, has_decay):
     """The fast-path entry for a built-in map (a name or a FeatureMap) and a float32/float64 dtype
     (compiled once), else None."""
     if dtype not in (np.float32, np.float64) or not shape or not shape[-1]:
         return None
-    if type(feature_map) is not str and not isinstance(feature_map, FeatureMap):
-        return None  # a callable: mapped in NumPy by the checked path
-    try:
-        fmap = as_map(feature_map)
-        fmap.out_dim(shape[-1])
-    except (ValueError, TypeError):  # the checked path says why
+    found = _map_entry(feature_map, dtype, shape[-1])
+    if found is None:
         return None
-    code, d = fmap.kernel_code(), shape[-1]
-    mapped = code >= mapfns.FIRST
-    fp, addr = (fmap.params(d, dtype), mapfns.address(dtype, code)) if mapped else (None, 0)
+    code, fp, addr, mapped = found
     variant = (len(shape) - 1, gate_kind, has_decay, mapped)
     if len(_FAST) > 256:
         _FAST.clear()
     entry = _FAST[feature_map, dtype, shape, gate_kind, has_decay] = (
         code, fp, addr, step_kernels.step_nd_serial.get(dtype, variant), variant)
     return entry
+
+
+def read_state(q, S, Z, feature_map, eps, normalize):
+    """out (..., Dv) = phi(q)^T S / (phi(q)^T Z + eps) per sequence, S and Z only read: the step kernel
+    without k and v, for a query (..., D) over a state (a decoding step's cross-attention). q, S, Z:
+    NumPy arrays of one float dtype with rows of adjacent elements, a built-in map, a float eps and a
+    bool normalize (the caller's checks); None when they do not fit (shapes, layouts, a callable map:
+    the caller's checked path then says why)."""
+    dt, shape = q.dtype, q.shape
+    key = (feature_map, dt, shape)
+    try:
+        found = _READ.get(key)
+    except TypeError:  # an unhashable callable
+        return None
+    if found is None:
+        found = _map_entry(feature_map, dt, shape[-1]) if shape and shape[-1] else None
+        if found is None:
+            return None
+        if len(_READ) > 256:
+            _READ.clear()
+        _READ[key] = found
+    code, fp, addr, mapped = found
+    out = _empty(shape[:-1] + (S.shape[-1],), dt)
+    try:
+        if S.size < _PARALLEL_MIN or num_threads() == 1:
+            status = step_kernels.read_nd_serial.get(dt, (len(shape) - 1, mapped))(
+                q, None, None, code, fp, addr, eps, normalize, S, Z, out, None, None, 1.0)
+        else:
+            with kernel_section():
+                status = step_kernels.read_nd_parallel.get(dt, (len(shape) - 1, mapped))(
+                    q, None, None, code, fp, addr, eps, normalize, S, Z, out, None, None, 1.0)
+    except TypeError:  # no compiled signature fits (a dtype or layout): the checked path
+        return None
+    return out if status == 0 else None
 
 
 def _decay_view(decay, lead):

@@ -71,10 +71,9 @@ def _jobs(dtype, functions, gates, gradients, feature_map):
                          lambda: (lambda o, f: f(o))(*causal_linear_attention_vjp(q, k, v, **fm))))
     if "noncausal" in functions:
         jobs.append(("linear_attention", lambda: linear_attention(q, k, v, **fm)))
-        if isinstance(feature_map, str):  # (a named map: the step kernel's read-only variant)
-            q1, memory = np.ascontiguousarray(q[..., :1, :]), State.zeros(lead, dk, v.shape[-1], dtype)
-            jobs.append(("linear_attention, a query over the keys' state",
-                         lambda: linear_attention(q1, initial_state=memory, **fm)))
+        q1, memory = q[..., :1, :], State.zeros(lead, dk, v.shape[-1], dtype)  # (the step kernel, reading)
+        jobs.append(("linear_attention, a query over the keys' state",
+                     lambda: linear_attention(q1, initial_state=memory, **fm)))
         if gradients:
             jobs.append(("linear_attention_vjp and its vjp",
                          lambda: (lambda o, f: f(o))(*linear_attention_vjp(q, k, v, **fm))))
