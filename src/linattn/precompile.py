@@ -125,8 +125,8 @@ def precompile(dtypes=("float32",), functions=FUNCTIONS, *, gates=False, gradien
         The computation dtypes (float16 inputs compute in float32).
     functions : sequence of {"causal", "noncausal", "step"}
         ``causal_linear_attention`` (C-contiguous inputs, strided views such as the heads of a fused
-        projection, and with float32 float16 inputs), ``linear_attention`` and ``step`` (serial and
-        parallel kernels).
+        projection, and with float32 float16 inputs), ``linear_attention`` (also one query over the keys'
+        state: a decoding step's cross-attention) and ``step`` (serial and parallel kernels).
     gates : bool
         Also the variants with ``decay=``, a gate per position and a gate per key dimension.
     gradients : bool
