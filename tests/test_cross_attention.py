@@ -355,6 +355,9 @@ def test_state_errors(rng):
         linattn.linear_attention(q, None, v)
     with pytest.raises(TypeError, match=r"initial_state: expected a linattn.State"):
         linattn.linear_attention(q, initial_state=3.0)
+    for S, Z in ((np.zeros(()), st.Z), (st.S, np.zeros(())), (st.S[0], st.Z), (st.S.astype(complex), st.Z)):
+        with pytest.raises((ValueError, TypeError), match=r"initial_state\.[SZ]: expected"):  # (one query: the read)
+            linattn.linear_attention(q[:, :1], initial_state=linattn.State(S, Z))
     with pytest.raises(ValueError, match=r"initial_state.S: expected shape \(2, 2, 2\) .* got \(2, 3, 2\)"):
         linattn.linear_attention(q[..., :2], k[..., :2], v, initial_state=st)  # (D' 2 here)
     with pytest.raises(ValueError, match=r"initial_state.S: expected shape \(2, 2, 2\)"):

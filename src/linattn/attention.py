@@ -197,7 +197,7 @@ def _fast_over_state(q, state, feature_map, eps, normalize):
     S0, Z0 = state
     shape = q.shape
     if (type(S0) is not _ndarray or type(Z0) is not _ndarray or S0.dtype != dt or Z0.dtype != dt
-            or len(shape) < 2 or q.size == 0 or S0.shape[-1] == 0):
+            or len(shape) < 2 or q.size == 0 or S0.ndim < 2 or S0.shape[-1] == 0):
         return None
     if shape[-2] == 1:
         out = read_state(q[..., 0, :], S0, Z0, feature_map, eps, normalize)
@@ -540,10 +540,13 @@ def _keys_from_state(q, k, v, initial_state, where):
         name = "k" if k is None else "v"
         raise TypeError(f"{name}: expected an array, got None (k and v may both be None only with an initial_state, "
                         f"the sums of the keys the queries attend to)")
-    S = checks.state_parts(initial_state)[0]
+    if not (isinstance(initial_state, tuple) and len(initial_state) == 2):
+        raise TypeError(f"initial_state: expected a linattn.State (S, Z), got {type(initial_state).__name__}")
+    S = initial_state[0]
     ss = tuple(getattr(S, "shape", ()))  # (plain tuples, also for device arrays)
     if len(ss) < 2:
-        raise TypeError(f"initial_state: expected a linattn.State (S, Z), got {type(initial_state).__name__}")
+        got = f"shape {ss}" if hasattr(S, "shape") else type(S).__name__
+        raise ValueError(f"initial_state.S: expected an array of shape (..., D', Dv), got {got}")
     q = q if hasattr(q, "shape") and hasattr(q, "dtype") else np.asarray(q)
     qs = tuple(q.shape)
     if len(qs) < 2:
