@@ -250,8 +250,9 @@ def _step_nd(q, k, v, fm, fp, fa, eps, normalize, S, Z, out, gates, decay, qscal
     for h in prange(bh):
         fill_decay(gates, decay, h, decs[h], q)
         Sh = head_matrix(S, h)
-        state_pass(Sh, head_row(Z, h), head_row(v, h), qf[h * d_:(h + 1) * d_], _with_keys(k, kf[h * d_:(h + 1) * d_]),
-                   head_row(out, h), Sh.strides[0] // isz, eps, normalize, head_decay(gates, decay, decs, h, q), qscale)
+        kh = _if_keys(k, kf[h * d_:(h + 1) * d_], None)  # (None: the state only read)
+        state_pass(Sh, head_row(Z, h), head_row(v, h), qf[h * d_:(h + 1) * d_], kh, head_row(out, h),
+                   Sh.strides[0] // isz, eps, normalize, head_decay(gates, decay, decs, h, q), qscale)
     keep_alive(owners)
     return 0
 
@@ -270,29 +271,17 @@ def _ol_keys_fit(k, v, q, out, isz):
                                       and v.strides[-1] == isz)
 
 
-def _with_keys(k, x):
-    """x, or None when k is None (the state is only read). Only callable from Numba code."""
+def _if_keys(k, a, b):
+    """a when k is an array, b when k is None (the state only read), chosen at compile time. Only
+    callable from Numba code."""
     raise NotImplementedError("runs inside Numba kernels only")
 
 
-@overload(_with_keys, jit_options=OVERLOAD_OPTIONS)
-def _ol_with_keys(k, x):
+@overload(_if_keys, jit_options=OVERLOAD_OPTIONS)
+def _ol_if_keys(k, a, b):
     if isinstance(k, types.NoneType):
-        return lambda k, x: None
-    return lambda k, x: x
-
-
-def _keys_or(k, x):
-    """k, or x when k is None (x of k's type: for code that runs only with keys). Only callable from
-    Numba code."""
-    raise NotImplementedError("runs inside Numba kernels only")
-
-
-@overload(_keys_or, jit_options=OVERLOAD_OPTIONS)
-def _ol_keys_or(k, x):
-    if isinstance(k, types.NoneType):
-        return lambda k, x: x
-    return lambda k, x: k
+        return lambda k, a, b: b
+    return lambda k, a, b: a
 
 
 @njit(helper=True)
@@ -342,7 +331,7 @@ def _ol_map_heads(q, k, fm, fp, fa, bh, d_, feats):
             for h in range(bh):
                 map_row(as_contiguous(head_row(q, h)), fm, feats[h * d_:(h + 1) * d_])
                 if sources == 2:
-                    map_row(as_contiguous(head_row(_keys_or(k, q), h)), fm, feats[(bh + h) * d_:(bh + h + 1) * d_])
+                    map_row(as_contiguous(head_row(_if_keys(k, k, q), h)), fm, feats[(bh + h) * d_:(bh + h + 1) * d_])
         return inline
 
     def mapped(q, k, fm, fp, fa, bh, d_, feats):
@@ -350,7 +339,7 @@ def _ol_map_heads(q, k, fm, fp, fa, bh, d_, feats):
         owner = empty(sources * bh * d_in, feats.dtype)
         rows = unowned(owner)
         for h in range(bh):
-            qh, kh = as_contiguous(head_row(q, h)), as_contiguous(head_row(_keys_or(k, q), h))
+            qh, kh = as_contiguous(head_row(q, h)), as_contiguous(head_row(_if_keys(k, k, q), h))
             for a in range(d_in):
                 rows[h * d_in + a] = qh[a]
                 if sources == 2:
