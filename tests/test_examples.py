@@ -12,7 +12,7 @@ EXAMPLES = pathlib.Path(__file__).resolve().parent.parent / "examples"
 @pytest.mark.parametrize("script,args", [("quickstart.py", ["--small"]), ("generate.py", ["--small"]),
                                          ("attention_heatmap.py", ["heat.png"]), ("retnet.py", ["--small"]),
                                          ("dask_zarr.py", ["--small", "--blocks", "4"]),
-                                         ("cross_attention.py", ["--small"])])
+                                         ("cross_attention.py", ["--small"]), ("padded_batch.py", ["--small"])])
 def test_example_runs(script, args, tmp_path):
     res = subprocess.run([sys.executable, str(EXAMPLES / script), *args], capture_output=True, text=True,
                          cwd=tmp_path, timeout=600)
@@ -27,6 +27,8 @@ def test_example_runs(script, args, tmp_path):
         assert "prefill + steps vs one call" in res.stdout
     if script == "cross_attention.py":  # the script exits 1 when decoding differs from the full form
         assert "prefill + steps vs the full O(N*Nk) form" in res.stdout
+    if script == "padded_batch.py":  # the script exits 1 when a sequence's rows differ from its own call
+        assert "padding's outputs all 0: True" in res.stdout
 
 
 def test_gpu_check_without_gpu_and_in_simulator(tmp_path):
