@@ -196,18 +196,24 @@ def check_lengths(lengths, lead, n, what="N", name="lengths"):
 
     Returns the lengths broadcast over all leading dims and flattened, as int64.
     """
-    arr = np.asarray(lengths)
+    arr = lengths if type(lengths) is np.ndarray else np.asarray(lengths)
     if arr.dtype.kind not in "iu":
         raise TypeError(f"{name}: expected an integer array, got dtype {arr.dtype}")
     if arr.shape != lead[:arr.ndim] or (arr.ndim == 0 and lead != ()):
         raise ValueError(
             f"{name}: expected shape {lead} (the leading dims) or a prefix of it such as "
             f"{lead[:1]}, got {arr.shape}")
-    if arr.size and (arr.min() < 0 or arr.max() > n):
+    if arr.size <= 64:  # (Python's min and max of a short list: ~0.3 us, against ~1.3 each in NumPy)
+        items = arr.ravel().tolist()
+        wrong = bool(items) and (min(items) < 0 or max(items) > n)
+    else:
+        wrong = arr.min() < 0 or arr.max() > n
+    if wrong:
         bad = arr[(arr < 0) | (arr > n)].ravel()[0]
         raise ValueError(f"{name}: expected values in [0, {what}={n}], got {bad}")
-    full = np.broadcast_to(arr.reshape(arr.shape + (1,) * (len(lead) - arr.ndim)), lead)
-    return np.ascontiguousarray(full, dtype=np.int64).reshape(-1)
+    # each length repeated over the trailing leading dims, as broadcasting in C order would, in a new
+    # array (a vjp keeps it); the broadcast and its copy took 4.6 us of a tiny call's 2 x 4.6 us of checks
+    return np.repeat(arr.reshape(-1), math.prod(lead[arr.ndim:])).astype(np.int64, copy=False)
 
 
 def check_state_zeros_args(batch_shape, d_k, d_v, dtype):
