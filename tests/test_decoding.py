@@ -277,3 +277,43 @@ def test_attention_weights_errors(rng):
         linattn.attention_weights(q, k, causal="yes")
     with pytest.raises(ValueError, match="feature_map: unknown name"):
         linattn.attention_weights(q, k, feature_map="x")
+
+
+@pytest.mark.parametrize("dtype", [np.float32, np.float64])
+@pytest.mark.parametrize("lead", [(), (3,), (2, 3), (8, 8)])  # (8, 8) at D = Dv = 64: the parallel step
+def test_causal_call_of_one_position_from_a_state(rng, lead, dtype):
+    """causal_linear_attention token by token from a state (a decoding loop that does not call step)
+    takes step's kernel on a copy of the state: the general path's result and state (the same call
+    with lengths= takes that path), the initial state left as it was; with maps, decay, gates per
+    position and per key dimension, scale and normalize; bad gate values still raise the call's error."""
+    d, dv = (64, 64) if lead == (8, 8) else (5, 3)
+    T2R = linattn.feature_maps.T2R(rng.standard_normal((d, 4)), rng.standard_normal(4))
+    for kw in (dict(), dict(feature_map="relu", normalize=False), dict(feature_map=T2R, scale=0.5),
+               dict(decay=0.9), dict(gate="position"), dict(gate="dimension", feature_map="identity", eps=0.5)):
+        dk = linattn.feature_maps.as_map(kw.get("feature_map", "elu")).out_dim(d)
+        if "gate" in kw:
+            kw["gate"] = np.log(rng.uniform(0.5, 1.0, lead + ((1,) if kw["gate"] == "position" else (1, dk)))).astype(
+                dtype)
+        q, k = (rng.standard_normal(lead + (1, d)).astype(dtype) for _ in range(2))
+        v = rng.standard_normal(lead + (1, dv)).astype(dtype)
+        S, Z = (rng.random(lead + (dk, dv)) * 0.5).astype(dtype), (rng.random(lead + (dk,)) + 0.5).astype(dtype)
+        state = linattn.State(S.copy(), Z.copy())
+        out, new = linattn.causal_linear_attention(q, k, v, initial_state=state, return_state=True, **kw)
+        want, want_state = linattn.causal_linear_attention(q, k, v, initial_state=state, return_state=True,
+                                                           lengths=np.ones(lead, np.int64), **kw)  # (general)
+        assert out.shape == lead + (1, dv) and out.dtype == dtype
+        assert_close(out, want, dtype)
+        assert_close(new.S, want_state.S, dtype)
+        assert_close(new.Z, want_state.Z, dtype)
+        np.testing.assert_array_equal(state.S, S)  # (the initial state as it was)
+        np.testing.assert_array_equal(state.Z, Z)
+        np.testing.assert_array_equal(linattn.causal_linear_attention(q, k, v, initial_state=state, **kw), out)
+        buf = np.full(lead + (dv, 2), np.nan, dtype)  # out= a strided view: the same values
+        res = linattn.causal_linear_attention(q, k, v, initial_state=state, out=np.swapaxes(buf, -1, -2)[..., :1, :],
+                                              **kw)
+        assert np.shares_memory(res, buf)
+        np.testing.assert_array_equal(res, out)
+    with pytest.raises(ValueError, match=r"gate: expected log gates <= 0"):
+        linattn.causal_linear_attention(q, k, v, initial_state=state, gate=np.full(lead + (1,), 0.5, dtype))
+    with pytest.raises(ValueError, match=r"^k: "):  # (k of another length: not a one-position call)
+        linattn.causal_linear_attention(q, np.concatenate([k, k], -2), v, initial_state=state)

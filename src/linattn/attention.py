@@ -12,7 +12,7 @@ from .cpu.runtime import kernel_section, num_threads, plan
 from .cpu.views import unit_rows
 from .cpu import mapfns
 from .cpu.elementwise import IDENTITY
-from .decoding import read_state
+from .decoding import read_state, step_fast
 from .feature_maps import NAMED, FeatureMap, as_map
 from .state import State
 
@@ -182,6 +182,38 @@ def _launch(kernel, nthreads, args, parts):
             kernel(nthreads, *args, 1, _NO_PARTS)
     else:
         kernel.unchecked(*args, 1, _NO_PARTS, np.zeros(1, np.int64))
+
+
+def _one_position(q, k, v, state, feature_map, eps, normalize, return_state, decay, gate, scale, out):
+    """causal_linear_attention's short path for one position a sequence from a State of NumPy arrays (a
+    decoding loop that calls it token by token): step's kernel (decoding.step_fast) on a copy of the
+    state, which the call leaves as it is; the result (..., 1, Dv) (copied into ``out``, checked, when
+    given: the same values with or without it), with the new state when ``return_state``. None when
+    step's fast path does not take the arguments (the general path then runs or says why)."""
+    if (type(state) is not State or type(k) is not _ndarray or type(v) is not _ndarray or q.dtype not in _FLOATS
+            or k.shape != q.shape or v.shape[:-1] != q.shape[:-1]
+            or not (return_state is True or return_state is False)):
+        return None
+    if gate is not None:  # a gate per position (..., 1) or per key dimension (..., 1, D'): the step's (..., [D'])
+        if type(gate) is not _ndarray or gate.ndim < q.ndim - 1 or gate.shape[:q.ndim - 1] != q.shape[:-1]:
+            return None
+        gate = gate[..., 0] if gate.ndim == q.ndim - 1 else gate[..., 0, :] if gate.ndim == q.ndim else None
+        if gate is None:
+            return None
+    S0, Z0 = state
+    if type(S0) is not _ndarray or type(Z0) is not _ndarray:
+        return None
+    new = State(S0.copy(), Z0.copy())
+    res = step_fast(q[..., 0, :], k[..., 0, :], v[..., 0, :], new, feature_map, eps, normalize, decay, gate, scale,
+                    None)
+    if res is None:
+        return None
+    res = res[..., None, :]
+    if out is not None:
+        out = _check_out(out, res.shape, res.dtype, "cpu")
+        out[...] = res
+        res = out
+    return (res, new) if return_state else res
 
 
 def _fast_over_state(q, state, feature_map, eps, normalize):
@@ -429,9 +461,15 @@ def causal_linear_attention(q, k, v, *, feature_map="elu", eps=1e-6, normalize=T
     >>> bool(np.allclose(np.concatenate([a, b], axis=-2), out, rtol=1e-5, atol=1e-6))
     True
     """
-    if (type(q) is _ndarray and initial_state is None and lengths is None and out is None and device is None
-            and return_state is False and decay is None and gate is None and scale is None):
-        res = _fast(True, q, k, v, feature_map, eps, normalize)
+    if type(q) is _ndarray and lengths is None and device is None:
+        if (initial_state is None and return_state is False and decay is None and gate is None and scale is None
+                and out is None):
+            res = _fast(True, q, k, v, feature_map, eps, normalize)
+        elif initial_state is not None and q.shape[-2:-1] == (1,):  # (a decoding loop calling it token by token)
+            res = _one_position(q, k, v, initial_state, feature_map, eps, normalize, return_state, decay, gate, scale,
+                                out)
+        else:
+            res = None
         if res is not None:
             return res
     S_in, Z_in = checks.state_parts(initial_state)

@@ -189,48 +189,51 @@ def step(q, k, v, state, *, feature_map="elu", eps=1e-6, normalize=True, decay=N
     >>> bool(np.allclose(np.stack(steps, axis=-2), full[..., 7:, :], rtol=1e-5, atol=1e-6))
     True
     """
-    # Fast path for the common call (float32/float64 NumPy arrays with rows of adjacent elements, a
-    # built-in feature map, by name or as a map object): the compiled kernel checks dtypes and
-    # layouts by its signature and shapes and values itself, so a decoding step costs little more
-    # than the arithmetic. Anything else takes the validating path below.
-    if (device is None and type(state) is State and type(q) is _ndarray and type(v) is _ndarray
-            and type(eps) is float):
-        dt = q.dtype
-        if dt is _F16:
-            res = _step_half(q, k, v, state, feature_map, eps, normalize, decay, gate, scale, out)
-            if res is not None:
-                return res
-        kind = 0 if gate is None else (1 if gate.ndim == q.ndim - 1 else 2) if type(gate) is _ndarray else -1
-        decay_arr = None if decay is None else _decay_view(decay, q.shape[:-1])
-        key = (feature_map, dt, q.shape, kind, decay is not None)
-        try:
-            fast = _FAST.get(key)
-        except TypeError:  # an unhashable callable
-            fast = None
-        if fast is None and kind >= 0:
-            fast = _fast_entry(feature_map, *key[1:])
-        if (fast and (normalize is True or normalize is False) and 0.0 <= eps < _INF
-                and (out is None or (type(out) is _ndarray and out.dtype is dt))
-                and (decay is None or decay_arr is not None) and (gate is None or gate.dtype is dt)
-                and (scale is None or (type(scale) is float and 0.0 < scale < _INF))):
-            S, Z = state
-            qscale = 1.0 if scale is None else scale
-            # the kernel checks out's shape and layout (rows of adjacent elements, writable) like the others'
-            res = _empty(v.shape, dt) if out is None else out
-            try:
-                if type(S) is not _ndarray or S.size < _PARALLEL_MIN or num_threads() == 1:
-                    status = fast[3](q, k, v, fast[0], fast[1], fast[2], eps, normalize, S, Z, res, gate, decay_arr,
-                                     qscale)
-                else:
-                    kernel = step_kernels.step_nd_parallel.get(dt, fast[4])
-                    with kernel_section():
-                        status = kernel(q, k, v, fast[0], fast[1], fast[2], eps, normalize, S, Z, res, gate,
-                                        decay_arr, qscale)
-                if status == 0:
-                    return res
-            except TypeError:  # no compiled signature fits: let the checks below say why
-                pass
+    res = step_fast(q, k, v, state, feature_map, eps, normalize, decay, gate, scale, out) if device is None else None
+    if res is not None:
+        return res
     return _step_checked(q, k, v, state, feature_map, eps, normalize, decay, gate, scale, out, device)
+
+
+def step_fast(q, k, v, state, feature_map, eps, normalize, decay, gate, scale, out):
+    """step's fast path, for the common call (float32/float64 NumPy arrays with rows of adjacent elements,
+    a built-in feature map, by name or as a map object): the compiled kernel checks dtypes and layouts
+    by its signature and shapes and values itself, so a decoding step costs little more than the
+    arithmetic. None (the state untouched) for anything else: the checked path then runs or says why."""
+    if not (type(state) is State and type(q) is _ndarray and type(v) is _ndarray and type(eps) is float):
+        return None
+    dt = q.dtype
+    if dt is _F16:
+        return _step_half(q, k, v, state, feature_map, eps, normalize, decay, gate, scale, out)
+    kind = 0 if gate is None else (1 if gate.ndim == q.ndim - 1 else 2) if type(gate) is _ndarray else -1
+    decay_arr = None if decay is None else _decay_view(decay, q.shape[:-1])
+    key = (feature_map, dt, q.shape, kind, decay is not None)
+    try:
+        fast = _FAST.get(key)
+    except TypeError:  # an unhashable callable
+        fast = None
+    if fast is None and kind >= 0:
+        fast = _fast_entry(feature_map, *key[1:])
+    if not (fast and (normalize is True or normalize is False) and 0.0 <= eps < _INF
+            and (out is None or (type(out) is _ndarray and out.dtype is dt))
+            and (decay is None or decay_arr is not None) and (gate is None or gate.dtype is dt)
+            and (scale is None or (type(scale) is float and 0.0 < scale < _INF))):
+        return None
+    S, Z = state
+    qscale = 1.0 if scale is None else scale
+    # the kernel checks out's shape and layout (rows of adjacent elements, writable) like the others'
+    res = _empty(v.shape, dt) if out is None else out
+    try:
+        if type(S) is not _ndarray or S.size < _PARALLEL_MIN or num_threads() == 1:
+            status = fast[3](q, k, v, fast[0], fast[1], fast[2], eps, normalize, S, Z, res, gate, decay_arr, qscale)
+        else:
+            kernel = step_kernels.step_nd_parallel.get(dt, fast[4])
+            with kernel_section():
+                status = kernel(q, k, v, fast[0], fast[1], fast[2], eps, normalize, S, Z, res, gate, decay_arr,
+                                qscale)
+    except TypeError:  # no compiled signature fits: the checks say why
+        return None
+    return res if status == 0 else None
 
 
 def _step_half(q, k, v, state, feature_map, eps, normalize, decay, gate, scale, out):
