@@ -195,11 +195,10 @@ def _one_position(q, k, v, state, feature_map, eps, normalize, return_state, dec
             or not (return_state is True or return_state is False)):
         return None
     if gate is not None:  # a gate per position (..., 1) or per key dimension (..., 1, D'): the step's (..., [D'])
-        if type(gate) is not _ndarray or gate.ndim < q.ndim - 1 or gate.shape[:q.ndim - 1] != q.shape[:-1]:
+        if (type(gate) is not _ndarray or gate.ndim not in (q.ndim - 1, q.ndim)
+                or gate.shape[:q.ndim - 1] != q.shape[:-1]):
             return None
-        gate = gate[..., 0] if gate.ndim == q.ndim - 1 else gate[..., 0, :] if gate.ndim == q.ndim else None
-        if gate is None:
-            return None
+        gate = gate[..., 0] if gate.ndim == q.ndim - 1 else gate[..., 0, :]
     S0, Z0 = state
     if type(S0) is not _ndarray or type(Z0) is not _ndarray:
         return None

@@ -313,12 +313,24 @@ def _state_item(S, Z, lead, lead_chunks, dk, dv):
     return da.concatenate([Z, S], axis=-1)[..., None, :].rechunk(lead_chunks + ((1,), (dk + dk * dv,)))
 
 
+def _rows_before(lens, p0, rows):
+    """(..., rows, 1): which of a block's rows come before each sequence's length (the block starts at
+    position p0[0]); None when all do (no pass over the block to mask it)."""
+    valid = (np.arange(rows) < (lens[..., None] - p0[0]))[..., None]
+    return None if valid.all() else valid
+
+
+def _masked(x, valid):
+    """x, 0 where ``valid`` (from _rows_before) is False (padding may hold NaN)."""
+    return x if valid is None else np.where(valid, x, 0)
+
+
 def _global_item(k, v, lens, p0, *, fmap, comp):
     """A block's part [Z | S] of the non-causal state: its keys before each sequence's length (``lens``;
     the block starts at position p0[0]), in float64."""
-    valid = (np.arange(k.shape[-2]) < (lens[..., None] - p0[0]))[..., None]  # (padding may hold NaN)
-    kf = np.where(valid, _phi(fmap, np.where(valid, k, 0), comp).astype(np.float64), 0.0)
-    v64 = np.where(valid, v.astype(np.float64), 0.0)
+    valid = _rows_before(lens, p0, k.shape[-2])
+    kf = _masked(_phi(fmap, _masked(k, valid), comp).astype(np.float64), valid)  # (phi(0) may not be 0)
+    v64 = _masked(v.astype(np.float64), valid)
     return np.concatenate([kf.sum(-2), (np.swapaxes(kf, -1, -2) @ v64).reshape(k.shape[:-2] + (-1,))],
                           -1)[..., None, :]
 
@@ -326,14 +338,13 @@ def _global_item(k, v, lens, p0, *, fmap, comp):
 def _noncausal_out(q, item, qlens, p0, *, fmap, comp, out_dt, dk, dv, eps, normalize, scale):
     """A block's outputs from the state's item [Z | S]: 0 for its queries at or past each sequence's
     length (``qlens``; the block starts at position p0[0])."""
-    valid = (np.arange(q.shape[-2]) < (qlens[..., None] - p0[0]))[..., None]  # (padding may hold NaN)
-    whole = valid.all()
+    valid = _rows_before(qlens, p0, q.shape[-2])
     Z, S = item[..., 0, :dk], item[..., 0, dk:].reshape(item.shape[:-2] + (dk, dv))
-    qf = _phi(fmap, q if whole else np.where(valid, q, 0), comp).astype(np.float64) * scale
+    qf = _phi(fmap, _masked(q, valid), comp).astype(np.float64) * scale
     num = qf @ S
     if normalize:
         num = num / ((qf @ Z[..., None]) + eps)
-    return (num if whole else np.where(valid, num, 0.0)).astype(comp).astype(out_dt, copy=False)
+    return _masked(num, valid).astype(comp).astype(out_dt, copy=False)
 
 
 def linear_attention(q, k=None, v=None, *, feature_map="elu", eps=1e-6, normalize=True, initial_state=None,

@@ -153,6 +153,15 @@ def write_state(Ss, Zs, S_out, Z_out, h, e0, d, dv, TE, tid, nthreads):
                 Z_out[h, a] = Zs[a]
 
 
+@cuda.jit(device=True)
+def zero_past(out, h, length, e, dv, ty, C):
+    """Column e of head h's outputs from row ``length`` on = 0 (the padding), rows ty, ty + C, ... of it
+    by this thread."""
+    if e < dv:
+        for i in range(length + ty, out.shape[1], C):
+            out[h, i, e] = 0.0
+
+
 @cuda.jit
 def causal(q, k, v, fm, fp, eps, normalize, lengths, S0, Z0, out, S_out, Z_out, C, TE, gates, gk, ld, scale,
            status):
@@ -204,9 +213,7 @@ def causal(q, k, v, fm, fp, eps, normalize, lengths, S0, Z0, out, S_out, Z_out, 
         else:
             add_decayed_chunk(Ks, Vs, Ss, Zs, c, C, TE, d, tx, ty, tid, nthreads, Gs, Rs, w, gk)
         cuda.syncthreads()
-    if e < dv:
-        for i in range(length + ty, n, C):
-            out[h, i, e] = 0.0
+    zero_past(out, h, length, e, dv, ty, C)
     write_state(Ss, Zs, S_out, Z_out, h, e0, d, dv, TE, tid, nthreads)
 
 
@@ -263,9 +270,7 @@ def noncausal(q, k, v, fm, fp, eps, normalize, lengths, qlengths, S0, Z0, out, S
         if ty < c and e < dv:
             out[h, i0 + ty, e] = scale * num / (scale * dens[ty] + eps) if normalize else scale * num
         cuda.syncthreads()
-    if e < dv:
-        for r in range(n + ty, out.shape[1], C):  # (the padded queries)
-            out[h, r, e] = 0
+    zero_past(out, h, n, e, dv, ty, C)  # (the padded queries)
 
 
 @cuda.jit
