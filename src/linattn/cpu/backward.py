@@ -42,7 +42,7 @@ from .gating import (SUB, VECTOR, _kind, _stub, chunk_gates, gate_buffers, gate_
 from .schedule import take
 from .smallgemm import small_gemm, small_gemm_tn, small_gemm_tn_lower
 from .threaded import ThreadedKernel
-from .vector import transpose_rows
+from .vector import transpose_padded, transpose_rows
 from .views import as_contiguous, keep_alive, touch_rows, unowned
 
 
@@ -287,9 +287,9 @@ def _chunk(q, k, v, g, out, den, fm, normalize, s, one, i0, c, St, has_st, C, Cz
     _scale_columns(QA2, c, d, s)
     if own:
         _load_values(v, i0, c, V1)
-        transpose_rows(V1, KT, sums, c)
+        transpose_padded(V1, KT, sums, c)
         load_rows(k, i0, c, fm, KF)
-        transpose_rows(KF, KT2, sums, c)
+        transpose_padded(KF, KT2, sums, c)
         adjoint_scores(gates, QA, KT, KF, e, c, G, Rg, F, X)  # M
         gate_scores(gates, QA2, KT2, KF, d, c, G, Rg, F, X)  # A
         M = QA[:c, e:e + c]
@@ -389,10 +389,12 @@ def _causal_backward(q, k, v, g, out, den, fm, normalize, s, lengths, chunk, fra
         dqh, dkh, dvh, kept = dq[h1, h2], dk[h1, h2], dv[h1, h2], states[h1, h2]
         sbuf = (_state_buffers(d, e - 1, dt), empty(d if decayed else 0, dt))
         (P, B, acc, Pz, Bz, Z, accz, lam), fb = unowned(sbuf)  # the adjoint [C | Cz] as a state
-        has_acc = bool(False) if summing else _init_state(H0, Z0, h, acc, accz, B, Bz)
+        has_acc = bool(False) if summing else _init_state(H0, Z0, h, B, accz, Bz)
+        acc_in_b = has_acc  # (acc is filled from B when first read: see _init_state)
         has_p = bool(False)
         if parts.shape[0] > 0 and not summing:
-            has_acc = segment_parts(sbuf[0], has_acc, has_p, summing, parts[h], sg, total, decayed)
+            has_acc, acc_in_b = segment_parts(sbuf[0], has_acc, acc_in_b, has_p, summing, parts[h], sg, total,
+                                              decayed)
         for a in range(total.shape[0]):  # the segment's log decay (phase 0)
             total[a] = 0
         gate_state_factors(gates, lam, fb)
@@ -427,14 +429,15 @@ def _causal_backward(q, k, v, g, out, den, fm, normalize, s, lengths, chunk, fra
                 bt, qt = QA[t, e - 1], qe[t]  # (whole rows: the loop vectorises)
                 for a in range(d):
                     Pz[a] += qt[a] * bt
-            has_acc, has_p = pending_added(j, acc, accz, B, Bz, P, Pz, has_acc, lam, decayed)
+            has_acc, has_p, acc_in_b = pending_added(j, acc, accz, B, Bz, P, Pz, has_acc, acc_in_b, lam,
+                                                     decayed)
             if summing:
                 gate_log_sum(gates, total, c, G, Rg)
                 continue
             gate_state_factors(gates, lam, fb)
             _current(B, Bz, P, Pz, C, Z, has_acc, has_p, fb, decayed)
         if summing:
-            segment_parts(sbuf[0], has_acc, has_p, summing, parts[h], sg, total, decayed)
+            segment_parts(sbuf[0], has_acc, acc_in_b, has_p, summing, parts[h], sg, total, decayed)
             keep_alive(sbuf)
             item = take(counter)
             continue
@@ -442,7 +445,7 @@ def _causal_backward(q, k, v, g, out, den, fm, normalize, s, lengths, chunk, fra
             for x in (dqh, dkh, dvh):
                 _zero_rows(x, length, x.shape[0])
             if H_out.shape[0] > 0:
-                _write_state(acc, accz, P, Pz, h, H_out, Z_out, has_acc, has_p, lam, decayed)
+                _write_state(acc, accz, B, P, Pz, h, H_out, Z_out, has_acc, acc_in_b, has_p, lam, decayed)
         keep_alive(sbuf)
         item = take(counter)
     keep_alive((owners, gbuf, wbuf))
