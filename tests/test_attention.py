@@ -7,7 +7,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import linattn
-from linattn import reference
+from linattn import attention, reference
 from linattn.cpu import chunked
 from linattn.cpu.runtime import chunk_size
 
@@ -177,6 +177,40 @@ def test_state_with_non_contiguous_views(rng):
     S = np.asfortranarray(st.S)
     out = linattn.causal_linear_attention(q[:, 30:], k[:, 30:], v[:, 30:], initial_state=(S, st.Z[:, ::1]))
     assert_close(out, linattn.causal_linear_attention(q, k, v)[:, 30:], np.float32)
+
+
+@pytest.mark.parametrize("causal", [True, False])
+@pytest.mark.parametrize("dtype", [np.float32, np.float64])
+def test_states_through_the_short_path(rng, causal, dtype, monkeypatch):
+    """A call with a State of C-contiguous arrays, returning one, takes the short path (no checks in
+    Python: the general path patched to raise is not reached); a State of other arrays, a tuple, takes
+    the general path: the same kernel, the same results bit for bit."""
+    fn = linattn.causal_linear_attention if causal else linattn.linear_attention
+    q, k, v = make_qkv(rng, (2, 3), 70, 8, 5, dtype)
+    _, first = fn(q[..., :30, :], k[..., :30, :], v[..., :30, :], return_state=True)
+    rest = tuple(np.ascontiguousarray(x[..., 30:, :]) for x in (q, k, v))  # (C-contiguous: the short path's)
+    want, want_state = fn(*rest, initial_state=tuple(first), return_state=True)  # (a tuple: the general path)
+    assert_close(want, (fn(q, k, v)[..., 30:, :] if causal else
+                        fn(rest[0], k, v)), dtype)  # (the keys so far: all of them, not causal)
+    ro = linattn.State(first.S.copy(), first.Z.copy())
+    for x in ro:
+        x.setflags(write=False)
+    states = [first, linattn.State(np.asfortranarray(first.S), first.Z), ro]
+    for state in states:
+        out, new = fn(*rest, initial_state=state, return_state=True)
+        np.testing.assert_array_equal(out, want)
+        np.testing.assert_array_equal(new.S, want_state.S)
+        np.testing.assert_array_equal(new.Z, want_state.Z)
+        np.testing.assert_array_equal(fn(*rest, initial_state=state), want)
+    with monkeypatch.context() as m:
+        m.setattr(attention, "_prepare", lambda *a, **kw: pytest.fail("the general path"))
+        out, new = fn(*rest, initial_state=first, return_state=True)
+        np.testing.assert_array_equal(out, want)
+        np.testing.assert_array_equal(new.S, want_state.S)
+        if causal:  # (a read-only state is the non-causal kernel's general path: it copies it)
+            fn(*rest, initial_state=ro)
+    with pytest.raises(TypeError, match=r"initial_state\.S: expected dtype"):
+        fn(*rest, initial_state=linattn.State(first.S.astype(np.float16), first.Z))
 
 
 _SPLITS = [[0, 0.5, 1], [0, 0.2, 0.21, 0.9, 1], [0, 0, 0, 1], [0, 1, 1, 1],

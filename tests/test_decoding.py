@@ -3,7 +3,7 @@ import numpy as np
 import pytest
 
 import linattn
-from linattn import reference
+from linattn import attention, decoding, reference
 
 from conftest import assert_close, make_qkv, rel_err
 
@@ -280,40 +280,70 @@ def test_attention_weights_errors(rng):
 
 
 @pytest.mark.parametrize("dtype", [np.float32, np.float64])
+@pytest.mark.parametrize("n", [1, 2, attention.FEW_POSITIONS])
 @pytest.mark.parametrize("lead", [(), (3,), (2, 3), (8, 8)])  # (8, 8) at D = Dv = 64: the parallel step
-def test_causal_call_of_one_position_from_a_state(rng, lead, dtype):
-    """causal_linear_attention token by token from a state (a decoding loop that does not call step)
-    takes step's kernel on a copy of the state: the general path's result and state (the same call
-    with lengths= takes that path), the initial state left as it was; with maps, decay, gates per
-    position and per key dimension, scale and normalize; bad gate values still raise the call's error."""
+def test_causal_call_of_few_positions_from_a_state(rng, lead, n, dtype, monkeypatch):
+    """causal_linear_attention of a few positions from a state (a decoding loop that does not call step,
+    a check of a few drafted tokens) takes step's kernel, position by position, on a copy of the state:
+    the general path's result and state (the same call with lengths= takes that path), the initial
+    state left as it was; with maps, decay, gates per position and per key dimension, scale and
+    normalize; bad gate values (at the last position) still raise the call's error."""
+    steps = []
+    monkeypatch.setattr(attention, "step_fast", lambda *a: steps.append(1) or decoding.step_fast(*a))
     d, dv = (64, 64) if lead == (8, 8) else (5, 3)
     T2R = linattn.feature_maps.T2R(rng.standard_normal((d, 4)), rng.standard_normal(4))
     for kw in (dict(), dict(feature_map="relu", normalize=False), dict(feature_map=T2R, scale=0.5),
                dict(decay=0.9), dict(gate="position"), dict(gate="dimension", feature_map="identity", eps=0.5)):
         dk = linattn.feature_maps.as_map(kw.get("feature_map", "elu")).out_dim(d)
         if "gate" in kw:
-            kw["gate"] = np.log(rng.uniform(0.5, 1.0, lead + ((1,) if kw["gate"] == "position" else (1, dk)))).astype(
+            kw["gate"] = np.log(rng.uniform(0.5, 1.0, lead + ((n,) if kw["gate"] == "position" else (n, dk)))).astype(
                 dtype)
-        q, k = (rng.standard_normal(lead + (1, d)).astype(dtype) for _ in range(2))
-        v = rng.standard_normal(lead + (1, dv)).astype(dtype)
+        q, k = (rng.standard_normal(lead + (n, d)).astype(dtype) for _ in range(2))
+        if kw.get("feature_map") == "identity":  # (positive features: denominators away from 0, well conditioned)
+            q, k = np.abs(q), np.abs(k)
+        v = rng.standard_normal(lead + (n, dv)).astype(dtype)
         S, Z = (rng.random(lead + (dk, dv)) * 0.5).astype(dtype), (rng.random(lead + (dk,)) + 0.5).astype(dtype)
         state = linattn.State(S.copy(), Z.copy())
+        steps.clear()
         out, new = linattn.causal_linear_attention(q, k, v, initial_state=state, return_state=True, **kw)
+        assert len(steps) == n  # (the short path, every position)
         want, want_state = linattn.causal_linear_attention(q, k, v, initial_state=state, return_state=True,
-                                                           lengths=np.ones(lead, np.int64), **kw)  # (general)
-        assert out.shape == lead + (1, dv) and out.dtype == dtype
+                                                           lengths=np.full(lead, n), **kw)  # (general)
+        assert out.shape == lead + (n, dv) and out.dtype == dtype
         assert_close(out, want, dtype)
         assert_close(new.S, want_state.S, dtype)
         assert_close(new.Z, want_state.Z, dtype)
         np.testing.assert_array_equal(state.S, S)  # (the initial state as it was)
         np.testing.assert_array_equal(state.Z, Z)
         np.testing.assert_array_equal(linattn.causal_linear_attention(q, k, v, initial_state=state, **kw), out)
-        buf = np.full(lead + (dv, 2), np.nan, dtype)  # out= a strided view: the same values
-        res = linattn.causal_linear_attention(q, k, v, initial_state=state, out=np.swapaxes(buf, -1, -2)[..., :1, :],
+        buf = np.full(lead + (dv, n + 1), np.nan, dtype)  # out= a strided view: the same values
+        res = linattn.causal_linear_attention(q, k, v, initial_state=state, out=np.swapaxes(buf, -1, -2)[..., :n, :],
                                               **kw)
         assert np.shares_memory(res, buf)
         np.testing.assert_array_equal(res, out)
+    bad = np.zeros(lead + (n,), dtype)
+    bad[..., -1] = 0.5
     with pytest.raises(ValueError, match=r"gate: expected log gates <= 0"):
-        linattn.causal_linear_attention(q, k, v, initial_state=state, gate=np.full(lead + (1,), 0.5, dtype))
-    with pytest.raises(ValueError, match=r"^k: "):  # (k of another length: not a one-position call)
+        linattn.causal_linear_attention(q, k, v, initial_state=state, gate=bad)
+    np.testing.assert_array_equal(state.S, S)
+    with pytest.raises(ValueError, match=r"^k: "):  # (k of another length)
         linattn.causal_linear_attention(q, np.concatenate([k, k], -2), v, initial_state=state)
+
+
+def test_more_positions_from_a_state_take_the_chunkwise_kernel(rng, monkeypatch):
+    """Past FEW_POSITIONS positions, or where the chunkwise kernel would run on several threads, a call
+    from a state takes the chunkwise kernel (step's is slower there)."""
+    steps = []
+    monkeypatch.setattr(attention, "step_fast", lambda *a: steps.append(1) or decoding.step_fast(*a))
+    state = linattn.State.zeros((2,), 4, 3)
+    q = rng.standard_normal((2, attention.FEW_POSITIONS + 1, 4)).astype(np.float32)
+    v = q[..., :3]
+    linattn.causal_linear_attention(q, q, v, initial_state=state)
+    q = q[:, :2]
+    linattn.causal_linear_attention(q, q, v[:, :2], initial_state=state)
+    assert len(steps) == 2
+    real = attention.plan
+    monkeypatch.setattr(attention, "plan", lambda *a, **k: real(*a, **k)[:2] + (2,) + real(*a, **k)[3:])  # (2 threads)
+    steps.clear()
+    linattn.causal_linear_attention(q, q, v[:, :2], initial_state=state)
+    assert not steps

@@ -113,11 +113,29 @@ def _fast_plan(causal, dt, shape, dv, threads):
     return found
 
 
-def _fast(causal, q, k, v, feature_map, eps, normalize, keep=False, return_state=False):
+def _fast_state(state, dt, lead, d, dv, causal):
+    """An initial State as the short path passes it to the kernel, (S0, Z0) flat (BH, D, Dv), (BH, D):
+    NumPy arrays of ``dt``, C-contiguous, shaped for q's leading dims ``lead`` (non-causal: writable,
+    as that kernel types them); None for anything else (the checked path then takes the call)."""
+    if type(state) is not State:
+        return None
+    S0, Z0 = state
+    if (type(S0) is not _ndarray or type(Z0) is not _ndarray or S0.dtype != dt or Z0.dtype != dt
+            or S0.shape != lead + (d, dv) or Z0.shape != lead + (d,)
+            or not (S0.flags.c_contiguous and Z0.flags.c_contiguous)
+            or not (causal or (S0.flags.writeable and Z0.flags.writeable))):
+        return None
+    bh = math.prod(lead)
+    return S0.reshape(bh, d, dv), Z0.reshape(bh, d)
+
+
+def _fast(causal, q, k, v, feature_map, eps, normalize, keep=False, return_state=False, initial_state=None):
     """The common call (C-contiguous NumPy arrays of one float dtype, a named feature map, nothing
-    else) with a minimum of Python around the kernel; None for anything else, which then takes the
-    checked path (the same kernels). With ``keep`` (causal only): ``((out, state), kept)`` as
-    causal_with_denominators returns them for the backward pass (state None unless ``return_state``)."""
+    else but a State of such arrays to start from and the final state to return) with a minimum of
+    Python around the kernel; None for anything else, which then takes the checked path (the same
+    kernels). Returns ``out``, or ``(out, State)`` with ``return_state``; with ``keep`` (causal only):
+    ``((out, state), kept)`` as causal_with_denominators returns them for the backward pass (state None
+    unless ``return_state``)."""
     dt = q.dtype
     if (type(k) is not _ndarray or type(v) is not _ndarray or dt not in _FLOATS or k.dtype != dt
             or v.dtype != dt or type(feature_map) is not str or type(eps) is not float
@@ -131,6 +149,11 @@ def _fast(causal, q, k, v, feature_map, eps, normalize, keep=False, return_state
     if code is None:
         return None
     dv = v.shape[-1]
+    n, d = shape[-2], shape[-1]
+    if initial_state is not None:
+        initial = _fast_state(initial_state, dt, shape[:-2], d, dv, causal)
+        if initial is None:
+            return None
     found = _constants.get((causal, dt, shape, dv, num_threads()))
     if found is None:
         found = _fast_plan(causal, dt, shape, dv, num_threads())
@@ -139,7 +162,6 @@ def _fast(causal, q, k, v, feature_map, eps, normalize, keep=False, return_state
         out = workspace.empty(shape[:-1] + (dv,), dt)
     else:
         out = np.empty(shape[:-1] + (dv,), dt)
-    n, d = shape[-2], shape[-1]
     bh = q.size // (n * d)
     if len(shape) == 4:  # (B, H, N, D) as the kernels' (G1, G2, N, D): no reshapes (~1 us of a tiny call)
         q4, k4, v4, o4 = q, k, v, out
@@ -147,8 +169,13 @@ def _fast(causal, q, k, v, feature_map, eps, normalize, keep=False, return_state
         q4, k4, v4, o4 = (x.reshape(1, bh, n, x.shape[-1]) for x in (q, k, v, out))
     if causal:
         lengths, S0, Z0, S, Z, den4, states4 = found[8:]
-        if return_state:
-            S, Z = np.empty((bh, d, dv), dt), np.empty((bh, d), dt)
+    else:
+        lengths, qlengths, S0, Z0, S, Z = found[8:]
+    if initial_state is not None:
+        S0, Z0 = initial
+    if return_state:
+        S, Z = np.empty((bh, d, dv), dt), np.empty((bh, d), dt)
+    if causal:
         status = _NO_STATUS
         den = states = None
         if keep:  # the denominators and the chunk states for the backward (as causal_with_denominators')
@@ -160,14 +187,13 @@ def _fast(causal, q, k, v, feature_map, eps, normalize, keep=False, return_state
         args = (q4, k4, v4, code, no_gates, 0, dt.type(eps), normalize, one, lengths, chunk, frac, S0, Z0,
                 o4, S, Z, no_gates, _ZERO_DECAY, status, den4, states4)
     else:
-        lengths, qlengths, S0, Z0, S, Z = found[8:]
         args = (q4, k4, v4, code, no_gates, 0, dt.type(eps), normalize, one, lengths, qlengths, chunk, frac, S0, Z0,
                 o4, S, Z)
     _launch(kernel, nthreads, args, _parts(True, bh, frac, d, dv, causal) if two_runs else None)
-    if causal and keep:
-        state = State(S.reshape(shape[:-2] + (d, dv)), Z.reshape(shape[:-2] + (d,))) if return_state else None
+    state = State(S.reshape(shape[:-2] + (d, dv)), Z.reshape(shape[:-2] + (d,))) if return_state else None
+    if keep:
         return (out, state), (den, states, chunk)
-    return out
+    return (out, state) if return_state else out
 
 
 def _launch(kernel, nthreads, args, parts):
@@ -184,30 +210,52 @@ def _launch(kernel, nthreads, args, parts):
         kernel.unchecked(*args, 1, _NO_PARTS, np.zeros(1, np.int64))
 
 
-def _one_position(q, k, v, state, feature_map, eps, normalize, return_state, decay, gate, scale, out):
-    """causal_linear_attention's short path for one position a sequence from a State of NumPy arrays (a
-    decoding loop that calls it token by token): step's kernel (decoding.step_fast) on a copy of the
-    state, which the call leaves as it is; the result (..., 1, Dv) (copied into ``out``, checked, when
-    given: the same values with or without it), with the new state when ``return_state``. None when
-    step's fast path does not take the arguments (the general path then runs or says why)."""
+#: A causal call from a State with at most this many positions a sequence runs step's kernel position by
+#: position on a copy of the state (a decode loop calling the sequence function token by token, a check of a
+#: few drafted tokens), where the chunkwise kernel would run on one thread: its fixed cost per head is the
+#: larger up to about this size (H8 D64, 6 positions: B1 22.6 us against 27.2, B8 137 against 162; 8
+#: positions: even).
+FEW_POSITIONS = 6
+
+
+def _few_positions(q, k, v, state, feature_map, eps, normalize, return_state, decay, gate, scale, out):
+    """causal_linear_attention's short path for a few positions a sequence (1 to FEW_POSITIONS) from a State of
+    NumPy arrays: step's kernel (decoding.step_fast) position after position on a copy of the state, which
+    the call leaves as it is; the result (..., N, Dv) (copied into ``out``, checked, when given: the same
+    values with or without it), with the new state when ``return_state``. None when step's fast path does
+    not take the arguments, at any position (the general path then runs from the given state, or says
+    why)."""
     if (type(state) is not State or type(k) is not _ndarray or type(v) is not _ndarray or q.dtype not in _FLOATS
             or k.shape != q.shape or v.shape[:-1] != q.shape[:-1]
             or not (return_state is True or return_state is False)):
         return None
-    if gate is not None:  # a gate per position (..., 1) or per key dimension (..., 1, D'): the step's (..., [D'])
+    per_dim = False
+    if gate is not None:  # a gate per position (..., N) or per key dimension (..., N, D'): each step's (..., [D'])
         if (type(gate) is not _ndarray or gate.ndim not in (q.ndim - 1, q.ndim)
                 or gate.shape[:q.ndim - 1] != q.shape[:-1]):
             return None
-        gate = gate[..., 0] if gate.ndim == q.ndim - 1 else gate[..., 0, :]
+        per_dim = gate.ndim == q.ndim
     S0, Z0 = state
     if type(S0) is not _ndarray or type(Z0) is not _ndarray:
         return None
-    new = State(S0.copy(), Z0.copy())
-    res = step_fast(q[..., 0, :], k[..., 0, :], v[..., 0, :], new, feature_map, eps, normalize, decay, gate, scale,
-                    None)
-    if res is None:
+    n, d, dv = q.shape[-2], q.shape[-1], v.shape[-1]
+    if n > 1 and d and plan(q.size // (n * d), n, d, dv)[2] > 1:  # the chunkwise kernel on threads: faster
         return None
-    res = res[..., None, :]
+    new = State(S0.copy(), Z0.copy())
+    if n == 1:  # (the step's own result: no views of one, ~0.3 us of a 6 us call)
+        g = None if gate is None else gate[..., 0, :] if per_dim else gate[..., 0]
+        res = step_fast(q[..., 0, :], k[..., 0, :], v[..., 0, :], new, feature_map, eps, normalize, decay, g, scale,
+                        None)
+        if res is None:
+            return None
+        res = res[..., None, :]
+    else:
+        res = np.empty(v.shape, q.dtype)
+        for t in range(n):
+            g = None if gate is None else gate[..., t, :] if per_dim else gate[..., t]
+            if step_fast(q[..., t, :], k[..., t, :], v[..., t, :], new, feature_map, eps, normalize, decay, g, scale,
+                         res[..., t, :]) is None:
+                return None
     if out is not None:
         out = _check_out(out, res.shape, res.dtype, "cpu")
         out[...] = res
@@ -461,12 +509,12 @@ def causal_linear_attention(q, k, v, *, feature_map="elu", eps=1e-6, normalize=T
     True
     """
     if type(q) is _ndarray and lengths is None and device is None:
-        if (initial_state is None and return_state is False and decay is None and gate is None and scale is None
-                and out is None):
-            res = _fast(True, q, k, v, feature_map, eps, normalize)
-        elif initial_state is not None and q.shape[-2:-1] == (1,):  # (a decoding loop calling it token by token)
-            res = _one_position(q, k, v, initial_state, feature_map, eps, normalize, return_state, decay, gate, scale,
-                                out)
+        if initial_state is not None and q.ndim >= 2 and 0 < q.shape[-2] <= FEW_POSITIONS:
+            res = _few_positions(q, k, v, initial_state, feature_map, eps, normalize, return_state, decay, gate,
+                                 scale, out)
+        elif (decay is None and gate is None and scale is None and out is None
+              and (return_state is False or return_state is True)):
+            res = _fast(True, q, k, v, feature_map, eps, normalize, False, return_state, initial_state)
         else:
             res = None
         if res is not None:
@@ -650,11 +698,11 @@ def linear_attention(q, k=None, v=None, *, feature_map="elu", eps=1e-6, normaliz
         why = (" (decay and gates make the state forget the past: only causal attention has one; use "
                "causal_linear_attention)" if name in ("decay", "gate") else "")
         raise TypeError(f"linear_attention() got an unexpected keyword argument {name!r}{why}")
-    if (type(q) is _ndarray and out is None and device is None and scale is None and return_state is False
-            and lengths is None and query_lengths is None):
-        if initial_state is None:
-            res = _fast(False, q, k, v, feature_map, eps, normalize)
-        elif k is None and v is None:
+    if (type(q) is _ndarray and out is None and device is None and scale is None
+            and (return_state is False or return_state is True) and lengths is None and query_lengths is None):
+        if k is not None or v is not None:
+            res = _fast(False, q, k, v, feature_map, eps, normalize, False, return_state, initial_state)
+        elif return_state is False:
             res = _fast_over_state(q, initial_state, feature_map, eps, normalize)
         else:
             res = None
