@@ -46,6 +46,51 @@ class StateHandoff:
         linattn.causal_linear_attention(self.q, self.k, self.v, return_state=True)
 
 
+class FromState:
+    """A causal call continuing from a State (return_state=True), next to the same call from nothing: a decode
+    loop written with the sequence function (1 position), a check of a few drafted tokens (4), a streamed
+    prompt's chunk (64); B1 and B8, H8 D64."""
+    params = ([1, 8], [1, 4, 64])
+    param_names = ["batch", "positions"]
+
+    def setup(self, batch, positions):
+        rng = np.random.default_rng(0)
+        self.q, self.k, self.v = ((rng.standard_normal((batch, 8, positions, 64)) * 0.5).astype(np.float32)
+                                  for _ in range(3))
+        prompt = (rng.standard_normal((batch, 8, 256, 64)) * 0.5).astype(np.float32)
+        _, self.state = linattn.causal_linear_attention(prompt, prompt, prompt, return_state=True)
+        self.time_from_state(batch, positions)
+        self.time_from_nothing(batch, positions)
+
+    def time_from_state(self, batch, positions):
+        linattn.causal_linear_attention(self.q, self.k, self.v, initial_state=self.state, return_state=True)
+
+    def time_from_nothing(self, batch, positions):
+        linattn.causal_linear_attention(self.q, self.k, self.v)
+
+
+class ShortChunk:
+    """Sequences whose last chunk is short (7 and 31 positions) next to whole chunks (8 and 32): B8 H8 D64,
+    forward and backward (a short chunk's products ran a column at a time: 1.8x the time of 8)."""
+    params = [7, 8, 31, 32]
+    param_names = ["positions"]
+
+    def setup(self, positions):
+        rng = np.random.default_rng(0)
+        self.q, self.k, self.v = ((rng.standard_normal((8, 8, positions, 64)) * 0.5).astype(np.float32)
+                                  for _ in range(3))
+        out, self.vjp = linattn.causal_linear_attention_vjp(self.q, self.k, self.v)
+        self.dout = np.ones_like(out)
+        self.time_forward(positions)
+        self.time_backward(positions)
+
+    def time_forward(self, positions):
+        linattn.causal_linear_attention(self.q, self.k, self.v)
+
+    def time_backward(self, positions):
+        self.vjp(self.dout)
+
+
 class AfterMatmul:
     """A layer as a NumPy model runs it: a multithreaded projection (NumPy's BLAS), then attention.
 
