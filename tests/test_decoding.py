@@ -332,18 +332,20 @@ def test_causal_call_of_few_positions_from_a_state(rng, lead, n, dtype, monkeypa
 
 def test_more_positions_from_a_state_take_the_chunkwise_kernel(rng, monkeypatch):
     """Past FEW_POSITIONS positions, or where the chunkwise kernel would run on several threads, a call
-    from a state takes the chunkwise kernel (step's is slower there)."""
+    from a state takes the chunkwise kernel (step's is slower there), through the short path."""
     steps = []
     monkeypatch.setattr(attention, "step_fast", lambda *a: steps.append(1) or decoding.step_fast(*a))
     state = linattn.State.zeros((2,), 4, 3)
     q = rng.standard_normal((2, attention.FEW_POSITIONS + 1, 4)).astype(np.float32)
-    v = q[..., :3]
+    v = np.ascontiguousarray(q[..., :3])
     linattn.causal_linear_attention(q, q, v, initial_state=state)
-    q = q[:, :2]
-    linattn.causal_linear_attention(q, q, v[:, :2], initial_state=state)
+    q, v = np.ascontiguousarray(q[:, :2]), np.ascontiguousarray(v[:, :2])
+    linattn.causal_linear_attention(q, q, v, initial_state=state)
     assert len(steps) == 2
+    want = linattn.causal_linear_attention(q, q, v, initial_state=tuple(state))  # (the checked path)
     real = attention.plan
     monkeypatch.setattr(attention, "plan", lambda *a, **k: real(*a, **k)[:2] + (2,) + real(*a, **k)[3:])  # (2 threads)
+    monkeypatch.setattr(attention, "_prepare", lambda *a, **k: pytest.fail("the checked path"))  # (the short one)
     steps.clear()
-    linattn.causal_linear_attention(q, q, v[:, :2], initial_state=state)
+    np.testing.assert_array_equal(linattn.causal_linear_attention(q, q, v, initial_state=state), want)
     assert not steps

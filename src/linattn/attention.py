@@ -509,14 +509,13 @@ def causal_linear_attention(q, k, v, *, feature_map="elu", eps=1e-6, normalize=T
     True
     """
     if type(q) is _ndarray and lengths is None and device is None:
+        res = None
         if initial_state is not None and q.ndim >= 2 and 0 < q.shape[-2] <= FEW_POSITIONS:
             res = _few_positions(q, k, v, initial_state, feature_map, eps, normalize, return_state, decay, gate,
                                  scale, out)
-        elif (decay is None and gate is None and scale is None and out is None
-              and (return_state is False or return_state is True)):
+        if (res is None and decay is None and gate is None and scale is None and out is None
+                and (return_state is False or return_state is True)):
             res = _fast(True, q, k, v, feature_map, eps, normalize, False, return_state, initial_state)
-        else:
-            res = None
         if res is not None:
             return res
     S_in, Z_in = checks.state_parts(initial_state)
