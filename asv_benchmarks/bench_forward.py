@@ -91,6 +91,26 @@ class ShortChunk:
         self.vjp(self.dout)
 
 
+class Widths:
+    """Head widths past a multiple of the vector width (63, 100) next to whole ones (64): B1 H8 N1024, D = Dv,
+    causal and non-causal forward (the products' last columns went one at a time: 63 took 2.6x of 64)."""
+    params = [63, 64, 100]
+    param_names = ["width"]
+
+    def setup(self, width):
+        rng = np.random.default_rng(0)
+        self.q, self.k, self.v = ((rng.standard_normal((1, 8, 1024, width)) * 0.5).astype(np.float32)
+                                  for _ in range(3))
+        self.time_causal(width)
+        self.time_noncausal(width)
+
+    def time_causal(self, width):
+        linattn.causal_linear_attention(self.q, self.k, self.v)
+
+    def time_noncausal(self, width):
+        linattn.linear_attention(self.q, self.k, self.v)
+
+
 class AfterMatmul:
     """A layer as a NumPy model runs it: a multithreaded projection (NumPy's BLAS), then attention.
 

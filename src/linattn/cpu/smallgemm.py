@@ -5,15 +5,17 @@ OpenBLAS is fast on such sizes only where it has "small matrix" kernels (Skylake
 17.1 instead of 9.3 us per 32 positions at D = Dv = 64). This is a register-blocked product written
 with explicit LLVM vector types: a tile of ROWS rows by PANEL vectors of columns accumulates in
 registers over the whole inner dimension (each loaded row of B serves ROWS rows of A, each
-broadcast element of A a whole panel), then columns one vector, half a vector and one element at a
-time. Two
-optional bands skip the zero part of causal products: for the rows of a tile starting at r0, the
-inner dimension stops at ``kband + r0 + ROWS`` (the chunk's masked scores times V) and the columns at
-``nband + r0 + ROWS``, rounded up to whole vectors (the scores themselves; the caller zeroes the
-rest of the triangle). The product with A transposed has one (``small_gemm_tn_lower``): for a lower
-triangular A the inner dimension of a tile starts at its first row.
+broadcast element of A a whole panel), then columns one vector at a time, and the last columns
+(fewer than a vector) as one vector through masked loads and stores (they went one at a time: a width
+of 63 took 2.6x the time of 64 per multiply-add). Two optional bands skip the zero part of causal
+products: for the rows of a tile starting at r0, the inner dimension stops at ``kband + r0 + ROWS``
+(the chunk's masked scores times V) and the columns at ``nband + r0 + ROWS``, rounded up to whole
+vectors (the scores themselves; the caller zeroes the rest of the triangle). The product with A
+transposed has one (``small_gemm_tn_lower``): for a lower triangular A the inner dimension of a tile
+starts at its first row.
 """
 from llvmlite import ir
+from llvmlite.binding import llvm_version_info
 from numba.core import cgutils, types
 from numba.extending import intrinsic
 from numba.np.numpy_support import as_dtype
@@ -156,6 +158,20 @@ def noinline(typingctx):
     return types.none(), codegen
 
 
+def _masked(module, op, vec):
+    """The declaration of llvm.masked.load or llvm.masked.store (``op``) for vectors of type ``vec``: its
+    name carries the pointer's type, ``p0`` where LLVM's pointers are opaque (LLVM 17 on; llvmlite
+    0.45 on), ``p0v16f32`` and the like where they are typed (llvmlite 0.43-0.44: LLVM 14-15)."""
+    elem = "v%d%s" % (vec.count, "f32" if isinstance(vec.element, ir.FloatType) else "f64")
+    pointer = "p0" if llvm_version_info[0] >= 17 else "p0" + elem
+    i32, mask = ir.IntType(32), ir.VectorType(ir.IntType(1), vec.count)
+    if op == "load":
+        fnty = ir.FunctionType(vec, [vec.as_pointer(), i32, mask, vec])
+    else:
+        fnty = ir.FunctionType(ir.VoidType(), [vec, vec.as_pointer(), i32, mask])
+    return cgutils.get_or_insert_function(module, fnty, f"llvm.masked.{op}.{elem}.{pointer}")
+
+
 def _codegen(trans_a):
     """Code of the product on raw pointers, dims and row strides (``trans_a``: a stored transposed,
     (K, M)), the arguments of ``_c_signature``."""
@@ -167,7 +183,6 @@ def _codegen(trans_a):
         lanes = _vector_bytes(context) // size
         panel = 4 if lanes * size == 64 else 2  # vectors per tile row: 16 (AVX-512) or 8 (AVX2) registers
         vec = ir.VectorType(fty, lanes)
-        half = ir.VectorType(fty, lanes // 2)  # the columns past the whole vectors: half a vector, then one by one
         i64, i32 = context.get_value_type(types.intp), ir.IntType(32)
         accumulate_v = builder.fcmp_unordered("!=", beta_v, ir.Constant(fty, 0.0))
 
@@ -181,8 +196,6 @@ def _codegen(trans_a):
             return ptr(a_data, sa, kk, i, fty) if trans_a else ptr(a_data, sa, i, kk, fty)
 
         def splat(x, ty):
-            if ty is fty:
-                return x
             undef = ir.Constant(ty, ir.Undefined)
             return builder.shuffle_vector(builder.insert_element(undef, x, ir.Constant(i32, 0)), undef,
                                           ir.Constant(ir.VectorType(i32, ty.count), [0] * ty.count))
@@ -194,14 +207,31 @@ def _codegen(trans_a):
             clipped = builder.select(builder.icmp_signed("<", end, limit), end, limit)
             return builder.select(builder.icmp_signed(">=", base, const(0)), clipped, limit)
 
-        def tile(r0, rows, j0, nvec, ty, kstart, kend):
-            """c[r0:r0+rows, j0:j0+nvec*width(ty)]: accumulators in registers over kstart <= k < kend."""
-            width = ty.count if isinstance(ty, ir.VectorType) else 1
+        def tile(r0, rows, j0, nvec, kstart, kend, left=None):
+            """c[r0:r0+rows, j0:j0+nvec*lanes]: accumulators in registers over kstart <= k < kend. With
+            ``left`` (one vector, fewer columns than a vector left): only those columns, through masked
+            loads and stores."""
+            ty, width = vec, lanes
+            lane = ir.VectorType(i64, width)
+            mask = None if left is None else builder.icmp_signed(
+                "<", ir.Constant(lane, list(range(width))), splat(left, lane))
+
+            def load(p):
+                if mask is None:
+                    return builder.load(p, align=size)
+                return builder.call(_masked(builder.module, "load", ty),
+                                    [p, ir.Constant(i32, size), mask, ir.Constant(ty, None)])
+
+            def store(x, p):
+                if mask is None:
+                    builder.store(x, p, align=size)
+                else:
+                    builder.call(_masked(builder.module, "store", ty), [x, p, ir.Constant(i32, size), mask])
+
             accs = [[cgutils.alloca_once_value(builder, ir.Constant(ty, None)) for _ in range(nvec)]
                     for _ in range(rows)]
             with cgutils.for_range_slice(builder, kstart, kend, const(1)) as (kk, _):
-                bv = [builder.load(ptr(b_data, sb, kk, builder.add(j0, const(j * width)), ty), align=size)
-                      for j in range(nvec)]
+                bv = [load(ptr(b_data, sb, kk, builder.add(j0, const(j * width)), ty)) for j in range(nvec)]
                 for i in range(rows):
                     ai = splat(builder.load(a_ptr(builder.add(r0, const(i)), kk), align=size), ty)
                     for j in range(nvec):
@@ -213,9 +243,9 @@ def _codegen(trans_a):
                     p = ptr(c_data, sc, builder.add(r0, const(i)), builder.add(j0, const(j * width)), ty)
                     total = builder.load(accs[i][j])
                     with builder.if_then(accumulate_v):
-                        old = builder.fmul(splat(beta_v, ty), builder.load(p, align=size), flags=_FLAGS)
+                        old = builder.fmul(splat(beta_v, ty), load(p), flags=_FLAGS)
                         builder.store(builder.fadd(old, total, flags=_FLAGS), accs[i][j])
-                    builder.store(builder.load(accs[i][j]), p, align=size)
+                    store(builder.load(accs[i][j]), p)
 
         def row_blocks(start, stop, rows):
             """Tiles of ``rows`` rows over [start, the last multiple of rows below stop); returns that end."""
@@ -230,14 +260,15 @@ def _codegen(trans_a):
                 nend = band(n, nband_v, r0, rows, lanes)  # whole vectors: the caller zeroes the triangle
                 col = const(0)
                 widths = [panel] + ([2] if panel > 2 else []) + [1]
-                tails = [(1, half)] if lanes >= 8 else []
-                for nvec, ty in [(w, vec) for w in widths] + tails + [(1, fty)]:
-                    width = nvec * (ty.count if isinstance(ty, ir.VectorType) else 1)
-                    cstep = const(width)
+                for nvec in widths:
+                    cstep = const(nvec * lanes)
                     cend = builder.add(col, builder.mul(builder.sdiv(builder.sub(nend, col), cstep), cstep))
                     with cgutils.for_range_slice(builder, col, cend, cstep) as (j0, _):
-                        tile(r0, rows, j0, nvec, ty, kstart, kend)
+                        tile(r0, rows, j0, nvec, kstart, kend)
                     col = cend
+                left = builder.sub(nend, col)  # fewer columns than a vector: one masked vector
+                with builder.if_then(builder.icmp_signed(">", left, const(0))):
+                    tile(r0, rows, col, 1, kstart, kend, left)
             return end
 
         end = row_blocks(const(0), m, ROWS)
