@@ -46,7 +46,8 @@ def test_steps_from_zeros_equal_whole_call(rng, lead):
 @pytest.mark.parametrize("normalize, eps", [(True, 1e-6), (True, 0.5), (False, 1e-6)])
 def test_step_every_column_split(rng, dtype, dv, layout, normalize, eps):
     # The state pass takes panels of 4 vectors (64 float32 / 32 float64 columns), then single
-    # vectors, then single columns; a state view without unit-stride rows takes plain loops.
+    # vectors, then the last columns as one masked vector (the columns past the view, "unit rows",
+    # stay unwritten); a state view without unit-stride rows takes plain loops.
     d = 5
     q, k, v = make_qkv(rng, (2, 3), 6, d, dv, dtype)
     big = np.zeros((2, 3, d, 2 * dv), dtype)

@@ -15,13 +15,13 @@ transposed has one (``small_gemm_tn_lower``): for a lower triangular A the inner
 starts at its first row.
 """
 from llvmlite import ir
-from llvmlite.binding import llvm_version_info
 from numba.core import cgutils, types
 from numba.extending import intrinsic
 from numba.np.numpy_support import as_dtype
 
 from .._jit import before_kernels, target_features
 from . import symbols
+from .vector import lane_mask, masked_access
 
 #: Rows of A (and of C) per register tile.
 ROWS = 4
@@ -158,20 +158,6 @@ def noinline(typingctx):
     return types.none(), codegen
 
 
-def _masked(module, op, vec):
-    """The declaration of llvm.masked.load or llvm.masked.store (``op``) for vectors of type ``vec``: its
-    name carries the pointer's type, ``p0`` where LLVM's pointers are opaque (LLVM 17 on; llvmlite
-    0.45 on), ``p0v16f32`` and the like where they are typed (llvmlite 0.43-0.44: LLVM 14-15)."""
-    elem = "v%d%s" % (vec.count, "f32" if isinstance(vec.element, ir.FloatType) else "f64")
-    pointer = "p0" if llvm_version_info[0] >= 17 else "p0" + elem
-    i32, mask = ir.IntType(32), ir.VectorType(ir.IntType(1), vec.count)
-    if op == "load":
-        fnty = ir.FunctionType(vec, [vec.as_pointer(), i32, mask, vec])
-    else:
-        fnty = ir.FunctionType(ir.VoidType(), [vec, vec.as_pointer(), i32, mask])
-    return cgutils.get_or_insert_function(module, fnty, f"llvm.masked.{op}.{elem}.{pointer}")
-
-
 def _codegen(trans_a):
     """Code of the product on raw pointers, dims and row strides (``trans_a``: a stored transposed,
     (K, M)), the arguments of ``_c_signature``."""
@@ -212,21 +198,7 @@ def _codegen(trans_a):
             ``left`` (one vector, fewer columns than a vector left): only those columns, through masked
             loads and stores."""
             ty, width = vec, lanes
-            lane = ir.VectorType(i64, width)
-            mask = None if left is None else builder.icmp_signed(
-                "<", ir.Constant(lane, list(range(width))), splat(left, lane))
-
-            def load(p):
-                if mask is None:
-                    return builder.load(p, align=size)
-                return builder.call(_masked(builder.module, "load", ty),
-                                    [p, ir.Constant(i32, size), mask, ir.Constant(ty, None)])
-
-            def store(x, p):
-                if mask is None:
-                    builder.store(x, p, align=size)
-                else:
-                    builder.call(_masked(builder.module, "store", ty), [x, p, ir.Constant(i32, size), mask])
+            load, store = masked_access(builder, ty, None if left is None else lane_mask(builder, left, width), size)
 
             accs = [[cgutils.alloca_once_value(builder, ir.Constant(ty, None)) for _ in range(nvec)]
                     for _ in range(rows)]
