@@ -7,6 +7,8 @@
 - ``transpose_blocks`` (a chunk's phi(K) into phi(K)^T): scalar loops, one element at a time; here
   square blocks of one vector width go through registers and a shuffle network.
   ``transpose_padded`` pads a short chunk's rows with zeros to whole blocks first.
+- ``masked_access``: loads and stores of the last columns of a row (fewer than a vector) as one
+  masked vector, for ``state_pass`` and cpu/smallgemm.py.
 - ``wide_vectors``: asks LLVM to vectorise a function's own loops with 512-bit vectors.
 """
 import math
