@@ -1,5 +1,7 @@
 """Memory layouts as a NumPy model has them: the heads of a fused QKV projection as strided views,
 ``out=`` buffers (heads side by side for the next projection), and the work split over threads."""
+import tracemalloc
+
 import numba
 import numpy as np
 import pytest
@@ -34,6 +36,22 @@ def test_fused_qkv_views_are_read_in_place(rng, dtype, causal):
     assert all(np.shares_memory(x, qkv) for x in (q4, k4, v4))
     fn = linattn.causal_linear_attention if causal else linattn.linear_attention
     assert_close(fn(q, k, v), reference.masked(q, k, v, causal=causal), dtype)
+
+
+def test_the_split_of_head_views_is_found_without_copies(rng):
+    """_seq4 tries every split of the leading dims: each try that allows no view is answered from
+    the strides (view_as), not by a copy of the array (NumPy's shape assignment made one: 2.3 ms of a
+    5.2 ms call at B8 H8 N512 D64)."""
+    _, (q, k, v) = _fused_qkv(rng, 4, 256, 8, 64, np.float32)
+    res = np.zeros((4, 256, 8, 64), np.float32).transpose(0, 2, 1, 3)
+    tracemalloc.start()
+    try:
+        arrays, layout, copied = attention._seq4((q, k, v, res), q.shape[:-2])
+        peak = tracemalloc.get_traced_memory()[1]
+    finally:
+        tracemalloc.stop()
+    assert copied == (False,) * 4 and layout == "A"
+    assert peak < q.nbytes // 10
 
 
 @pytest.mark.parametrize("causal", [True, False])

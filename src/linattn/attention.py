@@ -7,6 +7,7 @@ import numpy as np
 from . import checks
 from . import gates as gates_mod
 from . import workspace
+from ._reshape import view_as
 from .cpu import chunked, half
 from .cpu.runtime import kernel_section, num_threads, plan
 from .cpu.views import unit_rows
@@ -326,16 +327,6 @@ def _flat(x, bh, tail):
     return x.reshape((bh,) + x.shape[x.ndim - tail:])
 
 
-def _view(x, shape):
-    """x reshaped to ``shape`` as a view, or None when its strides allow none."""
-    view = x.view()
-    try:
-        view.shape = shape
-    except AttributeError:
-        return None
-    return view
-
-
 def _seq4(arrays, lead, layout_of=4):
     """The (..., N, X) arrays as 4-D (G1, G2, N, X) arrays with their leading dims merged into two
     groups, the kernel layout ("C" when the first ``layout_of`` are C-contiguous, else "A"), and
@@ -354,7 +345,7 @@ def _seq4(arrays, lead, layout_of=4):
     best = None
     for split in range(len(lead) + 1):
         g = (math.prod(lead[:split]), math.prod(lead[split:]))
-        views = [_view(x, g + x.shape[-2:]) for x in arrays]
+        views = [view_as(x, g + x.shape[-2:]) for x in arrays]
         if best is None or sum(v is not None for v in views) > sum(v is not None for v in best[1]):
             best = (g, views)
     g, views = best

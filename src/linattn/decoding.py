@@ -7,6 +7,7 @@ import numpy as np
 
 from . import checks, reference
 from . import gates as gates_mod
+from ._reshape import view_as
 from .cpu import half, mapfns, step as step_kernels
 from .cpu.runtime import kernel_section, num_threads
 from .feature_maps import FeatureMap, as_map, resolve
@@ -20,16 +21,6 @@ _DECAYS = {}  # (float decay or id of a float64 array, leading dims) -> (the dec
 _LAST_DECAY = [None, None, None, None]  # the last step's decay, leading dims, the decay's shape, its view
 _ndarray, _empty, _INF, _F16 = np.ndarray, np.empty, math.inf, np.dtype(np.float16)  # (globals: cheaper per step)
 _PARALLEL_MIN = step_kernels.PARALLEL_MIN  # (a global: cheaper per step)
-
-
-def _flat_view(x, shape):
-    """x reshaped to ``shape`` as a view, or None when the strides do not allow one."""
-    view = x.view()
-    try:
-        view.shape = shape
-    except AttributeError:
-        return None
-    return view
 
 
 def _map_entry(feature_map, dtype, d):
@@ -285,13 +276,13 @@ def _step_checked(q, k, v, state, feature_map, eps, normalize, decay, gate, scal
     bh = math.prod(lead)
     # The kernel updates (BH, D', Dv) views in place; a state whose strides allow no such view is
     # stepped in a contiguous copy and written back.
-    S3, Z2 = _flat_view(S, (bh, dk, dv)), _flat_view(Z, (bh, dk))
+    S3, Z2 = view_as(S, (bh, dk, dv)), view_as(Z, (bh, dk))
     S3c = S3 if S3 is not None else np.ascontiguousarray(S).reshape(bh, dk, dv)
     Z2c = Z2 if Z2 is not None else np.ascontiguousarray(Z).reshape(bh, dk)
     if out is not None:
         checks.check_out(out, lead + (dv,), out_dt)
     res = out if (out is not None and out_dt == comp) else np.empty(lead + (dv,), comp)
-    res2 = _flat_view(res, (bh, dv))
+    res2 = view_as(res, (bh, dv))
     if res2 is None:  # an `out` with strides that allow no view
         res = np.empty(lead + (dv,), comp)
         res2 = res.reshape(bh, dv)
