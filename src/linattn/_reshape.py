@@ -1,11 +1,13 @@
 """``view_as``: an array under another shape as a view, or None where its strides allow none, found from
 the strides alone.
 
-NumPy's own ways of asking copy the whole array to find out: assigning ``.shape`` (and ``reshape``) builds
-the reshaped copy before it raises (NumPy 2.4: a B8 H8 N512 D64 float32 head view of a fused projection,
-8 MB, 0.19 ms a try; the causal call tried 12 splits of q, k, v and its result, 2.3 ms of a 5.2 ms call),
-and ``reshape(copy=False)`` exists only from NumPy 2.1.
+NumPy has no cheap way to ask: assigning ``.shape`` builds the reshaped copy before it raises (NumPy 2.4,
+a B8 H8 N512 D64 float32 head view of a fused projection: 8 MB, 0.19 ms a try; the causal call tried 12
+splits of q, k, v and its result, 2.3 ms of a 5.2 ms call), ``reshape`` returns that copy, and
+``reshape(copy=False)`` exists only from NumPy 2.1.
 """
+
+
 def _no_copy(shape, strides, new):
     """Whether an array of ``shape`` and ``strides`` reshapes (C order) to ``new`` without a copy:
     NumPy's rule (``_attempt_nocopy_reshape``): each run of old dims that makes up a run of new dims
