@@ -14,6 +14,8 @@ def _no_copy(shape, strides, new):
     must be contiguous within itself (dims of size 1 left out)."""
     old = [(n, s) for n, s in zip(shape, strides) if n != 1]
     dims = [n for n in new if n != 1]
+    if len(old) == len(dims) and all(n == d for (n, _), d in zip(old, dims)):
+        return True  # only dims of 1 come or go
     oi = ni = 0
     while oi < len(old) and ni < len(dims):
         oj, nj = oi + 1, ni + 1
@@ -35,11 +37,12 @@ def _no_copy(shape, strides, new):
 def view_as(x, shape):
     """``x`` (a NumPy array) reshaped to ``shape`` (a tuple of as many elements) as a view of the same
     memory, or None where its strides allow no view. Nothing is copied, not even to find out."""
+    if x.shape == shape:
+        return x
     if x.size == 0 or x.flags.c_contiguous:
         return x.reshape(shape)
     if not _no_copy(x.shape, x.strides, shape):
         return None
-    view = x.reshape(shape)  # (a view: NumPy reshapes without a copy wherever it can)
-    if view.__array_interface__["data"][0] != x.__array_interface__["data"][0]:  # (never seen: a guard)
-        raise AssertionError("view_as: NumPy copied an array whose strides allow a view")
+    view = x.view()
+    view.shape = shape  # (in place on the view: this raises rather than copy, and here it does not)
     return view

@@ -348,6 +348,8 @@ def _seq4(arrays, lead, layout_of=4):
         views = [view_as(x, g + x.shape[-2:]) for x in arrays]
         if best is None or sum(v is not None for v in views) > sum(v is not None for v in best[1]):
             best = (g, views)
+            if all(v is not None for v in views):
+                break
     g, views = best
     out = tuple(v if v is not None else np.ascontiguousarray(x).reshape(g + x.shape[-2:])
                 for x, v in zip(arrays, views))
