@@ -54,6 +54,35 @@ def test_the_split_of_head_views_is_found_without_copies(rng):
     assert peak < q.nbytes // 10
 
 
+@pytest.mark.parametrize("dtype", [np.float32, np.float64])
+@pytest.mark.parametrize("causal", [True, False])
+def test_head_views_take_the_short_path(rng, dtype, causal, monkeypatch):
+    """A plain call on a fused projection's head views (4-D, unit-stride rows) runs the strided kernel
+    from the short path (the checked path, patched to fail, is not reached), with and without the
+    state, and for the vjp: the same results bit for bit as the checked path (reached with a scale of
+    1) and, within float rounding, as the float64 reference; views of other shapes take the checked path."""
+    _, (q, k, v) = _fused_qkv(rng, 2, 70, 3, 8, dtype)
+    fn = linattn.causal_linear_attention if causal else linattn.linear_attention
+    vjp_fn = linattn.causal_linear_attention_vjp if causal else linattn.linear_attention_vjp
+    want, want_state = fn(q, k, v, scale=1.0, return_state=True)
+    assert_close(want, reference.masked(q, k, v, causal=causal), dtype)
+    dout = rng.standard_normal(want.shape).astype(dtype)
+    want_grads = vjp_fn(q, k, v, scale=1.0)[1](dout)
+    three = tuple(x.reshape(1, *x.shape) for x in (q, k, v))  # (5-D views: not the short path's)
+    with monkeypatch.context() as m:
+        m.setattr(attention, "_prepare", lambda *a, **kw: pytest.fail("the general path"))
+        np.testing.assert_array_equal(fn(q, k, v), want)
+        out, state = fn(q, k, v, return_state=True)
+        np.testing.assert_array_equal(out, want)
+        np.testing.assert_array_equal(state.S, want_state.S)
+        np.testing.assert_array_equal(state.Z, want_state.Z)
+        for got, expected in zip(vjp_fn(q, k, v)[1](dout), want_grads):
+            np.testing.assert_array_equal(got, expected)
+        with pytest.raises(BaseException, match="the general path"):
+            fn(*three)
+    np.testing.assert_array_equal(fn(*three)[0], want)
+
+
 @pytest.mark.parametrize("causal", [True, False])
 def test_rows_not_unit_stride_are_copied_first(rng, causal):
     """Inputs (and an ``out=``) whose rows are not unit-stride (Fortran order, a transposed copy, every

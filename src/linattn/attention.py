@@ -87,13 +87,14 @@ def _parts(two_runs, bh, frac, dk, dv, causal):
     return np.empty((bh, len(frac) - 1, dk, dv + (2 if causal else 1))) if two_runs else None
 
 
-def _fast_plan(causal, dt, shape, dv, threads):
+def _fast_plan(causal, dt, shape, dv, threads, layout):
     """Everything a plain call of ``shape`` (q's) passes besides its own arrays, one lookup per call
     (each part was a lookup of its own: ~1.5 us of a tiny call): ``plan``'s (chunk, frac, nthreads) for
-    ``threads``, whether the result comes from the workspace pool, the kernel, no gates, scale 1 and,
+    ``threads``, whether the result comes from the workspace pool, the kernel (for inputs of ``layout``:
+    "C" or "A"), no gates, scale 1 and,
     the full lengths (non-causal: the keys', the queries'), (S0, Z0, S_out, Z_out) with no rows and,
     causal, the "keep no denominators / chunk states" arrays."""
-    key = (causal, dt, shape, dv, threads)
+    key = (causal, dt, shape, dv, threads, layout)
     found = _constants.get(key)
     if found is None:
         n, d = shape[-2], shape[-1]
@@ -102,10 +103,10 @@ def _fast_plan(causal, dt, shape, dv, threads):
         pooled = bh * n * dv * dt.itemsize >= workspace.POOL_MIN_BYTES  # (workspace.empty's own test: ~1 us)
         no_gates, one = _PLAIN[dt]
         if causal:
-            kernel = chunked.causal_forward.get(dt, ("C", 0))
+            kernel = chunked.causal_forward.get(dt, (layout, 0))
             extra = (_full_lengths(bh, n),) + _no_state(dt, d, dv) + (_NO_DEN[dt], _NO_STATES[dt])
         else:
-            kernel = chunked.noncausal_forward.get(dt, "C")
+            kernel = chunked.noncausal_forward.get(dt, layout)
             extra = (_full_lengths(bh, n),) * 2 + _NO_INITIAL[dt] + _no_state(dt, d, dv)[2:]
         found = (chunk, frac, nthreads, pooled, kernel, no_gates, one, two_runs) + extra
         if len(_constants) > 256:
@@ -131,8 +132,9 @@ def _fast_state(state, dt, lead, d, dv, causal):
 
 
 def _fast(causal, q, k, v, feature_map, eps, normalize, keep=False, return_state=False, initial_state=None):
-    """The common call (C-contiguous NumPy arrays of one float dtype, a named feature map, nothing
-    else but a State of such arrays to start from and the final state to return) with a minimum of
+    """The common call (C-contiguous NumPy arrays of one float dtype, or 4-D (B, H, N, D) views of such
+    arrays with unit-stride rows as a fused projection's heads are, a named feature map, nothing else
+    but a State of C-contiguous arrays to start from and the final state to return) with a minimum of
     Python around the kernel; None for anything else, which then takes the checked path (the same
     kernels). Returns ``out``, or ``(out, State)`` with ``return_state``; with ``keep`` (causal only):
     ``((out, state), kept)`` as causal_with_denominators returns them for the backward pass (state None
@@ -143,8 +145,14 @@ def _fast(causal, q, k, v, feature_map, eps, normalize, keep=False, return_state
             or not (normalize is True or normalize is False) or not 0.0 <= eps < _INF):
         return None
     shape = q.shape
-    if (len(shape) < 2 or k.shape != shape or v.shape[:-1] != shape[:-1] or q.size == 0 or v.shape[-1] == 0
-            or not (q.flags.c_contiguous and k.flags.c_contiguous and v.flags.c_contiguous)):
+    if len(shape) < 2 or k.shape != shape or v.shape[:-1] != shape[:-1] or q.size == 0 or v.shape[-1] == 0:
+        return None
+    if q.flags.c_contiguous and k.flags.c_contiguous and v.flags.c_contiguous:
+        layout = "C"
+    elif (len(shape) == 4 and q.strides[3] == q.itemsize and k.strides[3] == q.itemsize
+          and v.strides[3] == q.itemsize):
+        layout = "A"  # (B, H, N, D) views with unit-stride rows (a fused projection's heads): read in place
+    else:
         return None
     code = _CODES.get(feature_map)
     if code is None:
@@ -155,9 +163,9 @@ def _fast(causal, q, k, v, feature_map, eps, normalize, keep=False, return_state
         initial = _fast_state(initial_state, dt, shape[:-2], d, dv, causal)
         if initial is None:
             return None
-    found = _constants.get((causal, dt, shape, dv, num_threads()))
+    found = _constants.get((causal, dt, shape, dv, num_threads(), layout))
     if found is None:
-        found = _fast_plan(causal, dt, shape, dv, num_threads())
+        found = _fast_plan(causal, dt, shape, dv, num_threads(), layout)
     chunk, frac, nthreads, pooled, kernel, no_gates, one, two_runs = found[:8]
     if pooled:  # a large result the caller will drop: from the pool, reused without page faults
         out = workspace.empty(shape[:-1] + (dv,), dt)
@@ -290,9 +298,9 @@ def _fast_over_state(q, state, feature_map, eps, normalize):
     if code is None:  # (the named maps keep D' = D)
         return None
     dv = S0.shape[-1]
-    found = _constants.get((False, dt, shape, dv, num_threads()))
+    found = _constants.get((False, dt, shape, dv, num_threads(), "C"))
     if found is None:
-        found = _fast_plan(False, dt, shape, dv, num_threads())
+        found = _fast_plan(False, dt, shape, dv, num_threads(), "C")
     chunk, frac, nthreads, pooled, kernel, no_gates, one = found[:7]
     out = workspace.empty(shape[:-1] + (dv,), dt) if pooled else np.empty(shape[:-1] + (dv,), dt)
     n, d = shape[-2], shape[-1]

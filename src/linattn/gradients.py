@@ -172,7 +172,7 @@ def causal_linear_attention_vjp(q, k, v, *, feature_map="elu", eps=1e-6, normali
             and (return_state is False or return_state is True) and lengths is None and scale is None
             and decay is None and gate is None):
         fast = _fast(True, q, k, v, feature_map, eps, normalize, True, return_state)  # (None unless the plain call)
-        if fast is not None:  # C-contiguous float arrays of one dtype: out in their dtype
+        if fast is not None:  # float arrays of one dtype (C-contiguous, or 4-D head views): out in their dtype
             (out, final), kept = fast
             fmap, code = _map_and_code(feature_map)
             vjp = _backward(q, k, v, fmap, code, q.shape[:-2], q.shape[-1], q.dtype, normalize, 1.0, None,
@@ -323,7 +323,7 @@ def linear_attention_vjp(q, k=None, v=None, *, feature_map="elu", eps=1e-6, norm
     if (type(q) is np.ndarray and type(feature_map) is str and code is not None and scale is None
             and initial_state is None and return_state is False and lengths is None and query_lengths is None):
         out = _fast(False, q, k, v, feature_map, eps, normalize)  # (None unless the plain call)
-    if out is not None:  # C-contiguous float arrays of one dtype, eps and normalize as the checks pass them
+    if out is not None:  # float arrays of one dtype (C-contiguous or 4-D head views), eps and normalize checked
         lead, n, dv, comp, out_dt, s = q.shape[:-2], q.shape[-2], v.shape[-1], q.dtype, q.dtype, 1.0
         lens = valid = qlens = qvalid = None
     else:
