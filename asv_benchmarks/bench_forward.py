@@ -3,7 +3,7 @@ import numpy as np
 
 import linattn
 
-from .common import SHAPES, inputs, numpy_chunked
+from .common import SHAPES, inputs, interleaved_ratio, numpy_chunked
 
 
 class Causal:
@@ -136,3 +136,42 @@ class AfterMatmul:
     def time_layer(self):
         self.x @ self.w
         linattn.causal_linear_attention(self.q, self.k, self.v)
+
+
+class HeadViews:
+    """q, k, v as the head views of one fused (B, N, 3, H, D) projection, as a NumPy model passes them, next
+    to the same call on C-contiguous copies: causal forward, non-causal forward and the causal vjp, at a
+    size in the caches (B1 H8 N2048) and one beyond them (B8 H8 N512, 25 MB of inputs), and a small one
+    (B2 H8 N16). Each try of a split of the leading dims that allowed no view used to copy the array (12
+    copies of 8 MB at B8 N512: 5.2 ms against 2.4 contiguous); small calls on views took the checked path."""
+    params = (["1x2048", "8x512", "2x16"], ["causal", "noncausal", "vjp"])
+    param_names = ["batch_x_n", "call"]
+    _SIZES = {"1x2048": (1, 2048), "8x512": (8, 512), "2x16": (2, 16)}
+
+    def setup(self, batch_x_n, call):
+        b, n = self._SIZES[batch_x_n]
+        rng = np.random.default_rng(0)
+        qkv = (rng.standard_normal((b, n, 3, 8, 64)) * 0.5).astype(np.float32)
+        self.views = tuple(qkv[:, :, i].transpose(0, 2, 1, 3) for i in range(3))
+        self.copies = tuple(np.ascontiguousarray(x) for x in self.views)
+        self.dout = np.ones(self.copies[2].shape, np.float32)
+        self.time_views(batch_x_n, call)
+        self.time_contiguous(batch_x_n, call)
+
+    def _run(self, call, q, k, v):
+        if call == "causal":
+            linattn.causal_linear_attention(q, k, v)
+        elif call == "noncausal":
+            linattn.linear_attention(q, k, v)
+        else:
+            linattn.causal_linear_attention_vjp(q, k, v)[1](self.dout)
+
+    def time_views(self, batch_x_n, call):
+        self._run(call, *self.views)
+
+    def time_contiguous(self, batch_x_n, call):
+        self._run(call, *self.copies)
+
+    def track_views_over_contiguous(self, batch_x_n, call):
+        return interleaved_ratio(lambda: self._run(call, *self.views), lambda: self._run(call, *self.copies))
+    track_views_over_contiguous.unit = "x contiguous"
