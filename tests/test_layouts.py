@@ -184,12 +184,19 @@ def test_out_errors(rng):
             fn(q, k, v, out=ro)
 
 
+@pytest.mark.parametrize("views", [False, True])
 @pytest.mark.parametrize("nthreads", [1, 2, 3, 7])
-def test_any_number_of_threads_takes_all_items(rng, nthreads):
+def test_any_number_of_threads_takes_all_items(rng, nthreads, views):
     """Threads take work items from a shared counter: however many there are, every item is done
-    once (more threads than Numba runs, or than items, included)."""
+    once (more threads than Numba runs, or than items, included); on contiguous heads and on head views
+    of fused projections (rows apart: the prefixes' and the non-causal sums' values are copied)."""
     n, d, dv = 300, 6, 5
     q, k, v = make_qkv(rng, (2, 3), n, d, dv)
+    layout = "A" if views else "C"
+    if views:
+        _, (q, k, _) = _fused_qkv(rng, 2, n, 3, d, np.float32)
+        v = np.zeros((2, n, 3, dv + 2), np.float32)[..., 1:dv + 1].transpose(0, 2, 1, 3)
+        v[...] = rng.standard_normal(v.shape)
     frac = np.array([0, 0.3, 0.7, 1.0])
     lengths = np.array([300, 131, 0, 1, 299, 64], np.int64)
     out = np.full((2, 3, n, dv), np.nan, np.float32)
@@ -198,7 +205,7 @@ def test_any_number_of_threads_takes_all_items(rng, nthreads):
     no_gates = (np.zeros(0, np.float32), np.zeros(0), np.zeros(3, np.int64))
     no_map = (np.zeros(0, np.float32), 0)  # elu+1 inline: no parameters, no map_rows
     parts = np.full((6, 3, d, dv + 2), np.nan)
-    kernel = chunked.causal_forward.get(np.float32, ("C", 0))
+    kernel = chunked.causal_forward.get(np.float32, (layout, 0))
     for runs in (((1, parts[:0]),), ((0, parts), (1, parts))):  # segments after their prefix; in two runs
         out[...], S[...], Z[...] = np.nan, np.nan, np.nan
         for phase, p in runs:
@@ -214,12 +221,10 @@ def test_any_number_of_threads_takes_all_items(rng, nthreads):
             assert_close(Z[h], Z_ref, np.float32)
     out2 = np.full((2, 3, n, dv), np.nan, np.float32)
     parts = np.full((6, 3, d, dv + 1), np.nan)  # each segment's part of its head's state, then the outputs
+    noncausal = chunked.noncausal_forward.get(np.float32, layout)
     for phase in (0, 1):
-        chunked.noncausal_forward.get(np.float32, "C")(nthreads, q, k, v, 1, *no_map, np.float32(1e-6), True,
-                                                        np.float32(1), np.full(6, n), np.full(6, n), chunk_size(n),
-                                                        frac,
-                                                        *_NO_STATE(d, dv)[:2],
-                                                        out2, *_NO_STATE(d, dv)[2:], phase, parts)
+        noncausal(nthreads, q, k, v, 1, *no_map, np.float32(1e-6), True, np.float32(1), np.full(6, n), np.full(6, n),
+                  chunk_size(n), frac, *_NO_STATE(d, dv)[:2], out2, *_NO_STATE(d, dv)[2:], phase, parts)
     assert_close(out2, reference.masked(q, k, v, causal=False), np.float32)
 
 

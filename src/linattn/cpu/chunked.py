@@ -79,10 +79,12 @@ def _copy_rows(v, i0, c, V, r0):
 def _add_prefix(k, v, i0, c, mp, Kf, V, P, Pz, beta, gates, F):
     """P = beta P + phi(K)^T V (beta 0: P holds nothing yet) and Pz += phi(K)^T 1 for positions
     [i0, i0 + c) of one head (no outputs; phi(K) is used as it is, not transposed), each key times
-    its factor at the chunk's end when there are gates (F: the chunk's factors)."""
+    its factor at the chunk's end when there are gates (F: the chunk's factors). Rows of v apart in
+    memory (a fused projection's head views) are copied first: read in place by the product they cost
+    the non-causal call on such views 5% more (B8 H8 N512: 2.44 ms against 2.31)."""
     load_features(k, i0, c, mp, Kf)
     gate_key_rows(gates, Kf, c, F, Pz)
-    if v.strides[1] == v.itemsize:  # rows of v serve as they are
+    if v.strides[1] == v.itemsize and v.strides[0] == v.shape[1] * v.itemsize:  # adjacent rows serve as they are
         small_gemm_tn(Kf[:c], v[i0:i0 + c], P, beta)
     else:
         _copy_rows(v, i0, c, V, int(0))  # bool()/int(): run-time values, not literals (see _jit)
