@@ -59,7 +59,11 @@ GATINGS = ["none", "decay", "position", "dimension", "decay+position"]
 
 
 def _layout(x, how):
-    """x as a C-contiguous array, a view with its last two axes transposed in memory, or every other row."""
+    """x as a C-contiguous array, a view with its last two axes transposed in memory, every other row, or
+    a view of the heads (the last leading dim) of an array with positions before heads, as a fused
+    projection's."""
+    if how == "heads" and x.ndim >= 3:
+        return np.moveaxis(np.moveaxis(x, -2, -3).copy(), -3, -2)
     if how == "transposed":
         return np.swapaxes(x, -1, -2).copy().swapaxes(-1, -2)
     if how == "strided":
@@ -122,7 +126,7 @@ def _close(out, ref, dtype, cond):
        dtype=st.sampled_from([np.float32, np.float64, np.float16]), map_name=st.sampled_from(sorted(MAPS)),
        gating=st.sampled_from(GATINGS), reset=st.booleans(), with_state=st.booleans(),
        with_lengths=st.sampled_from([None, "leading", "first"]),
-       scale=st.sampled_from([None, 0.5]), layout=st.sampled_from(["c", "transposed", "strided"]),
+       scale=st.sampled_from([None, 0.5]), layout=st.sampled_from(["c", "transposed", "strided", "heads"]),
        split=st.floats(0, 1), seed=st.integers(0, 2**31))
 def test_options_together(lead, n, d, dv, dtype, map_name, gating, reset, with_state, with_lengths, scale, layout,
                           split, seed):
