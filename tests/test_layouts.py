@@ -59,8 +59,9 @@ def test_the_split_of_head_views_is_found_without_copies(rng):
 def test_head_views_take_the_short_path(rng, dtype, causal, monkeypatch):
     """A plain call on a fused projection's head views (4-D, unit-stride rows) runs the strided kernel
     from the short path (the checked path, patched to fail, is not reached), with and without the
-    state, and for the vjp: the same results bit for bit as the checked path (reached with a scale of
-    1) and, within float rounding, as the float64 reference; views of other shapes take the checked path."""
+    state, with ``out=`` (heads of a buffer, or C-contiguous), and for the vjp: the same results bit for
+    bit as the checked path (reached with a scale of 1) and, within float rounding, as the float64
+    reference; views of other shapes, and an ``out`` in an input's memory, take the checked path."""
     _, (q, k, v) = _fused_qkv(rng, 2, 70, 3, 8, dtype)
     fn = linattn.causal_linear_attention if causal else linattn.linear_attention
     vjp_fn = linattn.causal_linear_attention_vjp if causal else linattn.linear_attention_vjp
@@ -78,9 +79,23 @@ def test_head_views_take_the_short_path(rng, dtype, causal, monkeypatch):
         np.testing.assert_array_equal(state.Z, want_state.Z)
         for got, expected in zip(vjp_fn(q, k, v)[1](dout), want_grads):
             np.testing.assert_array_equal(got, expected)
-        with pytest.raises(BaseException, match="the general path"):
+        # out=: the heads of a (B, N, H, Dv) buffer (the model's call), or a C-contiguous array
+        buf = np.full((2, 70, 3, 8), np.nan, dtype)
+        res, state = fn(q, k, v, out=buf.transpose(0, 2, 1, 3), return_state=True)
+        assert np.shares_memory(res, buf)
+        np.testing.assert_array_equal(buf.transpose(0, 2, 1, 3), want)
+        np.testing.assert_array_equal(state.S, want_state.S)
+        plain = np.full(want.shape, np.nan, dtype)
+        assert fn(*(np.ascontiguousarray(x) for x in (q, k, v)), out=plain) is plain
+        np.testing.assert_array_equal(plain, want)
+        with pytest.raises(BaseException, match="the general path"):  # 5-D views
             fn(*three)
+        with pytest.raises(BaseException, match="the general path"):  # out in the inputs' memory
+            fn(q, k, v.copy(), out=v)
     np.testing.assert_array_equal(fn(*three)[0], want)
+    vv = v.copy()
+    assert fn(q, k, vv, out=vv) is vv
+    np.testing.assert_array_equal(vv, want)
 
 
 @pytest.mark.parametrize("causal", [True, False])

@@ -115,6 +115,14 @@ def _fast_plan(causal, dt, shape, dv, threads, layout):
     return found
 
 
+def _overlaps(out, q, k, v, state):
+    """Whether ``out`` may share memory with q, k, v or the State ``state`` (None or a State of arrays):
+    the kernel would overwrite what it has still to read (the checked path then computes aside)."""
+    may = np.may_share_memory
+    return (may(out, q) or may(out, k) or may(out, v)
+            or (state is not None and (may(out, state[0]) or may(out, state[1]))))
+
+
 def _fast_state(state, dt, lead, d, dv, causal):
     """An initial State as the short path passes it to the kernel, (S0, Z0) flat (BH, D, Dv), (BH, D):
     NumPy arrays of ``dt``, C-contiguous, shaped for q's leading dims ``lead`` (non-causal: writable,
@@ -131,14 +139,16 @@ def _fast_state(state, dt, lead, d, dv, causal):
     return S0.reshape(bh, d, dv), Z0.reshape(bh, d)
 
 
-def _fast(causal, q, k, v, feature_map, eps, normalize, keep=False, return_state=False, initial_state=None):
+def _fast(causal, q, k, v, feature_map, eps, normalize, keep=False, return_state=False, initial_state=None,
+          into=None):
     """The common call (C-contiguous NumPy arrays of one float dtype, or 4-D (B, H, N, D) views of such
     arrays with unit-stride rows as a fused projection's heads are, a named feature map, nothing else
-    but a State of C-contiguous arrays to start from and the final state to return) with a minimum of
-    Python around the kernel; None for anything else, which then takes the checked path (the same
-    kernels). Returns ``out``, or ``(out, State)`` with ``return_state``; with ``keep`` (causal only):
-    ``((out, state), kept)`` as causal_with_denominators returns them for the backward pass (state None
-    unless ``return_state``)."""
+    but a State of C-contiguous arrays to start from, the final state to return and an ``out=`` array
+    ``into`` of the same kinds, apart from every input) with a minimum of Python around the kernel; None
+    for anything else, which then takes the checked path (the same kernels). Returns ``out`` (``into``
+    when given), or ``(out, State)`` with ``return_state``; with ``keep`` (causal only): ``((out, state),
+    kept)`` as causal_with_denominators returns them for the backward pass (state None unless
+    ``return_state``)."""
     dt = q.dtype
     if (type(k) is not _ndarray or type(v) is not _ndarray or dt not in _FLOATS or k.dtype != dt
             or v.dtype != dt or type(feature_map) is not str or type(eps) is not float
@@ -147,27 +157,33 @@ def _fast(causal, q, k, v, feature_map, eps, normalize, keep=False, return_state
     shape = q.shape
     if len(shape) < 2 or k.shape != shape or v.shape[:-1] != shape[:-1] or q.size == 0 or v.shape[-1] == 0:
         return None
-    if q.flags.c_contiguous and k.flags.c_contiguous and v.flags.c_contiguous:
+    code = _CODES.get(feature_map)
+    if code is None:
+        return None
+    n, d, dv = shape[-2], shape[-1], v.shape[-1]
+    if initial_state is not None:
+        initial = _fast_state(initial_state, dt, shape[:-2], d, dv, causal)
+        if initial is None:
+            return None
+    if into is not None and (type(into) is not _ndarray or into.dtype != dt or into.shape != shape[:-1] + (dv,)
+                             or not into.flags.writeable or into.strides[-1] != dt.itemsize
+                             or _overlaps(into, q, k, v, initial_state)):
+        return None
+    if (q.flags.c_contiguous and k.flags.c_contiguous and v.flags.c_contiguous
+            and (into is None or into.flags.c_contiguous)):
         layout = "C"
     elif (len(shape) == 4 and q.strides[3] == q.itemsize and k.strides[3] == q.itemsize
           and v.strides[3] == q.itemsize):
         layout = "A"  # (B, H, N, D) views with unit-stride rows (a fused projection's heads): read in place
     else:
         return None
-    code = _CODES.get(feature_map)
-    if code is None:
-        return None
-    dv = v.shape[-1]
-    n, d = shape[-2], shape[-1]
-    if initial_state is not None:
-        initial = _fast_state(initial_state, dt, shape[:-2], d, dv, causal)
-        if initial is None:
-            return None
     found = _constants.get((causal, dt, shape, dv, num_threads(), layout))
     if found is None:
         found = _fast_plan(causal, dt, shape, dv, num_threads(), layout)
     chunk, frac, nthreads, pooled, kernel, no_gates, one, two_runs = found[:8]
-    if pooled:  # a large result the caller will drop: from the pool, reused without page faults
+    if into is not None:
+        out = into
+    elif pooled:  # a large result the caller will drop: from the pool, reused without page faults
         out = workspace.empty(shape[:-1] + (dv,), dt)
     else:
         out = np.empty(shape[:-1] + (dv,), dt)
@@ -514,9 +530,9 @@ def causal_linear_attention(q, k, v, *, feature_map="elu", eps=1e-6, normalize=T
         if initial_state is not None and q.ndim >= 2 and 0 < q.shape[-2] <= FEW_POSITIONS:
             res = _few_positions(q, k, v, initial_state, feature_map, eps, normalize, return_state, decay, gate,
                                  scale, out)
-        if (res is None and decay is None and gate is None and scale is None and out is None
+        if (res is None and decay is None and gate is None and scale is None
                 and (return_state is False or return_state is True)):
-            res = _fast(True, q, k, v, feature_map, eps, normalize, False, return_state, initial_state)
+            res = _fast(True, q, k, v, feature_map, eps, normalize, False, return_state, initial_state, out)
         if res is not None:
             return res
     S_in, Z_in = checks.state_parts(initial_state)
@@ -698,11 +714,11 @@ def linear_attention(q, k=None, v=None, *, feature_map="elu", eps=1e-6, normaliz
         why = (" (decay and gates make the state forget the past: only causal attention has one; use "
                "causal_linear_attention)" if name in ("decay", "gate") else "")
         raise TypeError(f"linear_attention() got an unexpected keyword argument {name!r}{why}")
-    if (type(q) is _ndarray and out is None and device is None and scale is None
+    if (type(q) is _ndarray and device is None and scale is None
             and (return_state is False or return_state is True) and lengths is None and query_lengths is None):
         if k is not None or v is not None:
-            res = _fast(False, q, k, v, feature_map, eps, normalize, False, return_state, initial_state)
-        elif return_state is False:
+            res = _fast(False, q, k, v, feature_map, eps, normalize, False, return_state, initial_state, out)
+        elif return_state is False and out is None:
             res = _fast_over_state(q, initial_state, feature_map, eps, normalize)
         else:
             res = None
