@@ -106,14 +106,20 @@ class StepFloat64:
 
 
 class Tiny:
-    """A tiny causal forward, B1 H1 N16 D64 (target <= 12 us): the call on the calling thread alone."""
+    """A tiny causal forward, B1 H1 N16 D64 (target <= 12 us): the call on the calling thread alone; and
+    the same into ``out=`` (17.8 us while out= took the checked path)."""
 
     def setup(self):
         self.q, self.k, self.v = inputs((1, 1, 16, 64))
+        self.out = np.empty_like(self.v)
         linattn.causal_linear_attention(self.q, self.k, self.v)
+        linattn.causal_linear_attention(self.q, self.k, self.v, out=self.out)
 
     def time_tiny_causal(self):
         linattn.causal_linear_attention(self.q, self.k, self.v)
+
+    def time_tiny_causal_out(self):
+        linattn.causal_linear_attention(self.q, self.k, self.v, out=self.out)
 
 
 class RoofRatios:
