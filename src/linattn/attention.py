@@ -90,10 +90,9 @@ def _parts(two_runs, bh, frac, dk, dv, causal):
 def _fast_plan(causal, dt, shape, dv, threads, layout):
     """Everything a plain call of ``shape`` (q's) passes besides its own arrays, one lookup per call
     (each part was a lookup of its own: ~1.5 us of a tiny call): ``plan``'s (chunk, frac, nthreads) for
-    ``threads``, whether the result comes from the workspace pool, the kernel (for inputs of ``layout``:
-    "C" or "A"), no gates, scale 1 and,
-    the full lengths (non-causal: the keys', the queries'), (S0, Z0, S_out, Z_out) with no rows and,
-    causal, the "keep no denominators / chunk states" arrays."""
+    ``threads``, whether the result comes from the workspace pool, the kernel (for arrays of ``layout``:
+    "C" or "A"), no gates, scale 1 and, the full lengths (non-causal: the keys', the queries'), (S0, Z0,
+    S_out, Z_out) with no rows and, causal, the "keep no denominators / chunk states" arrays."""
     key = (causal, dt, shape, dv, threads, layout)
     found = _constants.get(key)
     if found is None:
