@@ -99,6 +99,26 @@ def test_head_views_take_the_short_path(rng, dtype, causal, monkeypatch):
 
 
 @pytest.mark.parametrize("causal", [True, False])
+def test_one_sequence_head_views_take_the_short_path(rng, causal, monkeypatch):
+    """A model without a batch dim: q, k, v the (H, N, D) heads of an (N, 3, H, D) projection, and one head
+    (N, D) of it, through the short path (leading dims of 1 added as views), into ``out=`` too."""
+    qkv = (rng.standard_normal((70, 3, 3, 8)) * 0.5).astype(np.float32)
+    q, k, v = (qkv[:, i].transpose(1, 0, 2) for i in range(3))
+    fn = linattn.causal_linear_attention if causal else linattn.linear_attention
+    for args in ((q, k, v), (q[1], k[1], v[1])):
+        want = fn(*args, scale=1.0)  # (the checked path)
+        assert_close(want, reference.masked(*args, causal=causal), np.float32)
+        with monkeypatch.context() as m:
+            m.setattr(attention, "_prepare", lambda *a, **kw: pytest.fail("the general path"))
+            np.testing.assert_array_equal(fn(*args), want)
+            # out=: the heads of an (N, H, Dv) buffer (rows apart), or an (N, Dv) array
+            buf = np.full(want.shape[-2:-1] + want.shape[:-2] + want.shape[-1:], np.nan, np.float32)
+            res = fn(*args, out=np.moveaxis(buf, 0, -2))
+            assert np.shares_memory(res, buf)
+            np.testing.assert_array_equal(res, want)
+
+
+@pytest.mark.parametrize("causal", [True, False])
 def test_rows_not_unit_stride_are_copied_first(rng, causal):
     """Inputs (and an ``out=``) whose rows are not unit-stride (Fortran order, a transposed copy, every
     other column) are copied once and run by the C-contiguous kernel (read in place they took 6-30x

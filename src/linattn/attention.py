@@ -140,8 +140,8 @@ def _fast_state(state, dt, lead, d, dv, causal):
 
 def _fast(causal, q, k, v, feature_map, eps, normalize, keep=False, return_state=False, initial_state=None,
           into=None):
-    """The common call (C-contiguous NumPy arrays of one float dtype, or 4-D (B, H, N, D) views of such
-    arrays with unit-stride rows as a fused projection's heads are, a named feature map, nothing else
+    """The common call (C-contiguous NumPy arrays of one float dtype, or views of up to 4 dims with
+    unit-stride rows as a fused projection's heads are, a named feature map, nothing else
     but a State of C-contiguous arrays to start from, the final state to return and an ``out=`` array
     ``into`` of the same kinds, apart from every input) with a minimum of Python around the kernel; None
     for anything else, which then takes the checked path (the same kernels). Returns ``out`` (``into``
@@ -171,9 +171,11 @@ def _fast(causal, q, k, v, feature_map, eps, normalize, keep=False, return_state
     if (q.flags.c_contiguous and k.flags.c_contiguous and v.flags.c_contiguous
             and (into is None or into.flags.c_contiguous)):
         layout = "C"
-    elif (len(shape) == 4 and q.strides[3] == q.itemsize and k.strides[3] == q.itemsize
-          and v.strides[3] == q.itemsize):
-        layout = "A"  # (B, H, N, D) views with unit-stride rows (a fused projection's heads): read in place
+    elif (len(shape) <= 4 and q.strides[-1] == q.itemsize and k.strides[-1] == q.itemsize
+          and v.strides[-1] == q.itemsize):
+        # views with unit-stride rows (a fused projection's heads, (B, H, N, D) or (H, N, D)), read in place
+        # (fewer than 4 dims: leading dims of 1 added below, a view)
+        layout = "A"
     else:
         return None
     found = _constants.get((causal, dt, shape, dv, num_threads(), layout))
