@@ -60,8 +60,8 @@ def test_empty_arrays(shape):
 
 def test_a_refusal_copies_nothing():
     """A fused projection's head views (B, H, N, D) merge into no single (BH, N, D) view: the answer
-    comes from the strides, with no array-sized allocation on the way (NumPy's shape assignment
-    copies the 8 MB first)."""
+    comes from the strides, with no array-sized allocation on the way (NumPy 2.4's shape assignment
+    copies the 8 MB first; the view (B, H, N, D) itself costs nothing either)."""
     qkv = np.zeros((8, 512, 3, 8, 64), np.float32)
     q = qkv[:, :, 0].transpose(0, 2, 1, 3)
     tracemalloc.start()
@@ -72,9 +72,3 @@ def test_a_refusal_copies_nothing():
     finally:
         tracemalloc.stop()
     assert peak < 100_000
-    tracemalloc.start()
-    try:
-        assert _numpy_view(q, (64, 512, 64)) is None
-        assert tracemalloc.get_traced_memory()[1] >= q.nbytes  # (what the test guards against)
-    finally:
-        tracemalloc.stop()
