@@ -114,12 +114,13 @@ def _fast_plan(causal, dt, shape, dv, threads, layout):
     return found
 
 
-def _overlaps(out, q, k, v, state):
-    """Whether ``out`` may share memory with q, k, v or the State ``state`` (None or a State of arrays):
-    the kernel would overwrite what it has still to read (the checked path then computes aside)."""
-    may = np.may_share_memory
-    return (may(out, q) or may(out, k) or may(out, v)
-            or (state is not None and (may(out, state[0]) or may(out, state[1]))))
+def _overlaps(out, arrays):
+    """Whether ``out`` may share memory with any of ``arrays`` (what a kernel reads while it writes out:
+    the result is then computed aside)."""
+    for x in arrays:
+        if np.may_share_memory(out, x):
+            return True
+    return False
 
 
 def _fast_state(state, dt, lead, d, dv, causal):
@@ -166,7 +167,7 @@ def _fast(causal, q, k, v, feature_map, eps, normalize, keep=False, return_state
             return None
     if into is not None and (type(into) is not _ndarray or into.dtype != dt or into.shape != shape[:-1] + (dv,)
                              or not into.flags.writeable or into.strides[-1] != dt.itemsize
-                             or _overlaps(into, q, k, v, initial_state)):
+                             or _overlaps(into, (q, k, v) + (() if initial_state is None else initial_state))):
         return None
     if (q.flags.c_contiguous and k.flags.c_contiguous and v.flags.c_contiguous
             and (into is None or into.flags.c_contiguous)):
@@ -405,7 +406,7 @@ def _result_array(out, lead, n, dv, comp, inputs):
     axis and no memory in common with the inputs, else a new array (a large one from the pool:
     workspace.empty)."""
     if (out is not None and out.dtype == comp and (out.strides[-1] == out.itemsize or dv == 1)
-            and not any(np.may_share_memory(out, x) for x in inputs)):
+            and not _overlaps(out, inputs)):
         return out
     return workspace.empty(lead + (n, dv), comp)
 
