@@ -93,15 +93,16 @@ def _load(src, i0, c, fm, dst):
 
 
 @pytest.mark.parametrize("d", [1, 5, 16, 63, 64, 100])
-@pytest.mark.parametrize("view", ["rows", "reversed", "strided"])
+@pytest.mark.parametrize("view", ["rows", "reversed", "apart", "strided"])
 @pytest.mark.parametrize("extra", [3, 0])
 def test_load_rows_every_layout(rng, d, view, extra):
     """load_rows maps a block of rows into a buffer (wider, or as wide as a row: adjacent rows into
     such a buffer go as one flat run), short rows into a wider one as one flat run too (rows forward
-    or backward in memory), long or strided ones row by row; the same values either way, the buffer's
-    other columns and rows untouched."""
+    or backward in memory), long ones, rows apart in memory (a fused projection's heads) and strided
+    ones row by row; the same values either way, the buffer's other columns and rows untouched."""
     base = rng.standard_normal((40, 2 * d)).astype(np.float32)
-    src = {"rows": base[:, :d].copy(), "reversed": base[::-1, :d].copy()[::-1], "strided": base[:, ::2]}[view]
+    src = {"rows": base[:, :d].copy(), "reversed": base[::-1, :d].copy()[::-1], "apart": base[:, :d],
+           "strided": base[:, ::2]}[view]
     for fm, ref in ((ELU, np.where(src > 0, src + 1, np.exp(np.minimum(src, 0)))), (RELU, np.maximum(src, 0)),
                     (IDENTITY, src)):
         dst = np.full((9, d + extra), -5.0, np.float32)
