@@ -1,6 +1,7 @@
 """small_gemm(_tn), the chunk's register-tiled matrix products, against NumPy: every tile and panel
-edge, strided rows, accumulation, the causal bands, a transposed A (and a lower triangular one); with
-512-bit vectors (AVX-512) and 256-bit (AVX2)."""
+edge, strided rows, accumulation, the causal bands, a transposed A (and a lower triangular one), B
+stacked from two arrays with the rows of the product scaled (small_gemm_stacked); with 512-bit
+vectors (AVX-512) and 256-bit (AVX2)."""
 import os
 import subprocess
 import sys
@@ -8,12 +9,17 @@ import sys
 import numpy as np
 from numba import njit
 
-from linattn.cpu.smallgemm import ROWS, small_gemm, small_gemm_tn, small_gemm_tn_lower
+from linattn.cpu.smallgemm import ROWS, small_gemm, small_gemm_stacked, small_gemm_tn, small_gemm_tn_lower
 
 
 @njit
 def _run(a, b, c, accumulate, kband, nband):
     small_gemm(a, b, c, accumulate, kband, nband)
+
+
+@njit
+def _run_stacked(a, b1, b2, c, rs, kband, nband):
+    small_gemm_stacked(a, b1, b2, c, rs, kband, nband)
 
 
 @njit
@@ -56,6 +62,29 @@ def check_all(seed=0):
                         rest = c[i, nend:]  # beyond the band: either untouched or computed
                         ok = (rest == before[i, nend:n]) | (np.abs(rest - want[nend:]) <= tol * scale * np.sqrt(k + 1))
                         failures += int(not ok.all())
+            for split in sorted({0, k // 3, k}):  # B = [b1 ; b2], b1 of `split` rows, each with rows apart
+                for kband, nband in ((-1, -1), (0, -1), (5, -1), (-1, 3)):
+                    for scaled in (False, True):
+                        a = rng.standard_normal((m, k + 1)).astype(dtype)[:, :k]
+                        b = rng.standard_normal((k, n)).astype(dtype)
+                        b1 = np.zeros((split, n + 3), dtype)[:, 1:n + 1]
+                        b2 = np.zeros((k - split, n + 5), dtype)[:, 2:n + 2]
+                        b1[:], b2[:] = b[:split], b[split:]
+                        rs = rng.standard_normal(m + 2).astype(dtype)[1:m + 1] if scaled else np.zeros(0, dtype)
+                        before = np.full((m, n), np.nan, dtype)  # (c is not read)
+                        c = before.copy()
+                        _run_stacked(a, b1, b2, c, rs, kband, nband)
+                        for i in range(m):
+                            r0, rows = ((i // ROWS) * ROWS, ROWS) if i < m - m % ROWS else (i, 1)
+                            kend = k if kband < 0 else min(k, kband + r0 + rows)
+                            nend = n if nband < 0 else min(n, nband + r0 + rows)
+                            want = a[i, :kend].astype(np.float64) @ b[:kend].astype(np.float64)
+                            if scaled:
+                                want = want * float(rs[i])
+                            bound = tol * max(1.0, float(np.abs(want).max())) * np.sqrt(k + 1)
+                            failures += int(np.abs(c[i, :nend] - want[:nend]).max(initial=0) > bound)
+                            rest = c[i, nend:]
+                            failures += int(not (np.isnan(rest) | (np.abs(rest - want[nend:]) <= bound)).all())
             for accumulate in (False, True, 0.5):  # a stored transposed, (K, M) with rows apart
                 at = rng.standard_normal((k, m + 2)).astype(dtype)[:, 1:m + 1]
                 b = rng.standard_normal((k, n)).astype(dtype)

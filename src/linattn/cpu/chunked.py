@@ -32,7 +32,7 @@ from .gating import (chunk_gates, gate_buffers, gate_key_columns, gate_key_rows,
                      gate_queries, gate_scores, gate_state_factors, touch_gates)
 from .mapfns import load_features, map_state, mapped_dim
 from .schedule import take
-from .smallgemm import small_gemm, small_gemm_tn
+from .smallgemm import small_gemm, small_gemm_stacked, small_gemm_tn
 from .threaded import ThreadedKernel
 from .views import as_contiguous, keep_alive, prefetch_rows_for_writing, touch_rows, unowned
 from .vector import store_fence, stream_copy, transpose_padded, transpose_rows
@@ -287,32 +287,29 @@ def keep_state(S, Z, d_, dst, block, scratch):
 
 
 @njit(helper=True)
-def _normalize_rows(out, i0, c, QA, W, n, eps, scale, keep):
-    """Divide out[i0+t] (one head) by den_t + eps / scale, den_t = QA[t, :n] . W[:n]: phi(q_t).Z with
-    W = Z (n = D'), plus the row's scores sum_{s<=t} A[t, s] with W = [Z, 1, ..., 1] (n = D' + c:
-    A is zero above the diagonal), one fixed-length dot product per row; and multiply it by 1 (phi(q)
-    times ``scale``: scale phi(q).S / (scale phi(q).Z + eps)); the denominators scale den_t + eps go to
-    keep[i0+t] when ``keep`` has elements."""
+def _row_factors(i0, c, QA, W, n, eps, normalize, scale, keep, F):
+    """The factors of a chunk's output rows (small_gemm_stacked scales each row as it stores it): with
+    ``normalize``, F[t] = scale / (scale den_t + eps), den_t = QA[t, :n] . W[:n]: phi(q_t).Z with W = Z
+    (n = D'), plus the row's scores sum_{s<=t} A[t, s] with W = [Z, 1, ..., 1] (n = D' + c: A is zero
+    above the diagonal), one fixed-length dot product per row (phi(q) times ``scale``: scale
+    phi(q).S / (scale phi(q).Z + eps)), the denominators scale den_t + eps to keep[i0+t] when ``keep``
+    has elements; without, ``scale``. Returns F[:c], or no factors (F[:0]) for a scale of 1 without
+    normalisation."""
+    if not normalize:
+        if scale == 1:
+            return F[:0]
+        for t in range(c):
+            F[t] = scale
+        return F[:c]
     for t in range(c):
         qa = QA[t]
         den = W[0] - W[0]  # zero in the compute dtype
         for j in range(n):
             den += qa[j] * W[j]
-        inv = scale / (scale * den + eps)
+        F[t] = scale / (scale * den + eps)
         if keep.shape[0] > 0:
             keep[i0 + t] = scale * den + eps
-        row = as_contiguous(out[i0 + t])  # out has unit stride along its rows (the wrappers see to it)
-        for e in range(row.shape[0]):
-            row[e] *= inv
-
-
-@njit(helper=True)
-def _scale_rows(out, i0, c, scale):
-    """out[i0:i0+c] *= scale (outputs without normalisation)."""
-    for t in range(c):
-        row = as_contiguous(out[i0 + t])
-        for e in range(row.shape[0]):
-            row[e] *= scale
+    return F[:c]
 
 
 def _causal_forward(q, k, v, fm, fp, fa, eps, normalize, scale, lengths, chunk, frac, S0, Z0, out, S_out, Z_out,
@@ -358,10 +355,10 @@ def _causal_forward(q, k, v, fm, fp, fa, eps, normalize, scale, lengths, chunk, 
     S0, Z0, S_out, Z_out = unowned((S0, Z0, S_out, Z_out))
     owners = (empty((chunk, d_ + chunk), dt), empty((d_ + chunk, dv), dt), empty((chunk, d_), dt),
               empty((d_, chunk), dt), empty(max(d_, dv), dt), empty((dv + 1, d_), dt),
-              empty(d_ + chunk, dt))
+              empty(d_ + chunk, dt), empty(chunk, dt))
     # [phi(Q) | A], [S ; V], phi(K), its transpose, sums, a chunk's state transposed on its way to
-    # ``states``, [Z, 1, ..., 1] (the denominators' weights)
-    QA, SV, Kf, KT, sums, ST, W = unowned(owners)
+    # ``states``, [Z, 1, ..., 1] (the denominators' weights), the output rows' factors
+    QA, SV, Kf, KT, sums, ST, W, RF = unowned(owners)
     for j in range(W.shape[0]):
         W[j] = 1
     gbuf = gate_buffers(gates, chunk, dt)
@@ -369,7 +366,8 @@ def _causal_forward(q, k, v, fm, fp, fa, eps, normalize, scale, lengths, chunk, 
     # output rows far apart (head views of a fused projection) are fetched for writing a chunk ahead:
     # 0.93x the time in a model; adjacent rows gain nothing (the hardware prefetches them). The
     # inputs' rows are loaded TOUCH_CHUNKS at a time (touch_rows), which serves both kinds.
-    spread = q.strides[2] != q.shape[3] * q.itemsize or v.strides[2] != dv * v.itemsize
+    v_apart = v.strides[2] != dv * v.itemsize
+    spread = q.strides[2] != q.shape[3] * q.itemsize or v_apart
     item = take(counter)
     while item < items:
         length = lengths[item // nseg]
@@ -435,23 +433,23 @@ def _causal_forward(q, k, v, fm, fp, fa, eps, normalize, scale, lengths, chunk, 
             chunk_gates(gates, h, ld, i0, c, G, R, F, status)
             load_features(qh, i0, c, mp, QA)
             _load_kt(kh, i0, c, mp, Kf, KT, sums if decayed else Pz)  # gated keys add their sums later
-            _copy_rows(vh, i0, c, SV, d_)
+            if v_apart:  # (rows apart are read many times by the products: copied side by side first)
+                _copy_rows(vh, i0, c, SV, d_)
+            V = SV[d_:d_ + c] if v_apart else vh[i0:i0 + c]
             gate_scores(gates, QA, KT, Kf, d_, c, G, R, F, X)  # A, lower triangle, decayed
             gate_queries(gates, QA, d_, c, F)
-            if has_acc or has_p:  # [phi(Q) | A] @ [S ; V], each row tile up to its last nonzero score
-                small_gemm(QA[:c, :d_ + c], SV[:d_ + c], oh[i0:i0 + c], False, d_, -1)
-            else:  # a zero state: the chunk's own part only
-                small_gemm(QA[:c, d_:d_ + c], SV[d_:d_ + c], oh[i0:i0 + c], False, 0, -1)
             if normalize:
                 _copy_row(Z, W)  # W[:d_] = Z
-                _normalize_rows(oh, i0, c, QA, W, d_ + c, eps, scale, keep)
-            elif scale != 1:
-                _scale_rows(oh, i0, c, scale)
+            factors = _row_factors(i0, c, QA, W, d_ + c, eps, normalize, scale, keep, RF)
+            if has_acc or has_p:  # [phi(Q) | A] @ [S ; V], each row tile up to its last nonzero score
+                small_gemm_stacked(QA[:c, :d_ + c], SV[:d_], V, oh[i0:i0 + c], factors, d_, -1)
+            else:  # a zero state: the chunk's own part only
+                small_gemm_stacked(QA[:c, d_:d_ + c], V, V[:0], oh[i0:i0 + c], factors, 0, -1)
             if ci == c1 - 1 and not (last and S_out.shape[0] > 0):
                 break  # no one reads the state after the segment's last chunk (a tiny call: half its products)
             beta = gate_pending(gates, P, Pz, lam, c, G, R, F, has_p)
             gate_key_columns(gates, KT, Kf, c, F, Pz)
-            small_gemm(KT[:, :c], SV[d_:d_ + c], P, beta if has_p else 0, -1, -1)  # pending state update
+            small_gemm(KT[:, :c], V, P, beta if has_p else 0, -1, -1)  # pending state update
             has_p = True
             if ci < c1 - 1:
                 has_acc, has_p, acc_in_b = pending_added(ci, acc, accz, B, Bz, P, Pz, has_acc, acc_in_b, lam,
@@ -569,8 +567,8 @@ def _noncausal_state(k, v, mp, chunk, Kf, V, S, Z, parts, S0, Z0, h):
 
 
 @njit(helper=True)
-def _noncausal_segment(q, k, v, out, mp, eps, normalize, scale, chunk, c0, c1, QA, Kf, V, S, Zb, parts, S0, Z0, h,
-                       S_out, Z_out, first):
+def _noncausal_segment(q, k, v, out, mp, eps, normalize, scale, chunk, c0, c1, QA, Kf, V, S, Zb, RF, parts, S0, Z0,
+                       h, S_out, Z_out, first):
     """Outputs of chunks [c0, c1) of one head's queries (views (N, X); k and v (Nk, X)), from the state of
     the whole head (_noncausal_state; with no keys and no parts, S0[h] and Z0[h] themselves: a decoder
     reading its encoder's state), which the head's ``first`` segment writes to S_out[h], Z_out[h] when
@@ -592,11 +590,8 @@ def _noncausal_segment(q, k, v, out, mp, eps, normalize, scale, chunk, c0, c1, Q
         c = min(chunk, n - i0)
         touch_rows(q, i0, _rows_to_touch(ci, c0, c1, chunk, n))
         load_features(q, i0, c, mp, QA)
-        small_gemm(QA[:c], Sh, out[i0:i0 + c], False, -1, -1)
-        if normalize:
-            _normalize_rows(out, i0, c, QA, Z, d_, eps, scale, QA[0, :0])
-        elif scale != 1:
-            _scale_rows(out, i0, c, scale)
+        factors = _row_factors(i0, c, QA, Z, d_, eps, normalize, scale, QA[0, :0], RF)
+        small_gemm_stacked(QA[:c], Sh, Sh[:0], out[i0:i0 + c], factors, -1, -1)
 
 
 def _noncausal_forward(q, k, v, fm, fp, fa, eps, normalize, scale, lengths, qlengths, chunk, frac, S0, Z0, out,
@@ -625,8 +620,8 @@ def _noncausal_forward(q, k, v, fm, fp, fa, eps, normalize, scale, lengths, qlen
     # (see _causal_forward)
     q, k, v, out, parts, S0, Z0, S_out, Z_out = unowned((q, k, v, out, parts, S0, Z0, S_out, Z_out))
     owners = (empty((chunk, d_), dt), empty((chunk, d_), dt), empty((chunk, dv), dt),
-              empty((d_, dv), dt), empty(d_, dt))
-    QA, Kf, V, S, Zb = unowned(owners)
+              empty((d_, dv), dt), empty(d_, dt), empty(chunk, dt))
+    QA, Kf, V, S, Zb, RF = unowned(owners)
     item = take(counter)
     while item < items:
         h, s, c0, c1 = _segment(item, nseg, frac, nchunks)
@@ -646,7 +641,7 @@ def _noncausal_forward(q, k, v, fm, fp, fa, eps, normalize, scale, lengths, qlen
         c0, c1 = min(c0, qc), min(c1, qc)
         if c0 < c1 or (s == 0 and S_out.shape[0] > 0):
             _noncausal_segment(q[h1, h2][:qlength], kh, vh, out[h1, h2], mp, eps, normalize, scale, chunk, c0, c1,
-                               QA, Kf, V, S, Zb, parts[h] if parts.shape[0] > 0 else parts[0, :0], S0, Z0, h, S_out,
+                               QA, Kf, V, S, Zb, RF, parts[h] if parts.shape[0] > 0 else parts[0, :0], S0, Z0, h, S_out,
                                Z_out, s == 0)
         if s == nseg - 1 and qlength < n:
             out[h1, h2][qlength:] = 0

@@ -12,7 +12,9 @@ products: for the rows of a tile starting at r0, the inner dimension stops at ``
 (the chunk's masked scores times V) and the columns at ``nband + r0 + ROWS``, rounded up to whole
 vectors (the scores themselves; the caller zeroes the rest of the triangle). The product with A
 transposed has one (``small_gemm_tn_lower``): for a lower triangular A the inner dimension of a tile
-starts at its first row.
+starts at its first row. ``small_gemm_stacked`` reads B from two arrays, its rows from the second's
+first once the first's run out (the state, then the chunk's values where they lie: no copy), and
+scales each row of the product as it stores it (the normalisation: no second pass over the output).
 """
 from llvmlite import ir
 from numba.core import cgutils, types
@@ -44,28 +46,30 @@ def _typed(a, b, c):
 
 
 def _c_signature(dtype):
-    """(a, m, kdim, sa, b, sb, c, n, sc, beta, kband, nband): pointers, dims and row strides in
-    elements; beta (c's factor, 0: c is not read) in the dtype."""
+    """(a, m, kdim, sa, b, sb, c, n, sc, beta, kband, nband, b2, sb2, ksplit, rs, scaled): pointers, dims
+    and row strides in elements; beta (c's factor, 0: c is not read) in the dtype; B's rows from
+    ``ksplit`` on are those of b2 (rows sb2 apart) from its first: B stacked from two arrays without a
+    copy; where ``scaled`` is nonzero, row i of the product is multiplied by rs[i] before c is added."""
     ptr, i = types.CPointer(dtype), types.intp
-    return types.void(ptr, i, i, i, ptr, i, ptr, i, i, dtype, i, i)
+    return types.void(ptr, i, i, i, ptr, i, ptr, i, i, dtype, i, i, ptr, i, i, ptr, i)
 
 
 @intrinsic
-def _raw_nn(typingctx, a, m, kdim, sa, b, sb, c, n, sc, accumulate, kband, nband):
+def _raw_nn(typingctx, a, m, kdim, sa, b, sb, c, n, sc, accumulate, kband, nband, b2, sb2, ksplit, rs, scaled):
     return _c_signature(a.dtype), _codegen(False)
 
 
 @intrinsic
-def _raw_tn(typingctx, a, m, kdim, sa, b, sb, c, n, sc, accumulate, kband, nband):
+def _raw_tn(typingctx, a, m, kdim, sa, b, sb, c, n, sc, accumulate, kband, nband, b2, sb2, ksplit, rs, scaled):
     return _c_signature(a.dtype), _codegen(True)
 
 
-def _product_nn(a, m, kdim, sa, b, sb, c, n, sc, accumulate, kband, nband):
-    _raw_nn(a, m, kdim, sa, b, sb, c, n, sc, accumulate, kband, nband)
+def _product_nn(a, m, kdim, sa, b, sb, c, n, sc, accumulate, kband, nband, b2, sb2, ksplit, rs, scaled):
+    _raw_nn(a, m, kdim, sa, b, sb, c, n, sc, accumulate, kband, nband, b2, sb2, ksplit, rs, scaled)
 
 
-def _product_tn(a, m, kdim, sa, b, sb, c, n, sc, accumulate, kband, nband):
-    _raw_tn(a, m, kdim, sa, b, sb, c, n, sc, accumulate, kband, nband)
+def _product_tn(a, m, kdim, sa, b, sb, c, n, sc, accumulate, kband, nband, b2, sb2, ksplit, rs, scaled):
+    _raw_tn(a, m, kdim, sa, b, sb, c, n, sc, accumulate, kband, nband, b2, sb2, ksplit, rs, scaled)
 
 
 _SYMBOLS = {(dtype, trans_a): symbols.define(f"small_gemm_{'tn' if trans_a else 'nn'}_{dtype}", fn, _c_signature(dtype))
@@ -84,11 +88,18 @@ def register(dtype):
 before_kernels.append(register)
 
 
-def _call(trans_a, lower=False):
+def _call(trans_a, lower=False, stacked=False):
     """Intrinsic body: unpack the arrays and call the registered product by its symbol (``lower``: a
-    transposed, lower triangular)."""
+    transposed, lower triangular; ``stacked``: the arguments are (a, b1, b2, c, rs, kband, nband), B =
+    [b1 ; b2], c not read, its rows scaled by rs when rs has elements)."""
 
     def codegen(context, builder, sig, args):
+        if stacked:
+            arr_b2 = context.make_array(sig.args[2])(context, builder, args[2])
+            arr_rs = context.make_array(sig.args[4])(context, builder, args[4])
+            dtype = sig.args[0].dtype
+            sig = types.void(sig.args[0], sig.args[1], sig.args[3], dtype, types.intp, types.intp)
+            args = (args[0], args[1], args[3], context.get_constant(dtype, 0.0)) + tuple(args[5:])
         arr_a, arr_b, arr_c = (context.make_array(t)(context, builder, v) for t, v in zip(sig.args[:3], args[:3]))
         dtype = sig.args[0].dtype
         size = context.get_abi_sizeof(context.get_data_type(dtype))
@@ -106,6 +117,11 @@ def _call(trans_a, lower=False):
                   builder.extract_value(arr_a.shape, 0 if trans_a else 1), rstride(arr_a),
                   arr_b.data, rstride(arr_b), arr_c.data, builder.extract_value(arr_c.shape, 1), rstride(arr_c),
                   beta, kband, nband]
+        if stacked:  # B's rows from b1's count on: b2's
+            values += [arr_b2.data, rstride(arr_b2), builder.extract_value(arr_b.shape, 0),
+                       arr_rs.data, builder.extract_value(arr_rs.shape, 0)]
+        else:  # (the split past every row: b1 alone; no scales)
+            values += [arr_b.data, rstride(arr_b), builder.extract_value(arr_b.shape, 0), arr_a.data, ir.Constant(i64, 0)]
         symbols.emit_call(builder, _SYMBOLS[dtype, trans_a], values)
         return context.get_dummy_value()
 
@@ -130,6 +146,20 @@ def _tn(a, b, c, beta, lower):
         return None
     register(as_dtype(a.dtype))  # (when compiling; a kernel loaded from the cache: Kernel.get)
     return types.void(a, b, c, beta), _call(True, lower)
+
+
+@intrinsic
+def small_gemm_stacked(typingctx, a, b1, b2, c, rs, kband, nband):
+    """c[i, j] = rs[i] sum_k a[i, k] b[k, j] with b = [b1 ; b2] (b1's rows, then b2's: as many in all
+    as a has columns), read where they are (a chunk's [phi(Q) | A] times the state stacked on the
+    chunk's values, with no copy of the values), and the rows scaled as they are stored (the
+    outputs' normalisation, with no second pass over them); without the factor where ``rs`` has no
+    elements. Bands as small_gemm's. Only callable from Numba code."""
+    if (not _typed(a, b1, c) or not _typed(a, b2, c) or not isinstance(rs, types.Array) or rs.ndim != 1
+            or rs.dtype != a.dtype):
+        return None
+    register(as_dtype(a.dtype))  # (when compiling; a kernel loaded from the cache: Kernel.get)
+    return types.void(a, b1, b2, c, rs, types.intp, types.intp), _call(False, stacked=True)
 
 
 @intrinsic
@@ -163,7 +193,8 @@ def _codegen(trans_a):
     (K, M)), the arguments of ``_c_signature``."""
 
     def codegen(context, builder, sig, args):
-        a_data, m, kdim, sa, b_data, sb, c_data, n, sc, beta_v, kband_v, nband_v = args
+        (a_data, m, kdim, sa, b_data, sb, c_data, n, sc, beta_v, kband_v, nband_v, b2_data, sb2, ksplit, rs_data,
+         scaled_v) = args
         fty = context.get_data_type(sig.args[0].dtype)
         size = context.get_abi_sizeof(fty)
         lanes = _vector_bytes(context) // size
@@ -171,6 +202,7 @@ def _codegen(trans_a):
         vec = ir.VectorType(fty, lanes)
         i64, i32 = context.get_value_type(types.intp), ir.IntType(32)
         accumulate_v = builder.fcmp_unordered("!=", beta_v, ir.Constant(fty, 0.0))
+        scaled = builder.icmp_signed("!=", scaled_v, ir.Constant(scaled_v.type, 0))
 
         def const(x):
             return ir.Constant(i64, x)
@@ -202,14 +234,29 @@ def _codegen(trans_a):
 
             accs = [[cgutils.alloca_once_value(builder, ir.Constant(ty, None)) for _ in range(nvec)]
                     for _ in range(rows)]
-            with cgutils.for_range_slice(builder, kstart, kend, const(1)) as (kk, _):
-                bv = [load(ptr(b_data, sb, kk, builder.add(j0, const(j * width)), ty)) for j in range(nvec)]
+            def smaller(x, y):
+                return builder.select(builder.icmp_signed("<", x, y), x, y)
+
+            def larger(x, y):
+                return builder.select(builder.icmp_signed(">", x, y), x, y)
+
+            # B's rows below ksplit are b's, the others b2's (from its first): a loop over each part
+            for base, stride, k0, k1, shift in ((b_data, sb, kstart, smaller(kend, ksplit), const(0)),
+                                                (b2_data, sb2, larger(kstart, ksplit), kend, ksplit)):
+                with cgutils.for_range_slice(builder, k0, k1, const(1)) as (kk, _):
+                    row = builder.sub(kk, shift)
+                    bv = [load(ptr(base, stride, row, builder.add(j0, const(j * width)), ty)) for j in range(nvec)]
+                    for i in range(rows):
+                        ai = splat(builder.load(a_ptr(builder.add(r0, const(i)), kk), align=size), ty)
+                        for j in range(nvec):
+                            acc = accs[i][j]
+                            prod = builder.fmul(ai, bv[j], flags=_FLAGS)
+                            builder.store(builder.fadd(builder.load(acc), prod, flags=_FLAGS), acc)
+            with builder.if_then(scaled):  # rows times their factors
                 for i in range(rows):
-                    ai = splat(builder.load(a_ptr(builder.add(r0, const(i)), kk), align=size), ty)
+                    f = splat(builder.load(builder.gep(rs_data, [builder.add(r0, const(i))])), ty)
                     for j in range(nvec):
-                        acc = accs[i][j]
-                        prod = builder.fmul(ai, bv[j], flags=_FLAGS)
-                        builder.store(builder.fadd(builder.load(acc), prod, flags=_FLAGS), acc)
+                        builder.store(builder.fmul(builder.load(accs[i][j]), f, flags=_FLAGS), accs[i][j])
             for i in range(rows):
                 for j in range(nvec):
                     p = ptr(c_data, sc, builder.add(r0, const(i)), builder.add(j0, const(j * width)), ty)
