@@ -121,7 +121,8 @@ def _call(trans_a, lower=False, stacked=False):
             values += [arr_b2.data, rstride(arr_b2), builder.extract_value(arr_b.shape, 0),
                        arr_rs.data, builder.extract_value(arr_rs.shape, 0)]
         else:  # (the split past every row: b1 alone; no scales)
-            values += [arr_b.data, rstride(arr_b), builder.extract_value(arr_b.shape, 0), arr_a.data, ir.Constant(i64, 0)]
+            values += [arr_b.data, rstride(arr_b), builder.extract_value(arr_b.shape, 0),
+                       arr_a.data, ir.Constant(i64, 0)]
         symbols.emit_call(builder, _SYMBOLS[dtype, trans_a], values)
         return context.get_dummy_value()
 
@@ -218,6 +219,12 @@ def _codegen(trans_a):
             return builder.shuffle_vector(builder.insert_element(undef, x, ir.Constant(i32, 0)), undef,
                                           ir.Constant(ir.VectorType(i32, ty.count), [0] * ty.count))
 
+        def smaller(x, y):
+            return builder.select(builder.icmp_signed("<", x, y), x, y)
+
+        def larger(x, y):
+            return builder.select(builder.icmp_signed(">", x, y), x, y)
+
         def band(limit, base, r0, rows, align=1):
             """min(limit, base + r0 + rows rounded up to a multiple of align) when base >= 0, else limit."""
             end = builder.add(builder.add(base, r0), const(rows + align - 1))
@@ -234,12 +241,6 @@ def _codegen(trans_a):
 
             accs = [[cgutils.alloca_once_value(builder, ir.Constant(ty, None)) for _ in range(nvec)]
                     for _ in range(rows)]
-            def smaller(x, y):
-                return builder.select(builder.icmp_signed("<", x, y), x, y)
-
-            def larger(x, y):
-                return builder.select(builder.icmp_signed(">", x, y), x, y)
-
             # B's rows below ksplit are b's, the others b2's (from its first): a loop over each part
             for base, stride, k0, k1, shift in ((b_data, sb, kstart, smaller(kend, ksplit), const(0)),
                                                 (b2_data, sb2, larger(kstart, ksplit), kend, ksplit)):
