@@ -305,6 +305,26 @@ def test_errors(cuda):
         linattn.causal_linear_attention(dq[:, ::2], dev(cuda, k[:, ::2]), dev(cuda, v[:, ::2]))
 
 
+def test_too_many_features_for_shared_memory(cuda):
+    """D' past what a block's shared memory holds (the state's tile, phi of a chunk) is a ValueError naming D'
+    and the most that fits, raised before any launch: a GPU would refuse the launch, the simulator has no such
+    limit. The most differs by kernel: causal 1534, with gates per key dimension 1022, step 2046 (float64
+    shared buffers of 48 KB)."""
+    rng = np.random.default_rng(7)
+    taylor = linattn.feature_maps.Taylor()
+    q, k, v = (dev(cuda, x) for x in qkv(rng, (1,), 3, 64, 2, np.float32))  # D' = 1 + 64 + 64 * 65 / 2 = 2145
+    with pytest.raises(ValueError, match=r"D'=2145 features .* at most 1534 on the GPU"):
+        linattn.causal_linear_attention(q, k, v, feature_map=taylor)
+    q1, k1, v1 = (dev(cuda, x) for x in qkv(rng, (), 1, 64, 2, np.float32))  # one step of one sequence
+    st = linattn.State(dev(cuda, np.zeros((1, 2145, 2), np.float32)), dev(cuda, np.zeros((1, 2145), np.float32)))
+    with pytest.raises(ValueError, match=r"D'=2145 features .* at most 2046 on the GPU"):
+        linattn.step(q1, k1, v1, st, feature_map=taylor)
+    q, k, v = (dev(cuda, x) for x in qkv(rng, (1,), 3, 52, 2, np.float32))  # D' = 1431: fits, but not with
+    gate = dev(cuda, np.zeros((1, 3, 1431), np.float32))  # a gate per key dimension
+    with pytest.raises(ValueError, match=r"D'=1431 features .* at most 1022 on the GPU"):
+        linattn.causal_linear_attention(q, k, v, feature_map=taylor, gate=gate)
+
+
 def test_no_gpu_error():
     try:
         from numba import cuda

@@ -12,8 +12,25 @@ def shared_doubles(c, te, d, w=0):
     return 2 * c * d + c * te + c * c + d * te + d + 5 * c + 2 * c * w
 
 
-def tiles(d, dv, w=0):
-    """(C, TE): positions per chunk and value columns per block (C*TE threads per block)."""
+def _too_many_features(d, fits):
+    """The ValueError for D' features that do not fit in a block's shared memory (``fits(x)``: whether x do;
+    monotone)."""
+    most = 0
+    for bit in range(14, -1, -1):  # the largest x that fits, bit by bit (x < 2**15)
+        if fits(most + (1 << bit)):
+            most += 1 << bit
+    return ValueError(f"q: D'={d} features (the feature map's output) do not fit in the CUDA kernels' shared "
+                      f"memory ({_SHARED_BYTES // 1024} KB a block): at most {most} on the GPU (the CPU takes any)")
+
+
+def gate_columns(kind, d):
+    """Columns of the gates' G and R in shared memory: 0 without gates, 1 per position, D' per key dimension."""
+    return 0 if kind == 0 else (1 if kind == 1 else d)
+
+
+def tiles(d, dv, kind=0):
+    """(C, TE): positions per chunk and value columns per block (C*TE threads per block), for gates of ``kind``."""
+    w = gate_columns(kind, d)
     c, te = (4, 4) if _simulating() else (16, 16)  # the simulator runs each thread as a Python thread
     while shared_doubles(c, te, d, w) * 8 > _SHARED_BYTES and (c > 1 or te > 1):
         if te >= c and te > 1:
@@ -21,8 +38,13 @@ def tiles(d, dv, w=0):
         else:
             c //= 2
     if shared_doubles(c, te, d, w) * 8 > _SHARED_BYTES:
-        raise ValueError(f"q: feature dimension D={d} is too large for the CUDA kernels' shared memory")
+        raise _too_many_features(d, lambda x: shared_doubles(1, 1, x, gate_columns(kind, x)) * 8 <= _SHARED_BYTES)
     return c, te
+
+
+def step_shared_bytes(d):
+    """Dynamic shared memory of the step kernel for D' = d features: phi(q), phi(k), the factors, 4 statistics."""
+    return (3 * d + 4) * 8
 
 
 def _on_device(x):
@@ -84,8 +106,8 @@ def causal(q, k, v, fmap, eps, normalize, lengths, S0, Z0, want_state, dtype, ga
         np.asarray(log_decay, np.float64))
     status = to_device(np.zeros(3, np.int64))
     if bh and n:
-        w = 0 if kind == 0 else (1 if kind == 1 else d)
-        c, te = tiles(d, dv, w)
+        w = gate_columns(kind, d)
+        c, te = tiles(d, dv, kind)
         kern[(bh, -(-dv // te)), (te, c), 0, shared_doubles(c, te, d, w) * 8](
             q, k, v, code, fp, float(eps), bool(normalize), lens, S0, Z0, out, S, Z, c, te, g, kind, ld,
             float(scale), status)
@@ -141,8 +163,10 @@ def step(q, k, v, fmap, eps, normalize, S, Z, out, dtype, gates=None, kind=0, de
     g = to_device(np.zeros((1, 1), dtype)) if gates is None else _on_device(
         gates.reshape(bh, -1) if hasattr(gates, "reshape") else gates)
     ld = to_device(np.zeros(0)) if decay is None else to_device(np.log(np.asarray(decay, np.float64)))
+    if step_shared_bytes(d) > _SHARED_BYTES:
+        raise _too_many_features(d, lambda x: step_shared_bytes(x) <= _SHARED_BYTES)
     if bh:
         t = 4 if _simulating() else min(256, max(32, -(-dv // 32) * 32))
-        kern[bh, t, 0, (3 * d + 4) * 8](q, k, v, code, fp, float(eps), bool(normalize), S, Z, res, t, g, kind, ld,
-                                        float(scale))
+        kern[bh, t, 0, step_shared_bytes(d)](q, k, v, code, fp, float(eps), bool(normalize), S, Z, res, t, g, kind,
+                                             ld, float(scale))
     return _result(res, host)
