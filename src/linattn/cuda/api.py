@@ -156,6 +156,8 @@ def step(q, k, v, fmap, eps, normalize, S, Z, out, dtype, gates=None, kind=0, de
     from .kernels import step as kern
     host = not is_device_array(q)
     bh = q.shape[0]
+    if step_shared_bytes(fmap[2]) > _SHARED_BYTES:  # (before anything is copied to the device)
+        raise _too_many_features(fmap[2], lambda x: step_shared_bytes(x) <= _SHARED_BYTES)
     code, fp, d = _map_args(fmap)
     dv = v.shape[1]
     q, k, v = (_on_device(x) for x in (q, k, v))
@@ -163,8 +165,6 @@ def step(q, k, v, fmap, eps, normalize, S, Z, out, dtype, gates=None, kind=0, de
     g = to_device(np.zeros((1, 1), dtype)) if gates is None else _on_device(
         gates.reshape(bh, -1) if hasattr(gates, "reshape") else gates)
     ld = to_device(np.zeros(0)) if decay is None else to_device(np.log(np.asarray(decay, np.float64)))
-    if step_shared_bytes(d) > _SHARED_BYTES:
-        raise _too_many_features(d, lambda x: step_shared_bytes(x) <= _SHARED_BYTES)
     if bh:
         t = 4 if _simulating() else min(256, max(32, -(-dv // 32) * 32))
         kern[bh, t, 0, step_shared_bytes(d)](q, k, v, code, fp, float(eps), bool(normalize), S, Z, res, t, g, kind,
