@@ -9,7 +9,7 @@ import sys
 import numpy as np
 from numba import njit
 
-from linattn.cpu.smallgemm import ROWS, small_gemm, small_gemm_stacked, small_gemm_tn, small_gemm_tn_lower
+from linattn.cpu.smallgemm import row_tiles, small_gemm, small_gemm_stacked, small_gemm_tn, small_gemm_tn_lower
 
 
 @njit
@@ -33,7 +33,9 @@ def _run_tn_lower(a, b, c, accumulate):
 
 
 SHAPES = [(1, 1, 1), (3, 5, 7), (4, 64, 64), (5, 17, 33), (32, 64, 64), (32, 96, 64), (64, 32, 64), (33, 70, 129),
-          (8, 128, 16), (31, 9, 80), (6, 20, 8), (9, 13, 27), (4, 8, 12), (12, 64, 56)]  # last: half vectors
+          (8, 128, 16), (31, 9, 80), (6, 20, 8), (9, 13, 27), (4, 8, 12), (12, 64, 56),  # half vectors
+          (21, 64, 32), (13, 40, 16), (17, 9, 24), (40, 33, 31),  # narrow products' taller tiles, each rest
+          (20, 64, 64), (14, 40, 80), (26, 30, 128), (11, 16, 64)]  # wide ones': a tile of 6 rows given back
 
 
 def check_all(seed=0):
@@ -42,6 +44,7 @@ def check_all(seed=0):
     failures = 0
     for dtype, tol in ((np.float32, 2e-6), (np.float64, 1e-13)):
         for m, k, n in SHAPES:
+            tiles = row_tiles(m, n, np.dtype(dtype).itemsize)  # each row's (first row, rows) of its tile
             for kband, nband in ((-1, -1), (0, -1), (5, -1), (-1, 0), (-1, 3)):
                 for accumulate in (False, True, 0.5):  # beta: c's factor (False: c not read)
                     a = rng.standard_normal((m, k + 3)).astype(dtype)[:, 2:k + 2]  # rows k + 3 apart
@@ -50,7 +53,7 @@ def check_all(seed=0):
                     c = before.copy()[:, :n]
                     _run(a, b, c, accumulate, kband, nband)
                     for i in range(m):
-                        r0, rows = ((i // ROWS) * ROWS, ROWS) if i < m - m % ROWS else (i, 1)
+                        r0, rows = tiles[i]
                         kend = k if kband < 0 else min(k, kband + r0 + rows)
                         nend = n if nband < 0 else min(n, nband + r0 + rows)  # guaranteed columns
                         want = a[i, :kend].astype(np.float64) @ b[:kend].astype(np.float64)
@@ -75,7 +78,7 @@ def check_all(seed=0):
                         c = before.copy()
                         _run_stacked(a, b1, b2, c, rs, kband, nband)
                         for i in range(m):
-                            r0, rows = ((i // ROWS) * ROWS, ROWS) if i < m - m % ROWS else (i, 1)
+                            r0, rows = tiles[i]
                             kend = k if kband < 0 else min(k, kband + r0 + rows)
                             nend = n if nband < 0 else min(n, nband + r0 + rows)
                             want = a[i, :kend].astype(np.float64) @ b[:kend].astype(np.float64)
@@ -97,7 +100,7 @@ def check_all(seed=0):
                 # a tile of rows of c starting at r0 skips them (a[k, i], k < r0) shows they are never read
                 low = np.tril(rng.standard_normal((m, m + 3))[:, :m]).astype(dtype)
                 i = np.arange(m)
-                r0 = np.where(i < m - m % ROWS, (i // ROWS) * ROWS, i)
+                r0 = np.array([first for first, _ in tiles])
                 low_nan = np.where(i[:, None] < r0[None, :], np.nan, low).astype(dtype)
                 b = rng.standard_normal((m, n)).astype(dtype)
                 c = before.copy()

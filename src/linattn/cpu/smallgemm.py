@@ -3,14 +3,17 @@
 OpenBLAS is fast on such sizes only where it has "small matrix" kernels (SkylakeX builds); elsewhere
 (AVX2, Haswell kernels) every call packs its operands first, and a chunk costs 1.8x more (measured:
 17.1 instead of 9.3 us per 32 positions at D = Dv = 64). This is a register-blocked product written
-with explicit LLVM vector types: a tile of ROWS rows by PANEL vectors of columns accumulates in
-registers over the whole inner dimension (each loaded row of B serves ROWS rows of A, each
-broadcast element of A a whole panel), then columns one vector at a time, and the last columns
-(fewer than a vector) as one vector through masked loads and stores (they went one at a time: a width
-of 63 took 2.6x the time of 64 per multiply-add). Two optional bands skip the zero part of causal
-products: for the rows of a tile starting at r0, the inner dimension stops at ``kband + r0 + ROWS``
-(the chunk's masked scores times V) and the columns at ``nband + r0 + ROWS``, rounded up to whole
-vectors (the scores themselves; the caller zeroes the rest of the triangle). The product with A
+with explicit LLVM vector types: a tile of R rows by a panel of vectors of columns accumulates in
+registers over the whole inner dimension (each loaded row of B serves R rows of A, each broadcast
+element of A a whole panel), then columns one vector at a time, and the last columns (fewer than a
+vector) as one vector through masked loads and stores (they went one at a time: a width of 63 took
+2.6x the time of 64 per multiply-add). With AVX-512, R is 6 for panels of four vectors (B's rows
+read from L2 when B outgrows L1: D = 128) and 8 where C is two vectors wide or less (a chunk's
+scores, D <= 32); AVX2's 16 registers take tiles of 4 rows by two vectors (``row_tiles`` says which
+rows share a tile). Two optional bands skip the zero part of causal products: for the rows of a
+tile starting at r0, the inner dimension stops at ``kband + r0 + R`` (the chunk's masked scores
+times V) and the columns at ``nband + r0 + R``, rounded up to whole vectors (the scores
+themselves; the caller zeroes the rest of the triangle). The product with A
 transposed has one (``small_gemm_tn_lower``): for a lower triangular A the inner dimension of a tile
 starts at its first row. ``small_gemm_stacked`` reads B from two arrays, its rows from the second's
 first once the first's run out (the state, then the chunk's values where they lie: no copy), and
@@ -25,8 +28,13 @@ from .._jit import before_kernels, target_features
 from . import symbols
 from .vector import lane_mask, masked_access
 
-#: Rows of A (and of C) per register tile.
+#: Rows of A (and of C) per register tile: AVX2's (16 registers, 8 accumulators of two vectors).
 ROWS = 4
+#: On AVX-512 (32 registers): tiles of four vectors of columns take WIDE_ROWS rows (24 accumulators:
+#: each loaded row of B serves 1.5x the rows, which matters where B does not fit in L1), products of
+#: two vectors of columns or fewer NARROW_ROWS (16 accumulators of two vectors).
+WIDE_ROWS = 6
+NARROW_ROWS = 8
 _FLAGS = ("contract", "reassoc", "nsz", "arcp")
 
 
@@ -34,6 +42,37 @@ def _vector_bytes(context):
     """64 (512-bit vectors) where the target has AVX-512, else 32: LLVM splits wider vectors into
     halves, which would double the tile's registers past the 16 that AVX2 has."""
     return 64 if "+avx512f" in target_features(context) else 32
+
+
+def _tall_rows(m):
+    """Rows in WIDE_ROWS tiles out of m: all the whole tiles but one where that leaves a multiple of
+    ROWS instead of two single rows (32 rows: 4 x 6 + 2 x 4)."""
+    tall = m // WIDE_ROWS * WIDE_ROWS
+    return tall - WIDE_ROWS if m - tall == 2 and tall > 0 else tall
+
+
+def _stages(lanes, wide, n):
+    """(rows per tile, whether the stage stops at _tall_rows(m) rather than at m), in order: each
+    stage covers the rows the ones before left, in whole tiles."""
+    if not wide:
+        return [(ROWS, False), (1, False)]
+    if n <= 2 * lanes:
+        return [(NARROW_ROWS, False), (ROWS, False), (1, False)]
+    return [(WIDE_ROWS, True), (ROWS, False), (1, False)]
+
+
+def row_tiles(m, n, itemsize):
+    """(first row, rows) of the register tile of each of the m rows of a product with n columns of
+    ``itemsize``-byte elements, as compiled for this process's target (the bands depend on them)."""
+    from numba.core.registry import cpu_target
+    vector_bytes = _vector_bytes(cpu_target.target_context)
+    tiles, start = [], 0
+    for rows, tall in _stages(vector_bytes // itemsize, vector_bytes == 64, n):
+        stop = _tall_rows(m) if tall else m
+        end = start + (stop - start) // rows * rows
+        tiles += [(start + (i - start) // rows * rows, rows) for i in range(start, end)]
+        start = end
+    return tiles
 
 
 def _typed(a, b, c):
@@ -267,8 +306,10 @@ def _codegen(trans_a):
                         builder.store(builder.fadd(old, total, flags=_FLAGS), accs[i][j])
                     store(builder.load(accs[i][j]), p)
 
-        def row_blocks(start, stop, rows):
-            """Tiles of ``rows`` rows over [start, the last multiple of rows below stop); returns that end."""
+        def row_blocks(start, stop, rows, widths):
+            """Tiles of ``rows`` rows over [start, the last multiple of rows below stop), each row's
+            columns in panels of ``widths`` vectors, widest first, then one masked vector; returns that
+            end."""
             step = const(rows)
             end = builder.add(start, builder.mul(builder.sdiv(builder.sub(stop, start), step), step))
             with cgutils.for_range_slice(builder, start, end, step) as (r0, _):
@@ -279,7 +320,6 @@ def _codegen(trans_a):
                     kstart, kend = const(0), band(kdim, kband_v, r0, rows)
                 nend = band(n, nband_v, r0, rows, lanes)  # whole vectors: the caller zeroes the triangle
                 col = const(0)
-                widths = [panel] + ([2] if panel > 2 else []) + [1]
                 for nvec in widths:
                     cstep = const(nvec * lanes)
                     cend = builder.add(col, builder.mul(builder.sdiv(builder.sub(nend, col), cstep), cstep))
@@ -291,8 +331,27 @@ def _codegen(trans_a):
                     tile(r0, rows, col, 1, kstart, kend, left)
             return end
 
-        end = row_blocks(const(0), m, ROWS)
-        row_blocks(end, m, 1)
+        def stages(narrow_n):
+            """The row tiles of _stages, in code (panels of two vectors and fewer where n is narrow)."""
+            widths = [2, 1] if narrow_n else [panel] + ([2] if panel > 2 else []) + [1]
+            end = const(0)
+            for rows, tall in _stages(lanes, panel > 2, 2 * lanes if narrow_n else 4 * lanes):
+                stop = m
+                if tall:  # _tall_rows(m)
+                    whole = builder.mul(builder.sdiv(m, const(rows)), const(rows))
+                    give_back = builder.and_(builder.icmp_signed("==", builder.sub(m, whole), const(2)),
+                                             builder.icmp_signed(">", whole, const(0)))
+                    stop = builder.select(give_back, builder.sub(whole, const(rows)), whole)
+                end = row_blocks(end, stop, rows, widths)
+
+        if panel > 2:
+            with builder.if_else(builder.icmp_signed("<=", n, const(2 * lanes))) as (narrow, wide):
+                with narrow:
+                    stages(True)
+                with wide:
+                    stages(False)
+        else:
+            stages(False)
         return context.get_dummy_value()
 
     return codegen
