@@ -3,21 +3,22 @@
 OpenBLAS is fast on such sizes only where it has "small matrix" kernels (SkylakeX builds); elsewhere
 (AVX2, Haswell kernels) every call packs its operands first, and a chunk costs 1.8x more (measured:
 17.1 instead of 9.3 us per 32 positions at D = Dv = 64). This is a register-blocked product written
-with explicit LLVM vector types: a tile of R rows by a panel of vectors of columns accumulates in
-registers over the whole inner dimension (each loaded row of B serves R rows of A, each broadcast
+with explicit LLVM vector types: a tile of R rows by a panel of two vectors of columns accumulates
+in registers over the whole inner dimension (each loaded row of B serves R rows of A, each broadcast
 element of A a whole panel), then columns one vector at a time, and the last columns (fewer than a
 vector) as one vector through masked loads and stores (they went one at a time: a width of 63 took
-2.6x the time of 64 per multiply-add). With AVX-512, R is 6 for panels of four vectors (B's rows
-read from L2 when B outgrows L1: D = 128) and 8 where C is two vectors wide or less (a chunk's
-scores, D <= 32); AVX2's 16 registers take tiles of 4 rows by two vectors (``row_tiles`` says which
-rows share a tile). Two optional bands skip the zero part of causal products: for the rows of a
-tile starting at r0, the inner dimension stops at ``kband + r0 + R`` (the chunk's masked scores
-times V) and the columns at ``nband + r0 + R``, rounded up to whole vectors (the scores
-themselves; the caller zeroes the rest of the triangle). The product with A
-transposed has one (``small_gemm_tn_lower``): for a lower triangular A the inner dimension of a tile
-starts at its first row. ``small_gemm_stacked`` reads B from two arrays, its rows from the second's
-first once the first's run out (the state, then the chunk's values where they lie: no copy), and
-scales each row of the product as it stores it (the normalisation: no second pass over the output).
+2.6x the time of 64 per multiply-add). R is 8 with AVX-512's 32 registers, 4 with AVX2's 16, then
+fewer for the rows left (``row_tiles`` says which rows share a tile). With AVX-512, tiles of 8 rows
+by two vectors load a row of B half as often per multiply-add as the 4 by 4 they replace: as fast
+where B fits in L1, 1.3x faster where it does not (D = 128), and 1.2x faster on products two vectors
+wide (a chunk's scores, D = 32). Two optional bands skip the zero part of causal products: for the
+rows of a tile starting at r0, the inner dimension stops at ``kband + r0 + R`` (the chunk's masked
+scores times V) and the columns at ``nband + r0 + R``, rounded up to whole vectors (the scores
+themselves; the caller zeroes the rest of the triangle). The product with A transposed has one
+(``small_gemm_tn_lower``): for a lower triangular A the inner dimension of a tile starts at its first
+row. ``small_gemm_stacked`` reads B from two arrays, its rows from the second's first once the
+first's run out (the state, then the chunk's values where they lie: no copy), and scales each row of
+the product as it stores it (the normalisation: no second pass over the output).
 """
 from llvmlite import ir
 from numba.core import cgutils, types
@@ -28,13 +29,11 @@ from .._jit import before_kernels, target_features
 from . import symbols
 from .vector import lane_mask, masked_access
 
-#: Rows of A (and of C) per register tile: AVX2's (16 registers, 8 accumulators of two vectors).
+#: Rows of A (and of C) per register tile of two vectors of columns: with AVX2's 16 registers (8
+#: accumulators), and with AVX-512's 32 (16 accumulators; each loaded row of B serves twice the rows,
+#: which matters where B outgrows L1: D = 128).
 ROWS = 4
-#: On AVX-512 (32 registers): tiles of four vectors of columns take WIDE_ROWS rows (24 accumulators:
-#: each loaded row of B serves 1.5x the rows, which matters where B does not fit in L1), products of
-#: two vectors of columns or fewer NARROW_ROWS (16 accumulators of two vectors).
-WIDE_ROWS = 6
-NARROW_ROWS = 8
+WIDE_ROWS = 8
 _FLAGS = ("contract", "reassoc", "nsz", "arcp")
 
 
@@ -44,32 +43,19 @@ def _vector_bytes(context):
     return 64 if "+avx512f" in target_features(context) else 32
 
 
-def _tall_rows(m):
-    """Rows in WIDE_ROWS tiles out of m: all the whole tiles but one where that leaves a multiple of
-    ROWS instead of two single rows (32 rows: 4 x 6 + 2 x 4)."""
-    tall = m // WIDE_ROWS * WIDE_ROWS
-    return tall - WIDE_ROWS if m - tall == 2 and tall > 0 else tall
+def _stages(wide):
+    """Rows per tile of each stage, in order: each covers the rows the ones before left, in whole
+    tiles (the last, single rows, all that is left)."""
+    return [WIDE_ROWS, ROWS, 1] if wide else [ROWS, 1]
 
 
-def _stages(lanes, wide, n):
-    """(rows per tile, whether the stage stops at _tall_rows(m) rather than at m), in order: each
-    stage covers the rows the ones before left, in whole tiles."""
-    if not wide:
-        return [(ROWS, False), (1, False)]
-    if n <= 2 * lanes:
-        return [(NARROW_ROWS, False), (ROWS, False), (1, False)]
-    return [(WIDE_ROWS, True), (ROWS, False), (1, False)]
-
-
-def row_tiles(m, n, itemsize):
-    """(first row, rows) of the register tile of each of the m rows of a product with n columns of
-    ``itemsize``-byte elements, as compiled for this process's target (the bands depend on them)."""
+def row_tiles(m):
+    """(first row, rows) of the register tile of each of the m rows of a product, as compiled for this
+    process's target (the bands depend on them)."""
     from numba.core.registry import cpu_target
-    vector_bytes = _vector_bytes(cpu_target.target_context)
     tiles, start = [], 0
-    for rows, tall in _stages(vector_bytes // itemsize, vector_bytes == 64, n):
-        stop = _tall_rows(m) if tall else m
-        end = start + (stop - start) // rows * rows
+    for rows in _stages(_vector_bytes(cpu_target.target_context) == 64):
+        end = start + (m - start) // rows * rows
         tiles += [(start + (i - start) // rows * rows, rows) for i in range(start, end)]
         start = end
     return tiles
@@ -238,7 +224,7 @@ def _codegen(trans_a):
         fty = context.get_data_type(sig.args[0].dtype)
         size = context.get_abi_sizeof(fty)
         lanes = _vector_bytes(context) // size
-        panel = 4 if lanes * size == 64 else 2  # vectors per tile row: 16 (AVX-512) or 8 (AVX2) registers
+        wide = lanes * size == 64  # AVX-512: 32 vector registers (AVX2: 16)
         vec = ir.VectorType(fty, lanes)
         i64, i32 = context.get_value_type(types.intp), ir.IntType(32)
         accumulate_v = builder.fcmp_unordered("!=", beta_v, ir.Constant(fty, 0.0))
@@ -280,9 +266,13 @@ def _codegen(trans_a):
 
             accs = [[cgutils.alloca_once_value(builder, ir.Constant(ty, None)) for _ in range(nvec)]
                     for _ in range(rows)]
-            # B's rows below ksplit are b's, the others b2's (from its first): a loop over each part
-            for base, stride, k0, k1, shift in ((b_data, sb, kstart, smaller(kend, ksplit), const(0)),
-                                                (b2_data, sb2, larger(kstart, ksplit), kend, ksplit)):
+            # B's rows below ksplit are b's, the others b2's (from its first): a loop over each part (the
+            # product with A transposed is never stacked nor scaled: one loop, no factors, less to compile)
+            parts = [(b_data, sb, kstart, kend, const(0))]
+            if not trans_a:
+                parts = [(b_data, sb, kstart, smaller(kend, ksplit), const(0)),
+                         (b2_data, sb2, larger(kstart, ksplit), kend, ksplit)]
+            for base, stride, k0, k1, shift in parts:
                 with cgutils.for_range_slice(builder, k0, k1, const(1)) as (kk, _):
                     row = builder.sub(kk, shift)
                     bv = [load(ptr(base, stride, row, builder.add(j0, const(j * width)), ty)) for j in range(nvec)]
@@ -292,11 +282,12 @@ def _codegen(trans_a):
                             acc = accs[i][j]
                             prod = builder.fmul(ai, bv[j], flags=_FLAGS)
                             builder.store(builder.fadd(builder.load(acc), prod, flags=_FLAGS), acc)
-            with builder.if_then(scaled):  # rows times their factors
-                for i in range(rows):
-                    f = splat(builder.load(builder.gep(rs_data, [builder.add(r0, const(i))])), ty)
-                    for j in range(nvec):
-                        builder.store(builder.fmul(builder.load(accs[i][j]), f, flags=_FLAGS), accs[i][j])
+            if not trans_a:
+                with builder.if_then(scaled):  # rows times their factors
+                    for i in range(rows):
+                        f = splat(builder.load(builder.gep(rs_data, [builder.add(r0, const(i))])), ty)
+                        for j in range(nvec):
+                            builder.store(builder.fmul(builder.load(accs[i][j]), f, flags=_FLAGS), accs[i][j])
             for i in range(rows):
                 for j in range(nvec):
                     p = ptr(c_data, sc, builder.add(r0, const(i)), builder.add(j0, const(j * width)), ty)
@@ -306,10 +297,9 @@ def _codegen(trans_a):
                         builder.store(builder.fadd(old, total, flags=_FLAGS), accs[i][j])
                     store(builder.load(accs[i][j]), p)
 
-        def row_blocks(start, stop, rows, widths):
+        def row_blocks(start, stop, rows):
             """Tiles of ``rows`` rows over [start, the last multiple of rows below stop), each row's
-            columns in panels of ``widths`` vectors, widest first, then one masked vector; returns that
-            end."""
+            columns in panels of two vectors, then one, then one masked vector; returns that end."""
             step = const(rows)
             end = builder.add(start, builder.mul(builder.sdiv(builder.sub(stop, start), step), step))
             with cgutils.for_range_slice(builder, start, end, step) as (r0, _):
@@ -320,7 +310,7 @@ def _codegen(trans_a):
                     kstart, kend = const(0), band(kdim, kband_v, r0, rows)
                 nend = band(n, nband_v, r0, rows, lanes)  # whole vectors: the caller zeroes the triangle
                 col = const(0)
-                for nvec in widths:
+                for nvec in (2, 1):
                     cstep = const(nvec * lanes)
                     cend = builder.add(col, builder.mul(builder.sdiv(builder.sub(nend, col), cstep), cstep))
                     with cgutils.for_range_slice(builder, col, cend, cstep) as (j0, _):
@@ -331,27 +321,9 @@ def _codegen(trans_a):
                     tile(r0, rows, col, 1, kstart, kend, left)
             return end
 
-        def stages(narrow_n):
-            """The row tiles of _stages, in code (panels of two vectors and fewer where n is narrow)."""
-            widths = [2, 1] if narrow_n else [panel] + ([2] if panel > 2 else []) + [1]
-            end = const(0)
-            for rows, tall in _stages(lanes, panel > 2, 2 * lanes if narrow_n else 4 * lanes):
-                stop = m
-                if tall:  # _tall_rows(m)
-                    whole = builder.mul(builder.sdiv(m, const(rows)), const(rows))
-                    give_back = builder.and_(builder.icmp_signed("==", builder.sub(m, whole), const(2)),
-                                             builder.icmp_signed(">", whole, const(0)))
-                    stop = builder.select(give_back, builder.sub(whole, const(rows)), whole)
-                end = row_blocks(end, stop, rows, widths)
-
-        if panel > 2:
-            with builder.if_else(builder.icmp_signed("<=", n, const(2 * lanes))) as (narrow, wide):
-                with narrow:
-                    stages(True)
-                with wide:
-                    stages(False)
-        else:
-            stages(False)
+        end = const(0)
+        for rows in _stages(wide):
+            end = row_blocks(end, m, rows)
         return context.get_dummy_value()
 
     return codegen
