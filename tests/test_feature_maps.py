@@ -197,6 +197,24 @@ def test_maps_over_whole_and_partial_tiles(rng, name, d, rows, dtype):
 
 
 @pytest.mark.parametrize("dtype", [np.float32, np.float64])
+@pytest.mark.parametrize("nu, d", [(1, 1), (2, 1), (3, 1), (4, 2), (9, 2), (5, 3), (2, 32)])
+def test_dpfp_shifts_past_its_length(rng, nu, d, dtype):
+    """DPFP's shifts nu' = 1..nu run past u's length 2D where nu > 2D (the roll wraps more than once;
+    nu' = 2D is u * u), as in the authors' code: mapped alone, and inside the causal kernel (the
+    numerator: DPFP's features may all be 0, where normalised attention is 0 / eps)."""
+    mp = fm.DPFP(nu)
+    x = rng.standard_normal((2, 37, d)).astype(dtype)
+    want = _dpfp(x.astype(np.float64), nu)
+    size = np.maximum(np.abs(want).max(-1, keepdims=True), 1.0)
+    assert (np.abs(mp(x) - want) / size).max() <= {np.float32: 5e-7, np.float64: 1e-14}[dtype]
+    q, k, v = x, x[:, ::-1], rng.standard_normal((2, 37, 4)).astype(dtype)
+    out = linattn.causal_linear_attention(q, k, v, feature_map=mp, normalize=False)
+    ref = reference.masked(_dpfp(q.astype(np.float64), nu), _dpfp(k.astype(np.float64), nu), v.astype(np.float64),
+                           feature_map="identity", normalize=False)
+    assert_close(out, ref, dtype)
+
+
+@pytest.mark.parametrize("dtype", [np.float32, np.float64])
 @pytest.mark.parametrize("name", ["elu", "relu", "squared_relu", "gelu", "silu", "sigmoid", "softplus"])
 def test_elementwise_maps_alone_and_among_others(rng, name, dtype):
     """A value gets the same bits mapped with thousands of others (vectorised loops) and as a row of its own
