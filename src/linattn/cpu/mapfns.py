@@ -273,7 +273,7 @@ def _dpfp_block(code, fp, X, Y, work):
     """u = [relu(x), relu(-x)] and feature (nu' - 1) 2D + i = u_i u_{(i - nu') mod 2D}, nu' = 1..nu (the
     table in fp says the same), row by row: u in E after a copy of its last nu values, so that each nu'
     is the product of two contiguous runs of E, E[nu:nu + 2D] * E[nu - nu':nu - nu' + 2D] (through
-    _pairs' transposes: 2x the time of the map, D 32, nu 1)."""
+    _pairs' transposes: 1.5x the time of the map, D 32, nu 1)."""
     d, n2 = X.shape[1], 2 * X.shape[1]
     nu = Y.shape[1] // n2
     E = work[:n2 + nu]
