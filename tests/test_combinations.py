@@ -88,12 +88,16 @@ def _reference(q, k, v, lengths, gate, decay, initial_state, **kw):
     """reference.masked sequence by sequence, each cut at its length (0 past it); and the draw's condition
     number: the largest |phi(q)|.|Z| / |phi(q).Z + eps| over the positions with normalisation (the
     denominator's cancellation amplifies float rounding by as much where features have both signs:
-    ReBased's, Taylor's), else 1."""
+    ReBased's, Taylor's), else 1; at least 1 + 8 eps (of the compute dtype) times the largest output's
+    terms (|phi(q)|.(sum |phi(k)| |v|) over its denominator) over TOL x max |out|: an output far
+    smaller than its terms carries their rounding (explore mode drew phi(q).S of 5 terms 5800 times
+    smaller than their sum of magnitudes)."""
     lead, n, dv = q.shape[:-2], q.shape[-2], v.shape[-1]
     out = np.zeros(lead + (n, dv))
     lens = np.full(lead, n) if lengths is None else _per_sequence(lengths, lead)
     dec = None if decay is None else np.broadcast_to(decay, lead)
-    fmap, cond = fm.as_map(kw["feature_map"]), 1.0
+    fmap, cond, terms = fm.as_map(kw["feature_map"]), 1.0, 0.0
+    magnitudes = dict(kw, feature_map=lambda x: np.abs(fmap(x)), normalize=False)
     for idx in np.ndindex(*lead):
         m = int(lens[idx])
         if m == 0:
@@ -101,6 +105,8 @@ def _reference(q, k, v, lengths, gate, decay, initial_state, **kw):
         state = None if initial_state is None else (initial_state.S[idx], initial_state.Z[idx])
         args = dict(gate=None if gate is None else gate[idx][:m], decay=None if dec is None else dec[idx])
         out[idx][:m] = reference.masked(q[idx][:m], k[idx][:m], v[idx][:m], initial_state=state, **args, **kw)
+        size = reference.masked(q[idx][:m], k[idx][:m], np.abs(v[idx][:m]), **args, **magnitudes,
+                                initial_state=None if state is None else (np.abs(state[0]), np.abs(state[1])))
         if kw["normalize"]:
             ones = np.ones((m, 1))  # (phi(q).Z as the numerator of v = 1 with S0 = Z0)
             dens = [reference.masked(q[idx][:m], k[idx][:m], ones, normalize=False, scale=kw["scale"], **args,
@@ -109,6 +115,11 @@ def _reference(q, k, v, lengths, gate, decay, initial_state, **kw):
                     for f, z in ((fmap, None if state is None else state[1]),
                                  (lambda x: np.abs(fmap(x)), None if state is None else np.abs(state[1])))]
             cond = max(cond, float(np.max(dens[1] / (np.abs(dens[0]) + 1e-6))))
+            size = size / np.abs(dens[0] + 1e-6)
+        terms = max(terms, float(np.max(size)))
+    compute = np.float32 if q.dtype == np.float16 else q.dtype
+    largest = max(float(np.max(np.abs(out), initial=0.0)), float(np.finfo(q.dtype).tiny))
+    cond = max(cond, 1 + 8 * float(np.finfo(compute).eps) * terms / (TOL[np.dtype(q.dtype)] * largest))
     return out, cond
 
 
