@@ -11,8 +11,7 @@ from linattn import reference
 from linattn.cpu import chunked, noncausal_grad, runtime
 from linattn.cpu.elementwise import ELU
 
-from conftest import TOL, assert_close, random_options
-from test_combinations import _close
+from conftest import assert_close, cancellation, random_options
 from test_gradients import _noncausal_reference_grads, _numeric
 
 PAIRS = [(1, 1), (1, 1000), (1000, 1), (63, 65), (65, 63), (1000, 63), (63, 1000)]
@@ -205,13 +204,6 @@ def test_errors(rng):
         vjp(np.ones((2, 9, 2), np.float32))
 
 
-def _cancelling(want, size, dtype):
-    """The condition number of sums that cancel: 1 + 8 eps (of dtype) times the largest sum of magnitudes
-    ``size`` over TOL x max |want| (a sum far smaller than its terms carries their rounding)."""
-    largest = max(float(np.max(np.abs(want), initial=0.0)), float(np.finfo(dtype).tiny))
-    return 1 + 8 * float(np.finfo(dtype).eps) * float(np.max(size, initial=0.0)) / (TOL[np.dtype(dtype)] * largest)
-
-
 @settings(max_examples=40, deadline=None)
 @given(lead=st.sampled_from([(), (1,), (2, 3)]), n=st.integers(1, 200), nk=st.integers(0, 200),
        d=st.integers(1, 9), dv=st.integers(1, 9), f64=st.booleans(),
@@ -249,7 +241,7 @@ def test_random_shapes(lead, n, nk, d, dv, f64, fmap, scale, normalize, with_sta
         S_want, Z_want = S_want + S0.S, Z_want + S0.Z
         S_size, Z_size = S_size + np.abs(S0.S), Z_size + np.abs(S0.Z)
     for got, want, size in ((state.S, S_want, S_size), (state.Z, Z_want, Z_size)):
-        _close(got, want, dtype, _cancelling(want, size, dtype))
+        assert_close(got, want, dtype, cancellation(want, size, dtype))
     qf = phi(np.where(qvalid, q, 0).astype(np.float64)) * (1.0 if scale is None else scale)
     want, size = qf @ S_want, np.abs(qf) @ S_size  # (size: what the output's sums add up)
     cond = 1.0
@@ -258,7 +250,7 @@ def test_random_shapes(lead, n, nk, d, dv, f64, fmap, scale, normalize, with_sta
         cond = float(np.max(np.where(qvalid, (np.abs(qf) @ Z_size[..., None] + 1e-3) / np.abs(den), 1.0)))
         want, size = want / den, size / np.abs(den)
     want, size = np.where(qvalid, want, 0.0), np.where(qvalid, size, 0.0)
-    _close(out, want, dtype, max(cond, _cancelling(want, size, dtype)))
+    assert_close(out, want, dtype, max(cond, cancellation(want, size, dtype)))
     np.testing.assert_array_equal(np.where(qvalid, 0, out), 0)
     grads = vjp(np.where(qvalid, 1.0, np.nan).astype(dtype) * np.ones_like(out))
     assert [g.shape for g in grads[:3]] == [q.shape, k.shape, v.shape]
