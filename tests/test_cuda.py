@@ -2,6 +2,9 @@
 imported; test_cuda_simulator.py runs this file that way). Shapes are tiny: the simulator runs each
 GPU thread as a Python thread. Every result is compared with the CPU path."""
 import os
+import re
+import subprocess
+import sys
 
 import numpy as np
 import pytest
@@ -337,6 +340,25 @@ def test_no_gpu_error():
         linattn.causal_linear_attention(q, q, q, device="cuda")
     with pytest.raises(ValueError, match="device: expected None, 'cpu' or 'cuda', got 'gpu'"):
         linattn.causal_linear_attention(q, q, q, device="gpu")
+
+
+def test_target_that_cannot_load_with_this_numpy():
+    """numba-cuda 0.30.4 with NumPy 2.5 (np.row_stack removed) fails at its first compilation: the CUDA path
+    says so, naming both versions, instead of an AttributeError from inside numba-cuda."""
+    if SIM:
+        pytest.skip("the simulator compiles nothing")
+    pytest.importorskip("numba.cuda")
+    code = ("import numpy as np\n"
+            "import linattn\n"
+            "del np.row_stack  # (after Numba's own CPU target, which checks NumPy's version, has loaded)\n"
+            "try:\n"
+            "    linattn.causal_linear_attention(*(np.ones((1, 3, 2), np.float32),) * 3, device='cuda')\n"
+            "except RuntimeError as exc:\n"
+            "    print('RuntimeError:', exc)\n")
+    res = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert res.returncode == 0, res.stderr
+    assert re.search(r"RuntimeError: numba-cuda \S+ cannot compile kernels with NumPy \S+ \(AttributeError: .*"
+                     r"row_stack.*\): install a NumPy that it supports", res.stdout), res.stdout
 
 
 def _gate_options(rng, lead, n, d, dtype):

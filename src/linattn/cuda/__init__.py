@@ -30,6 +30,8 @@ def cuda_module():
     except ImportError as exc:  # pragma: no cover - depends on the installation
         raise RuntimeError("linattn's CUDA path needs Numba's CUDA target: pip install 'linattn[cuda]'"
                            f" ({exc})") from None
+    if not _simulating():
+        _check_target_loads()
     if not cuda.is_available():
         raise RuntimeError(
             "linattn's CUDA path needs an NVIDIA GPU with a working driver (numba.cuda.is_available() is "
@@ -37,6 +39,26 @@ def cuda_module():
             "NUMBA_ENABLE_CUDASIM=1 before importing numba to run the kernels in Numba's simulator")
     _cuda = cuda
     return cuda
+
+
+def _check_target_loads():
+    """A RuntimeError naming the versions where the CUDA target cannot load its NumPy support, which
+    its first kernel compilation needs (seen: numba-cuda 0.30.4 with NumPy 2.5, which removed
+    ``np.row_stack``: every compilation failed with an AttributeError from deep inside numba-cuda)."""
+    try:
+        import numba.cuda.cudaimpl  # noqa: F401
+    except Exception as exc:
+        import numpy as np
+
+        try:
+            from importlib.metadata import version
+
+            target = f"numba-cuda {version('numba-cuda')}"
+        except Exception:  # pragma: no cover - numba.cuda installed some other way
+            target = "Numba's CUDA target"
+        raise RuntimeError(f"{target} cannot compile kernels with NumPy {np.__version__} ({type(exc).__name__}: "
+                           f"{exc}): install a NumPy that it supports (pip install 'linattn[cuda]' picks one) or "
+                           "a newer numba-cuda") from None
 
 
 def availability():
