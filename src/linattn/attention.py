@@ -583,8 +583,9 @@ def causal_with_denominators(q, k, v, feature_map="elu", eps=1e-6, normalize=Tru
 
         if initial_state is not None:
             S0, Z0 = cuda_api.flat_state(S0, Z0, bh, dk, dv, where)
-        g = None if gates is None else np.ascontiguousarray(gates if kind == gates_mod.VECTOR else gates[..., None])
-        cuda_kind = gates_mod.SCALAR if kind == gates_mod.CONSTANT else kind  # its zero gates, there
+        g = None if gates is None or kind == gates_mod.CONSTANT else np.ascontiguousarray(
+            gates if kind == gates_mod.VECTOR else gates[..., None])
+        cuda_kind = gates_mod.SCALAR if kind == gates_mod.CONSTANT else kind  # (zero gates, made on the device)
         res, S, Z, status = cuda_api.causal(
             _flat(q, bh, 2), _flat(k, bh, 2), _flat(v, bh, 2), code, eps, normalize,
             lens, S0, Z0, return_state, comp,
