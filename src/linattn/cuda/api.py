@@ -136,8 +136,8 @@ def causal(q, k, v, fmap, eps, normalize, lengths, S0, Z0, want_state, dtype, ga
     """Causal forward of (BH, N, D) arrays with feature map ``fmap`` (code, parameters, D':
     cuda/maps.device_map); returns (out, S, Z, status) (S, Z have no rows unless ``want_state``) on the
     host if q is a host array, else on the device. ``gates``: (BH, N, 1) or (BH, N, D') log gates of
-    ``kind`` (linattn.gates; None with a kind: zero gates, for a decay alone), ``log_decay`` (BH,); ``status`` (host, 3 ints) reports a bad gate value
-    as the CPU kernels do."""
+    ``kind`` (linattn.gates; None with a kind: zero gates, for a decay alone), ``log_decay`` (BH,);
+    ``status`` (host, 3 ints) reports a bad gate value as the CPU kernels do."""
     cuda = cuda_module()
     from .kernels import causal as kern
     host = not is_device_array(q)
