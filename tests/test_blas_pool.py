@@ -75,6 +75,28 @@ def test_blas_runs_on_numbas_pool_with_the_same_results():
     assert int(own["own_thread_ticks"]) > 5  # without sharing they work, then spin
 
 
+def test_every_openblas_loaded_by_the_start_shares_the_pool():
+    """SciPy's OpenBLAS, which Numba loads with linattn's compiled callback where SciPy is installed
+    (after NumPy's was shared), shares the pool too: otherwise its threads were its own, and
+    ``python -m linattn info`` told the user to set OPENBLAS_THREAD_TIMEOUT."""
+    code = ("import numpy as np, linattn\n"
+            "from threadpoolctl import threadpool_info\n"
+            "from linattn.cpu import blas_pool, runtime\n"
+            "runtime.start_threads()\n"
+            "libs = [x['filepath'] for x in threadpool_info() if x.get('internal_api') == 'openblas'\n"
+            "        and x.get('num_threads', 1) > 1 and blas_pool._setter(x['filepath']) is not None]\n"
+            "print(len(libs), sorted(libs) == sorted(p for p, ok in runtime.blas_sharing().items() if ok))\n"
+            "import scipy\n")
+    res = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300, check=False)
+    if "No module named 'scipy'" in res.stderr:
+        pytest.skip("SciPy is not installed")
+    assert res.returncode == 0, res.stderr
+    count, same = res.stdout.split()
+    if runtime.num_threads() > 1 and _openblas_shares():
+        assert int(count) == 2, res.stdout  # NumPy's and SciPy's
+    assert same == "True", res.stdout
+
+
 def _child_matmul(seed):
     rng = np.random.default_rng(seed)
     a = rng.standard_normal((500, 500))
