@@ -322,6 +322,44 @@ def test_repeated_calls_copy_nothing_from_the_host(cuda, monkeypatch):
     assert len(copies) == 1, copies
 
 
+def test_constants_per_context_of_an_unhashable_type(monkeypatch):
+    """The constants' cache on a GPU (the simulator takes another branch): Numba's CUDA contexts define
+    __eq__ and no __hash__, so they are keyed by id and held; a new context (after cuda.close())
+    gets copies of its own; the zeros' buffer grows to twice what is asked."""
+    from linattn.cuda import api
+
+    class Ctx:  # as numba.cuda.cudadrv.driver.Context
+        def __eq__(self, other):
+            return isinstance(other, Ctx)
+
+    class FakeCuda:
+        ctx, copies = Ctx(), 0
+
+        def current_context(self):
+            return self.ctx
+
+        def to_device(self, x):
+            self.copies += 1
+            return x.copy()
+
+    fake = FakeCuda()
+    for name, value in (("cuda_module", lambda: fake), ("_simulating", lambda: False), ("_constants", {}),
+                        ("_zeros", {})):
+        monkeypatch.setattr(api, name, value)
+    a = api.constant(np.arange(3.0))
+    assert api.constant(np.arange(3.0)) is a and fake.copies == 1
+    api.constant(np.arange(4.0))
+    assert fake.copies == 2
+    z = api.device_zeros(10, np.float32)
+    assert z.shape == (10,) and z.dtype == np.float32 and not z.any() and fake.copies == 3
+    assert api.device_zeros(900, np.float32).shape == (900,) and fake.copies == 3  # (1024 made)
+    assert api.device_zeros(5000, np.float32).shape == (5000,) and fake.copies == 4
+    assert api.device_zeros(9000, np.float32).shape == (9000,) and fake.copies == 4
+    fake.ctx = Ctx()  # a new context: its own copies
+    assert api.constant(np.arange(3.0)) is not a and fake.copies == 5
+    assert api.constant(np.arange(3.0, dtype=np.float32)) is not a and fake.copies == 6  # (another dtype)
+
+
 def test_errors(cuda):
     rng = np.random.default_rng(5)
     q, k, v = qkv(rng, (2,), 4, 2, 3, np.float32)

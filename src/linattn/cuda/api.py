@@ -49,7 +49,8 @@ def step_shared_bytes(d):
 
 #: Largest host array that ``constant`` keeps a device copy of, in bytes.
 _CONSTANT_BYTES = 1 << 16
-_constants = {}  # (context, dtype, shape, bytes) -> device copy; see constant()
+_constants = {}  # (id of the context, dtype, shape, bytes) -> (context, device copy); see constant()
+_zeros = {}  # (id of the context, dtype) -> (context, device zeros); see device_zeros()
 _device_array_type = None
 
 
@@ -63,6 +64,20 @@ def to_device(x):
     return cuda_module().to_device(x)
 
 
+def _in_context(cache, key, usable, make):
+    """``cache``'s device array for ``key`` in the current CUDA context, made by ``make()`` unless there
+    is one for which ``usable(array)``. Entries are keyed by the context's id and hold the context
+    itself (Numba's contexts are not hashable; holding one keeps its id from being reused)."""
+    ctx = None if _simulating() else cuda_module().current_context()  # (the simulator's: a new one a call)
+    full = (id(ctx),) + key
+    found = cache.get(full)
+    if found is None or found[0] is not ctx or not usable(found[1]):
+        if len(cache) >= 256:
+            cache.clear()
+        found = cache[full] = (ctx, make())
+    return found[1]
+
+
 def constant(x):
     """A device copy of the small host array ``x`` that the kernels only read (a map's parameters,
     lengths, decays, the empty state and gates of calls without them), made once per CUDA context and
@@ -71,28 +86,15 @@ def constant(x):
     x = np.ascontiguousarray(x)
     if x.nbytes > _CONSTANT_BYTES:
         return to_device(x)
-    cuda = cuda_module()
-    # (the context object, kept alive by the key; the simulator makes a new one at each call, of one device)
-    key = ("simulator" if _simulating() else cuda.current_context(), x.dtype.str, x.shape, x.tobytes())
-    found = _constants.get(key)
-    if found is None:
-        if len(_constants) >= 256:
-            _constants.clear()
-        found = _constants[key] = cuda.to_device(x)
-    return found
-
-
-_zeros = {}  # (context, dtype) -> a device array of zeros, grown as needed; see device_zeros()
+    return _in_context(_constants, (x.dtype.str, x.shape, x.tobytes()), lambda _: True, lambda: to_device(x))
 
 
 def device_zeros(size, dtype):
     """``size`` zeros of ``dtype`` on the device, read-only: a view of a buffer kept per context and
     dtype, copied from the host only when it grows (to twice the size asked for)."""
-    cuda = cuda_module()
-    key = ("simulator" if _simulating() else cuda.current_context(), np.dtype(dtype).str)
-    buf = _zeros.get(key)
-    if buf is None or buf.shape[0] < size:
-        buf = _zeros[key] = cuda.to_device(np.zeros(max(2 * size, 1024), dtype))
+    dtype = np.dtype(dtype)
+    buf = _in_context(_zeros, (dtype.str,), lambda b: b.shape[0] >= size,
+                      lambda: to_device(np.zeros(max(2 * size, 1024), dtype)))
     return buf[:size]
 
 
