@@ -154,7 +154,7 @@ def causal(q, k, v, fmap, eps, normalize, lengths, S0, Z0, want_state, dtype, ga
     S, Z = cuda.device_array((rows, d, dv), dtype), cuda.device_array((rows, d), dtype)
     if gates is not None:
         g = _on_device(gates)
-    elif kind:  # a decay alone: zero gates of one column
+    elif kind and bh and n:  # a decay alone: zero gates of one column
         g = device_zeros(bh * n, dtype).reshape(bh, n, 1)
     else:
         g = constant(np.zeros((1, 1, 1), dtype))
