@@ -198,7 +198,7 @@ def start_threads():
         _cap = _read_cap()
         layer = numba.threading_layer()
         if layer in ("omp", "tbb"):  # layers that take parallel work from several threads at once
-            _blas_sharing = blas_pool.share([path for path, ok in sharable.items() if ok], layer)
+            blas_pool.share([path for path, ok in sharable.items() if ok], layer)
             # and again: loading the compiled callback loads SciPy's OpenBLAS where SciPy is installed
             # (Numba's BLAS bindings), which would otherwise keep threads of its own
             now = blas_pool.sharable([path for path, api in _threaded_blas() if api == "openblas"])
