@@ -39,6 +39,21 @@ def test_bench_quick():
     assert "x GEMM" in text and "speed-up" in text
 
 
+def test_bench_times_after_its_warm_up_calls(monkeypatch):
+    """The timed calls come after the warm-up calls (the first calls on many threads fault in memory)."""
+    times = iter([0.0, 0.0, 0.0, 0.0,  # start, then after each of three warm-up calls
+                  10.0, 10.0, 15.0, 20.0, 22.0, 30.0, 33.0, 40.0, 46.0])  # start, then two per timed call
+    calls = []
+    monkeypatch.setattr(cli.time, "perf_counter", lambda: next(times))
+    best = cli._time(lambda: calls.append(1), repeat=2, budget=1e9, warmup=3)
+    assert len(calls) == 5 and best == 2.0  # 3 untimed, then 5.0 and 2.0
+
+    times = iter([0.0, 1.0, 10.0, 10.0, 11.0, 12.0, 20.0])  # the warm-up stops at WARMUP_SECONDS
+    calls.clear()
+    best = cli._time(lambda: calls.append(1), repeat=1, budget=1e9, warmup=50)
+    assert len(calls) == 2 and best == 1.0
+
+
 def test_bench_cli_case(capsys):
     assert cli.main(["bench", "--case", "1,2,64,8", "--no-progress", "--json"]) == 0
     out = capsys.readouterr().out

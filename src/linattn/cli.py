@@ -98,8 +98,21 @@ def _cuda_status():
     return availability()
 
 
-def _time(fn, repeat=5, budget=1.0):
-    """Best wall time of ``fn()`` over up to ``repeat`` calls (at least 2) within ``budget`` seconds."""
+#: Calls before a fast call is timed (or WARMUP_SECONDS, whichever ends first). The first calls on many
+#: threads are slower: each thread's first work items fault in its allocator's memory (measured with 16
+#: threads on 2 cores: 23-112 page faults in each of calls 2 to 10, none later; on a fresh VM whose memory
+#: is mapped on first touch each fault is expensive), and the cores' clocks and caches settle.
+WARMUP_CALLS, WARMUP_SECONDS = 10, 0.3
+
+
+def _time(fn, repeat=5, budget=1.0, warmup=0):
+    """Best wall time of ``fn()`` over up to ``repeat`` calls (at least 2) within ``budget`` seconds, after
+    up to ``warmup`` untimed calls (at most WARMUP_SECONDS of them)."""
+    start = time.perf_counter()
+    for _ in range(warmup):
+        fn()
+        if time.perf_counter() - start > WARMUP_SECONDS:
+            break
     best, start = float("inf"), time.perf_counter()
     for i in range(repeat):
         t = time.perf_counter()
@@ -135,14 +148,14 @@ def bench(cases=None, quick=False, progress=True, stream=sys.stdout):
         inputs.append((q, k, v))
         outs.append(causal_linear_attention(q, k, v))
         rows.append({"case": f"B={b} H={h} N={n} D={d}",
-                     "linattn_ms": _time(lambda: causal_linear_attention(q, k, v)) * 1e3})
+                     "linattn_ms": _time(lambda: causal_linear_attention(q, k, v), warmup=WARMUP_CALLS) * 1e3})
         bar and bar.update()
     for (b, h, n, d), row in zip(cases, rows):
         rng = np.random.default_rng(1)
         a = rng.standard_normal((b * h * n, d)).astype(np.float32)
         w = rng.standard_normal((d, d)).astype(np.float32)
         c = np.empty((b * h * n, d), np.float32)
-        row["gemm_ms"] = _time(lambda: (np.matmul(a, w, out=c), np.matmul(a, w, out=c))) * 1e3
+        row["gemm_ms"] = _time(lambda: (np.matmul(a, w, out=c), np.matmul(a, w, out=c)), warmup=WARMUP_CALLS) * 1e3
         bar and bar.update()
     for (b, h, n, d), row, (q, k, v), out in zip(cases, rows, inputs, outs):
         # The references are O(N^2) in memory / per-token Python: time them on one head and scale.
@@ -170,7 +183,8 @@ def _print_table(rows, first_call, stream):
               f"{r['masked_ms']:10.1f} {r['masked_ms'] / r['linattn_ms']:8.0f}x "
               f"{r['loop_ms']:10.1f} {r['loop_ms'] / r['linattn_ms']:8.0f}x {r['max_rel_err']:12.2e}",
               file=stream)
-    print(f"\nfloat32, causal, elu+1; 'x GEMM': time over a same-FLOP BLAS GEMM (4*N*D*Dv per head). "
+    print(f"\nfloat32, causal, elu+1, best of up to 5 calls after {WARMUP_CALLS} warm-up calls; 'x GEMM': time "
+          f"over a same-FLOP BLAS GEMM (4*N*D*Dv per head), timed the same way. "
           f"masked = reference.masked (O(N^2), float64), loop = reference.loop (per-token, float64), "
           f"both timed on one head (loop on <= 512 positions) and scaled. First call in this process "
           f"(compile or cache load): {first_call:.2f} s.", file=stream)
