@@ -77,7 +77,25 @@ def test_bench_model_quick():
     for r in rows:
         assert r["numpy_prefill_tok_s"] > 0 and r["numpy_decode_tok_s"] > 0
         assert r["in_model_over_alone_calls"] > 0 and 0 <= r["attention_share"] < 1
+        low, high = r["in_model_over_alone_model_interval"]
+        assert low <= r["in_model_over_alone_model"] <= high and r["rounds"] == 9
     assert "prefill tokens/s" in buf.getvalue() and "torch not installed" in buf.getvalue()
+    assert "95% interval" in buf.getvalue()
+
+
+def test_median_interval():
+    from linattn.benchmarks.model import median_interval
+
+    assert median_interval([3.0] * 7, scale=2.0) == (1.5, 1.5, 1.5)  # no spread: no width
+    values = np.random.default_rng(3).normal(10.0, 1.0, 400)
+    med, low, high = median_interval(values)
+    assert med == np.median(values) and low < med < high
+    assert 9.7 < low and high < 10.3  # the median of 400 draws of N(10, 1): within ~0.15 of 10
+    wide = median_interval(values[:9])
+    assert wide[2] - wide[1] > high - low  # fewer rounds, a wider interval
+    assert median_interval(values) == (med, low, high)  # seeded
+    with pytest.raises(ValueError, match="values"):
+        median_interval([])
 
 
 def test_bench_model_logits_agree_with_pytorch():

@@ -164,6 +164,19 @@ def run(quick=False, stream=sys.stdout, with_torch=None):
     return rows, results
 
 
+def median_interval(values, scale=1.0, level=0.95, draws=2000, seed=0):
+    """(median, low, high) of ``values`` over ``scale``: the median and a bootstrap interval of it at
+    ``level`` (seeded: the same values give the same interval). A model's time with attention minus its
+    time without is a small difference of two large noisy times: the interval says how much of a
+    round-to-round ratio is the machine's noise."""
+    x = np.asarray(values, np.float64) / scale
+    if x.size == 0:
+        raise ValueError("values: expected at least one value, got none")
+    boot = np.median(np.random.default_rng(seed).choice(x, (draws, x.size)), axis=1)
+    tail = 100 * (1 - level) / 2
+    return float(np.median(x)), float(np.percentile(boot, tail)), float(np.percentile(boot, 100 - tail))
+
+
 def summarize(results):
     """One row per prefill case: tokens/s of each model, attention's share and in-model cost."""
     np_rows = results["numpy"]["rows"]
@@ -177,9 +190,11 @@ def summarize(results):
                "numpy_skip_prefill_tok_s": tokens / skip["prefill_s"],
                "numpy_decode_tok_s": la["batch"] / la["decode_s"],
                "attention_share": max(0.0, 1 - skip["prefill_s"] / la["prefill_s"]),
-               "in_model_over_alone_calls": la["attention_in_model_s"] / la["attention_alone_s"],
-               "in_model_over_alone_model": float(np.median(np.subtract(la["prefill_all_s"], skip["prefill_all_s"])))
-               / la["attention_alone_s"]}
+               "in_model_over_alone_calls": la["attention_in_model_s"] / la["attention_alone_s"]}
+        # the rounds ran the variants in turn: each round's difference is one sample
+        (row["in_model_over_alone_model"], *row["in_model_over_alone_model_interval"]) = median_interval(
+            np.subtract(la["prefill_all_s"], skip["prefill_all_s"]), la["attention_alone_s"])
+        row["rounds"] = len(la["prefill_all_s"])
         if "torch" in results:
             t_rows = results["torch"]["rows"]
             for att in ("chunked", "sdpa"):
@@ -212,10 +227,12 @@ def print_table(rows, results, stream=sys.stdout):
         print(line + "   (the framework alone)", file=stream)
     print(file=stream)
     for r in rows:
+        low, high = r["in_model_over_alone_model_interval"]
         extra = f", logits vs PyTorch chunked: max rel diff {r['logits_max_rel_diff']:.1e}" if torch_on else ""
         print(f"{r['case']}: attention is {100 * r['attention_share']:.1f}% of NumPy+linattn prefill; inside the "
               f"model its calls take {r['in_model_over_alone_calls']:.2f}x their time alone (model with - without "
-              f"attention: {r['in_model_over_alone_model']:.2f}x){extra}", file=stream)
+              f"attention: {r['in_model_over_alone_model']:.2f}x, 95% interval {low:.2f} to {high:.2f} over "
+              f"{r['rounds']} rounds){extra}", file=stream)
     cfg = ", ".join(f"{k} {v}" for k, v in CONFIG.items())
     print(f"\nmodel: {cfg}, MLP 4x with GELU; float32; each framework in its own process"
           + (f" (torch {results['torch'].get('torch')})" if torch_on else "; torch not installed"), file=stream)
