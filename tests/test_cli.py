@@ -40,18 +40,30 @@ def test_bench_quick():
 
 
 def test_bench_times_after_its_warm_up_calls(monkeypatch):
-    """The timed calls come after the warm-up calls (the first calls on many threads fault in memory)."""
-    times = iter([0.0, 0.0, 0.0, 0.0,  # start, then after each of three warm-up calls
-                  10.0, 10.0, 15.0, 20.0, 22.0, 30.0, 33.0, 40.0, 46.0])  # start, then two per timed call
+    """The timed calls come after the warm-up calls (the first calls on many threads fault in memory), and
+    last at least ``min_seconds`` (and ``repeat`` calls), at most ``most`` calls or ``budget`` seconds."""
+    clock = []
+    monkeypatch.setattr(cli.time, "perf_counter", lambda: clock.pop(0))
     calls = []
-    monkeypatch.setattr(cli.time, "perf_counter", lambda: next(times))
-    best = cli._time(lambda: calls.append(1), repeat=2, budget=1e9, warmup=3)
-    assert len(calls) == 5 and best == 2.0  # 3 untimed, then 5.0 and 2.0
 
-    times = iter([0.0, 1.0, 10.0, 10.0, 11.0, 12.0, 20.0])  # the warm-up stops at WARMUP_SECONDS
-    calls.clear()
-    best = cli._time(lambda: calls.append(1), repeat=1, budget=1e9, warmup=50)
-    assert len(calls) == 2 and best == 1.0
+    def timed(times, **kwargs):
+        clock[:], calls[:] = times, []
+        best = cli._time(lambda: calls.append(1), **kwargs)
+        assert not clock  # every reading of the clock used
+        return best, len(calls)
+
+    # the warm-up's start (read without a warm-up too) and the clock after each of its calls; then the
+    # timing's start and (before, after) each timed call
+    assert timed([0.0, 0.0, 0.0, 0.0, 10.0, 10.0, 15.0, 20.0, 22.0], repeat=2, warmup=3) == (2.0, 5)
+    # the warm-up stops at WARMUP_SECONDS
+    assert timed([0.0, 1.0, 10.0, 10.0, 11.0], repeat=1, warmup=50) == (1.0, 2)
+    # min_seconds: calls go on (past repeat) until 3 s have passed
+    four = [0.0, 0.0, 0.0, 1.0, 1.0, 1.5, 1.5, 1.75, 2.0, 3.5]
+    assert timed(four, repeat=2, min_seconds=3.0, budget=1e9) == (0.25, 4)
+    # ... at most ``most`` of them
+    assert timed([0.0, 0.0, 0.0, 1.0, 1.0, 2.0, 2.0, 3.0], repeat=2, min_seconds=1e9, most=3, budget=1e9) == (1.0, 3)
+    # ... and none after ``budget`` seconds once two calls are in
+    assert timed([0.0, 0.0, 0.0, 1.0, 1.0, 2.0, 2.0, 3.0], repeat=5, budget=2.5) == (1.0, 3)
 
 
 def test_bench_cli_case(capsys):
