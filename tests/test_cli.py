@@ -66,6 +66,29 @@ def test_bench_times_after_its_warm_up_calls(monkeypatch):
     assert timed([0.0, 0.0, 0.0, 1.0, 1.0, 2.0, 2.0, 3.0], repeat=5, budget=2.5) == (1.0, 3)
 
 
+@pytest.mark.parametrize("advice", [None, ["a BLAS keeps threads of its own"]])
+def test_bench_times_linattn_and_the_gemm_in_turn_where_no_blas_keeps_threads(monkeypatch, advice):
+    """With every BLAS on linattn's pool (no advice) each case's linattn call and GEMM are timed in turn;
+    otherwise linattn for every case first, then the GEMMs."""
+    monkeypatch.setattr(cli, "_blas_report", lambda: ([], advice))
+    seen = []
+    inner = cli._best_times
+
+    def spy(fns, **kwargs):
+        seen.append(len(fns))
+        return inner(fns, **kwargs)
+
+    monkeypatch.setattr(cli, "_best_times", spy)
+    buf = io.StringIO()
+    rows = cli.bench(cases=[(1, 2, 64, 8), (1, 1, 32, 4)], progress=False, stream=buf)
+    timing = seen[:2] if advice is None else seen[:4]  # (then the references, one at a time)
+    assert timing == ([2, 2] if advice is None else [1, 1, 1, 1]) and set(seen[len(timing):]) == {1}
+    for row in rows:
+        assert row["timed"] == ("in turn" if advice is None else "apart")
+        assert row["linattn_ms"] > 0 and row["gemm_ms"] > 0 and row["max_rel_err"] < 1e-5
+    assert ("in turn with linattn" if advice is None else "after linattn") in buf.getvalue()
+
+
 def test_bench_cli_case(capsys):
     assert cli.main(["bench", "--case", "1,2,64,8", "--no-progress", "--json"]) == 0
     out = capsys.readouterr().out

@@ -110,33 +110,43 @@ WARMUP_CALLS, WARMUP_SECONDS = 10, 0.3
 TIMED_SECONDS, TIMED_MOST = 0.2, 200
 
 
-def _time(fn, repeat=5, budget=1.0, warmup=0, min_seconds=0.0, most=TIMED_MOST):
-    """Best wall time of ``fn()`` over at least ``repeat`` calls and ``min_seconds`` seconds (at most
-    ``most`` calls; stopping at ``budget`` seconds once two calls are in), after up to ``warmup``
-    untimed calls (at most WARMUP_SECONDS of them)."""
+def _best_times(fns, repeat=5, budget=1.0, warmup=0, min_seconds=0.0, most=TIMED_MOST):
+    """Best wall time of each of ``fns``, called in turn (a round: each once), over at least ``repeat``
+    rounds and ``min_seconds`` seconds (at most ``most`` rounds; stopping at ``budget`` seconds once two
+    rounds are in), after up to ``warmup`` untimed rounds (at most WARMUP_SECONDS of them)."""
     start = time.perf_counter()
     for _ in range(warmup):
-        fn()
+        for fn in fns:
+            fn()
         if time.perf_counter() - start > WARMUP_SECONDS:
             break
-    best, start, calls = float("inf"), time.perf_counter(), 0
+    best, start, rounds = [float("inf")] * len(fns), time.perf_counter(), 0
     while True:
-        t = time.perf_counter()
-        fn()
-        now = time.perf_counter()
-        best, calls = min(best, now - t), calls + 1
-        if calls >= 2 and now - start > budget:
+        for i, fn in enumerate(fns):
+            t = time.perf_counter()
+            fn()
+            now = time.perf_counter()
+            best[i] = min(best[i], now - t)
+        rounds += 1
+        if rounds >= 2 and now - start > budget:
             break
-        if calls >= repeat and (now - start >= min_seconds or calls >= most):
+        if rounds >= repeat and (now - start >= min_seconds or rounds >= most):
             break
     return best
+
+
+def _time(fn, **kwargs):
+    """_best_times of ``fn`` alone."""
+    return _best_times([fn], **kwargs)[0]
 
 
 def bench(cases=None, quick=False, progress=True, stream=sys.stdout):
     """Time linattn against the NumPy reference forms and a same-FLOP GEMM; returns the rows.
 
-    linattn is timed for every case first: the references' multithreaded BLAS calls leave BLAS
-    threads spinning for a while afterwards, which would slow whatever runs next.
+    Where every threaded BLAS loaded runs its threads on linattn's pool (``python -m linattn info``
+    says so), linattn and the GEMM are timed in turn, call by call, so that both meet the same moments
+    of a shared machine. Otherwise linattn is timed for every case first: a BLAS with threads of its
+    own leaves them spinning for a while after each call, which would slow whatever runs next.
     """
     from . import reference
     from .attention import causal_linear_attention
@@ -150,24 +160,26 @@ def bench(cases=None, quick=False, progress=True, stream=sys.stdout):
     t_first = time.perf_counter()
     causal_linear_attention(*(np.ones((1, 4, 2), np.float32),) * 3)
     first_call = time.perf_counter() - t_first
-    inputs, outs, rows = [], [], []
+    in_turn = _blas_report()[1] is None  # (no advice: no BLAS keeps threads of its own)
+    inputs, outs, rows, gemms = [], [], [], []
     for (b, h, n, d) in cases:
         rng = np.random.default_rng(0)
         q, k, v = ((rng.standard_normal((b, h, n, d)) * 0.5).astype(np.float32) for _ in range(3))
         inputs.append((q, k, v))
         outs.append(causal_linear_attention(q, k, v))
-        rows.append({"case": f"B={b} H={h} N={n} D={d}",
-                     "linattn_ms": 1e3 * _time(lambda: causal_linear_attention(q, k, v), warmup=WARMUP_CALLS,
-                                               min_seconds=TIMED_SECONDS)})
+        gemms.append(_gemm(b * h * n, d))
+        fns = [lambda q=q, k=k, v=v: causal_linear_attention(q, k, v)] + ([gemms[-1]] if in_turn else [])
+        best = _best_times(fns, warmup=WARMUP_CALLS, min_seconds=TIMED_SECONDS * len(fns))
+        rows.append({"case": f"B={b} H={h} N={n} D={d}", "linattn_ms": best[0] * 1e3,
+                     "timed": "in turn" if in_turn else "apart"})
+        if in_turn:
+            rows[-1]["gemm_ms"] = best[1] * 1e3
+            bar and bar.update()
         bar and bar.update()
-    for (b, h, n, d), row in zip(cases, rows):
-        rng = np.random.default_rng(1)
-        a = rng.standard_normal((b * h * n, d)).astype(np.float32)
-        w = rng.standard_normal((d, d)).astype(np.float32)
-        c = np.empty((b * h * n, d), np.float32)
-        row["gemm_ms"] = _time(lambda: (np.matmul(a, w, out=c), np.matmul(a, w, out=c)), warmup=WARMUP_CALLS,
-                               min_seconds=TIMED_SECONDS) * 1e3
-        bar and bar.update()
+    for row, gemm in zip(rows, gemms):
+        if not in_turn:
+            row["gemm_ms"] = _time(gemm, warmup=WARMUP_CALLS, min_seconds=TIMED_SECONDS) * 1e3
+            bar and bar.update()
     for (b, h, n, d), row, (q, k, v), out in zip(cases, rows, inputs, outs):
         # The references are O(N^2) in memory / per-token Python: time them on one head and scale.
         q1, k1, v1 = q[:1, :1], k[:1, :1], v[:1, :1]
@@ -184,6 +196,15 @@ def bench(cases=None, quick=False, progress=True, stream=sys.stdout):
     return rows
 
 
+def _gemm(rows, d):
+    """The same-FLOP GEMM of a case: two (rows, d) x (d, d) products into a buffer (4*N*D*Dv FLOPs a head)."""
+    rng = np.random.default_rng(1)
+    a = rng.standard_normal((rows, d)).astype(np.float32)
+    w = rng.standard_normal((d, d)).astype(np.float32)
+    c = np.empty((rows, d), np.float32)
+    return lambda: (np.matmul(a, w, out=c), np.matmul(a, w, out=c))
+
+
 def _print_table(rows, first_call, stream):
     head = f"{'case':24s} {'linattn ms':>11s} {'x GEMM':>7s} {'masked ms':>10s} {'speed-up':>9s} " \
            f"{'loop ms':>10s} {'speed-up':>9s} {'max rel err':>12s}"
@@ -194,8 +215,10 @@ def _print_table(rows, first_call, stream):
               f"{r['masked_ms']:10.1f} {r['masked_ms'] / r['linattn_ms']:8.0f}x "
               f"{r['loop_ms']:10.1f} {r['loop_ms'] / r['linattn_ms']:8.0f}x {r['max_rel_err']:12.2e}",
               file=stream)
+    together = rows and rows[0].get("timed") == "in turn"
     print(f"\nfloat32, causal, elu+1, the best of the calls in {TIMED_SECONDS} s (at least 5) after {WARMUP_CALLS} "
-          f"warm-up calls; 'x GEMM': time over a same-FLOP BLAS GEMM (4*N*D*Dv per head), timed the same way. "
+          f"warm-up calls; 'x GEMM': time over a same-FLOP BLAS GEMM (4*N*D*Dv per head), timed the same way "
+          f"{'in turn with linattn, call by call' if together else 'after linattn (a BLAS keeps threads of its own)'}. "
           f"masked = reference.masked (O(N^2), float64), loop = reference.loop (per-token, float64), "
           f"both timed on one head (loop on <= 512 positions) and scaled. First call in this process "
           f"(compile or cache load): {first_call:.2f} s.", file=stream)
