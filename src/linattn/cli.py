@@ -176,8 +176,8 @@ def bench(cases=None, quick=False, progress=True, stream=sys.stdout):
             rows[-1]["gemm_ms"] = best[1] * 1e3
             bar and bar.update()
         bar and bar.update()
-    for row, gemm in zip(rows, gemms):
-        if not in_turn:
+    if not in_turn:  # the GEMMs after every case's linattn
+        for row, gemm in zip(rows, gemms):
             row["gemm_ms"] = _time(gemm, warmup=WARMUP_CALLS, min_seconds=TIMED_SECONDS) * 1e3
             bar and bar.update()
     for (b, h, n, d), row, (q, k, v), out in zip(cases, rows, inputs, outs):
