@@ -2,6 +2,7 @@
 import gc
 
 import numpy as np
+import pytest
 
 from linattn import workspace
 
@@ -86,6 +87,13 @@ def _address(x):
     return x.__array_interface__["data"][0]
 
 
+def _pooled(x):
+    """Whether ``x`` is a view of a block from the pool (``take_views``)."""
+    while x is not None and not isinstance(x, workspace._Owner):
+        x = x.base
+    return x is not None
+
+
 def test_views_share_one_block_that_returns_when_the_last_view_dies(monkeypatch):
     workspace.clear()
     monkeypatch.setattr(workspace, "POOL_MIN_BYTES", 10)
@@ -140,6 +148,44 @@ def test_large_results_are_reused_and_never_while_held():
     assert _address(linattn.causal_linear_attention(q, k, v)) == address  # dropped: reused
     small = linattn.causal_linear_attention(q[:, :, :16], k[:, :, :16], v[:, :, :16])
     assert small.flags.owndata  # below the size the pool starts at: plain np.empty
+    workspace.clear()
+
+
+@pytest.mark.parametrize("call", ["causal", "causal, checked path", "non-causal"])
+def test_final_states_are_pooled_reused_when_dropped_and_never_while_held(call):
+    """A model keeps each layer's final state until its next prompt: large states (S and Z of 256 KiB or
+    more) come from the pool, so dropped ones are reused in place; a held one, or a view of it alone,
+    is never written again."""
+    import linattn
+
+    workspace.clear()
+    rng = np.random.default_rng(2)
+    q, k, v = (rng.standard_normal((8, 8, 40, 64)).astype(np.float32) for _ in range(3))  # S: 1 MiB
+    if call == "non-causal":
+        def run(sign):
+            return linattn.linear_attention(sign * q, k, v, return_state=True)[1]
+    else:
+        extra = {"decay": 0.9} if call == "causal, checked path" else {}
+
+        def run(sign):
+            return linattn.causal_linear_attention(sign * q, k, sign * v, return_state=True, **extra)[1]
+    state = run(1.0)
+    S, Z = state
+    assert S.shape == (8, 8, 64, 64) and Z.shape == (8, 8, 64) and _pooled(S) and _pooled(Z)
+    assert S.flags.c_contiguous and S.flags.writeable and Z.flags.c_contiguous
+    kept = (S.copy(), Z.copy())
+    del state, Z
+    gc.collect()  # S alone holds the block
+    for _ in range(2):
+        run(-1.0)
+    np.testing.assert_array_equal(S, kept[0])
+    address = _address(S)
+    del S
+    gc.collect()
+    again = run(1.0)
+    assert _address(again.S) == address  # dropped: reused
+    np.testing.assert_array_equal(again.S, kept[0])
+    np.testing.assert_array_equal(again.Z, kept[1])
     workspace.clear()
 
 
