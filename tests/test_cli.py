@@ -133,6 +133,25 @@ def test_median_interval():
         median_interval([])
 
 
+def test_summarize_pairs_each_round_with_its_own_alone_time():
+    """Attention's cost inside the model is each round's (with - without) over that round's calls alone:
+    a machine that drifts slows all three alike and moves no ratio."""
+    from linattn.benchmarks.model import summarize
+
+    alone = [0.010, 0.020, 0.013, 0.030, 0.011]  # the machine's speed drifts from round to round
+    skip = [0.5 + 10 * a for a in alone]
+    with_attention = [s + 1.1 * a for s, a in zip(skip, alone)]
+    rows = {"linattn c": {"batch": 2, "n": 8, "prefill_s": float(np.median(with_attention)),
+                          "prefill_all_s": with_attention, "decode_s": 0.001, "attention_in_model_s": 0.012,
+                          "attention_alone_s": float(np.median(alone)), "attention_alone_all_s": alone},
+            "skip c": {"batch": 2, "n": 8, "prefill_s": float(np.median(skip)), "prefill_all_s": skip,
+                       "decode_s": 0.001}}
+    (row,) = summarize({"numpy": {"rows": rows}})
+    assert row["in_model_over_alone_model"] == pytest.approx(1.1)
+    assert row["in_model_over_alone_model_interval"] == pytest.approx([1.1, 1.1])
+    assert row["rounds"] == 5 and row["in_model_over_alone_calls"] == pytest.approx(0.012 / 0.013)
+
+
 def test_bench_model_logits_agree_with_pytorch():
     pytest.importorskip("torch")
     from linattn.benchmarks import model

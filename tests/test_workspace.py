@@ -68,6 +68,7 @@ def test_vjp_states_return_to_the_pool(monkeypatch):
     rng = np.random.default_rng(0)
     q, k, v = (rng.standard_normal((2, 100, 4)) for _ in range(3))
     _, vjp = linattn.causal_linear_attention_vjp(q, k, v)
+
     def free_states():  # (the chunk states: (lead, chunks, Dv + 1, D), the other pooled blocks 1-D)
         return [key for key, arrays in workspace._free.items() if arrays and len(key[0]) == 4]
 

@@ -38,8 +38,8 @@ def _tokens(batch, n, seed=1):
     return np.random.default_rng(seed).integers(0, CONFIG["vocab"], (batch, n))
 
 
-def _attention_alone(weights, batch, n, repeat):
-    """Seconds for one layer's attention call, back to back, on inputs made as the model makes them."""
+def _attention_call(weights, batch, n):
+    """One layer's attention call, on inputs made as the model makes them (a function of no arguments)."""
     import linattn
 
     from .transformer import layer_norm
@@ -55,7 +55,12 @@ def _attention_alone(weights, batch, n, repeat):
         linattn.causal_linear_attention(q, k, v, out=buf, return_state=True)
 
     call()
-    return _median_time(call, repeat)
+    return call
+
+
+def _attention_alone(weights, batch, n, repeat):
+    """Seconds for one layer's attention call, back to back, on inputs made as the model makes them."""
+    return _median_time(_attention_call(weights, batch, n), repeat)
 
 
 def _attention_in_model(model, tokens, repeat):
@@ -105,13 +110,17 @@ def run_framework(framework, quick=False, repeat=9):
     models = {variant: make(variant) for variant in VARIANTS[framework]}
     for name, batch, n in prefills:
         tokens = to_input(_tokens(batch, n))
-        times = {variant: [] for variant in models}
-        for model in models.values():
-            model.prefill(tokens)  # compile / warm up
-        for _ in range(repeat):  # the variants in turn, so that the machine's drift hits them alike
-            for variant, model in models.items():
+        runs = {variant: model.prefill for variant, model in models.items()}
+        if framework == "numpy":  # and every layer's attention call alone, back to back
+            call = _attention_call(weights, batch, n)
+            runs["alone"] = lambda _, layers=range(len(weights.layers)): [call() for _ in layers]
+        times = {variant: [] for variant in runs}
+        for run in runs.values():
+            run(tokens)  # compile / warm up
+        for _ in range(repeat):  # in turn, so that the machine's drift hits them alike
+            for variant, run in runs.items():
                 t = time.perf_counter()
-                model.prefill(tokens)
+                run(tokens)
                 times[variant].append(time.perf_counter() - t)
         for variant, model in models.items():
             logits, states = model.prefill(tokens)
@@ -131,7 +140,8 @@ def run_framework(framework, quick=False, repeat=9):
                    "logits": [first.tolist(), decoded[0].tolist()]}
             if framework == "numpy" and variant == "linattn":
                 row["attention_in_model_s"] = _attention_in_model(model, tokens, repeat)
-                row["attention_alone_s"] = _attention_alone(weights, batch, n, repeat * 3) * len(weights.layers)
+                row["attention_alone_s"] = float(np.median(times["alone"]))
+                row["attention_alone_all_s"] = times["alone"]
             out["rows"][f"{variant} {name}"] = row
     return out
 
@@ -191,9 +201,10 @@ def summarize(results):
                "numpy_decode_tok_s": la["batch"] / la["decode_s"],
                "attention_share": max(0.0, 1 - skip["prefill_s"] / la["prefill_s"]),
                "in_model_over_alone_calls": la["attention_in_model_s"] / la["attention_alone_s"]}
-        # the rounds ran the variants in turn: each round's difference is one sample
+        # the rounds ran the models with and without attention and the calls alone in turn: each round's
+        # (with - without) / alone is one sample
         (row["in_model_over_alone_model"], *row["in_model_over_alone_model_interval"]) = median_interval(
-            np.subtract(la["prefill_all_s"], skip["prefill_all_s"]), la["attention_alone_s"])
+            np.subtract(la["prefill_all_s"], skip["prefill_all_s"]) / np.asarray(la["attention_alone_all_s"]))
         row["rounds"] = len(la["prefill_all_s"])
         if "torch" in results:
             t_rows = results["torch"]["rows"]
