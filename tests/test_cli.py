@@ -103,19 +103,38 @@ def test_bench_bad_case(bad):
     assert exc.value.code == 2
 
 
-def test_bench_model_quick():
+@pytest.mark.parametrize("rounds", [None, 3])
+def test_bench_model_quick(rounds):
     from linattn.benchmarks import model
 
     buf = io.StringIO()
-    rows, results = model.run(quick=True, stream=buf, with_torch=False)
+    extra = {} if rounds is None else {"rounds": rounds}
+    rows, results = model.run(quick=True, stream=buf, with_torch=False, **extra)
     assert [r["case"] for r in rows] == [name for name, _, _ in model.QUICK_PREFILLS]
     for r in rows:
         assert r["numpy_prefill_tok_s"] > 0 and r["numpy_decode_tok_s"] > 0
         assert r["in_model_over_alone_calls"] > 0 and 0 <= r["attention_share"] < 1
         low, high = r["in_model_over_alone_model_interval"]
-        assert low <= r["in_model_over_alone_model"] <= high and r["rounds"] == 9
+        assert low <= r["in_model_over_alone_model"] <= high and r["rounds"] == (rounds or 9)
+    for row in results["numpy"]["rows"].values():  # every model timed that many times
+        assert len(row["prefill_all_s"]) == (rounds or 9)
     assert "prefill tokens/s" in buf.getvalue() and "torch not installed" in buf.getvalue()
-    assert "95% interval" in buf.getvalue()
+    assert f"over {rounds or 9} rounds" in buf.getvalue() and "95% interval" in buf.getvalue()
+
+
+def test_bench_model_rounds_option(monkeypatch, capsys):
+    from linattn.benchmarks import model
+
+    seen = []
+    monkeypatch.setattr(model, "run", lambda **kwargs: seen.append(kwargs) or ([], {}))
+    assert cli.main(["bench", "--model", "--rounds", "40"]) == 0
+    assert cli.main(["bench", "--model"]) == 0
+    assert seen == [{"quick": False, "rounds": 40}, {"quick": False}]
+    for bad in (["--model", "--rounds", "1"], ["--rounds", "5"], ["--model", "--rounds", "x"]):
+        with pytest.raises(SystemExit) as exc:
+            cli.main(["bench"] + bad)
+        assert exc.value.code == 2
+        assert "--rounds" in capsys.readouterr().err
 
 
 def test_median_interval():

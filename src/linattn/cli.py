@@ -255,6 +255,9 @@ def main(argv=None):
     p_bench.add_argument("--model", action="store_true",
                          help="time a small transformer in NumPy with linattn (prefill and decoding), next to "
                               "the same model in PyTorch when torch is installed")
+    p_bench.add_argument("--rounds", type=int, metavar="R",
+                         help="with --model: timed prefills of each model, in turn (default 9; more rounds, a "
+                              "narrower interval for attention's cost inside the model)")
     p_compile = sub.add_parser("compile", help="compile the kernels of the common calls into the disk cache now")
     p_compile.add_argument("--dtype", action="append", choices=["float32", "float64"],
                            help="a computation dtype (repeatable; default float32)")
@@ -278,10 +281,13 @@ def main(argv=None):
                 else:
                     print(f"{key:18s} {val}")
         return 0
+    if args.rounds is not None and (not args.model or args.rounds < 2):
+        parser.error(f"--rounds: expected an integer >= 2 with --model, got {args.rounds}"
+                     + ("" if args.model else " without --model"))
     if args.model:
         from .benchmarks import model
 
-        rows, _ = model.run(quick=args.quick)
+        rows, _ = model.run(quick=args.quick, **({} if args.rounds is None else {"rounds": args.rounds}))
         if args.json:
             print(json.dumps(rows))
         return 0

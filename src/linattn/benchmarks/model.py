@@ -23,6 +23,8 @@ PREFILLS = [("1x2048", 1, 2048), ("8x512", 8, 512)]
 QUICK_PREFILLS = [("1x256", 1, 256), ("2x128", 2, 128)]
 NEW_TOKENS, QUICK_NEW_TOKENS = 64, 8
 VARIANTS = {"numpy": ("linattn", "skip"), "torch": ("chunked", "sdpa", "skip")}
+#: Timed prefills of each model (in turn) by default: ``bench --model --rounds`` sets it.
+ROUNDS = 9
 
 
 def _median_time(fn, repeat):
@@ -88,7 +90,7 @@ def _attention_in_model(model, tokens, repeat):
     return float(np.median(per_call))
 
 
-def run_framework(framework, quick=False, repeat=9):
+def run_framework(framework, quick=False, repeat=ROUNDS):
     """Time every variant of one framework in this process; returns a JSON-able dict."""
     from .transformer import NumpyTransformer, Weights
 
@@ -146,8 +148,9 @@ def run_framework(framework, quick=False, repeat=9):
     return out
 
 
-def _subprocess(framework, quick):
-    cmd = [sys.executable, "-m", "linattn.benchmarks.model", "--worker", framework] + (["--quick"] if quick else [])
+def _subprocess(framework, quick, rounds):
+    cmd = ([sys.executable, "-m", "linattn.benchmarks.model", "--worker", framework, "--rounds", str(rounds)]
+           + (["--quick"] if quick else []))
     res = subprocess.run(cmd, capture_output=True, text=True, check=False, env=dict(os.environ))
     if res.returncode != 0:
         raise RuntimeError(f"the {framework} benchmark process failed:\n{res.stderr[-3000:]}")
@@ -163,12 +166,13 @@ def torch_available():
         return False
 
 
-def run(quick=False, stream=sys.stdout, with_torch=None):
-    """Run the model benchmark (each framework in its own process); prints and returns the table."""
+def run(quick=False, stream=sys.stdout, with_torch=None, rounds=ROUNDS):
+    """Run the model benchmark (each framework in its own process, ``rounds`` timed prefills of each model
+    in turn); prints and returns the table."""
     with_torch = torch_available() if with_torch is None else with_torch
-    results = {"numpy": _subprocess("numpy", quick)}
+    results = {"numpy": _subprocess("numpy", quick, rounds)}
     if with_torch:
-        results["torch"] = _subprocess("torch", quick)
+        results["torch"] = _subprocess("torch", quick, rounds)
     rows = summarize(results)
     print_table(rows, results, stream)
     return rows, results
@@ -251,11 +255,12 @@ def print_table(rows, results, stream=sys.stdout):
 
 def main(argv=None):
     argv = sys.argv[1:] if argv is None else argv
+    rounds = int(argv[argv.index("--rounds") + 1]) if "--rounds" in argv else ROUNDS
     if "--worker" in argv:
         framework = argv[argv.index("--worker") + 1]
-        print(json.dumps(run_framework(framework, quick="--quick" in argv)))
+        print(json.dumps(run_framework(framework, quick="--quick" in argv, repeat=rounds)))
         return 0
-    run(quick="--quick" in argv)
+    run(quick="--quick" in argv, rounds=rounds)
     return 0
 
 
