@@ -190,6 +190,38 @@ def test_final_states_are_pooled_reused_when_dropped_and_never_while_held(call):
     workspace.clear()
 
 
+def test_pooled_final_states_from_concurrent_calls():
+    """Python threads calling at once, each keeping some of its states and dropping the rest: every
+    kept state stays what its own call computed (no two live states share a pooled block)."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    import linattn
+
+    workspace.clear()
+    rng = np.random.default_rng(4)
+    inputs = [tuple(rng.standard_normal((2, 8, 24, 64)).astype(np.float32) for _ in range(3)) for _ in range(6)]
+    expected = [linattn.causal_linear_attention(*x, return_state=True)[1] for x in inputs]
+    expected = [(s.S.copy(), s.Z.copy()) for s in expected]
+    assert _pooled(linattn.causal_linear_attention(*inputs[0], return_state=True)[1].S)
+
+    def work(i):
+        kept = []
+        for r in range(12):
+            state = linattn.causal_linear_attention(*inputs[(i + r) % 6], return_state=True)[1]
+            if r % 3 == 0:
+                kept.append(((i + r) % 6, state))
+        return kept
+
+    with ThreadPoolExecutor(max_workers=6) as ex:
+        results = list(ex.map(work, range(6)))
+    gc.collect()
+    for kept in results:
+        for j, state in kept:
+            np.testing.assert_array_equal(state.S, expected[j][0])
+            np.testing.assert_array_equal(state.Z, expected[j][1])
+    workspace.clear()
+
+
 def test_the_oldest_free_arrays_go_first_and_nearby_sizes_share_blocks(monkeypatch):
     workspace.clear()
     monkeypatch.setattr(workspace, "MAX_FREE_BYTES", 3000)
