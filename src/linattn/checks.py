@@ -23,16 +23,19 @@ def check_real_dtype(dtype, name):
     return dtype
 
 
+def asarray_named(x, name):
+    """np.asarray(x), with a TypeError that names the argument where NumPy cannot make an array of it
+    (ragged lists, a State given where numbers were expected, and the like)."""
+    try:
+        return np.asarray(x)
+    except Exception as exc:
+        raise TypeError(f"{name}: expected an array-like of numbers, got {type(x).__name__} ({exc})") from None
+
+
 def as_array(x, name, min_ndim, host=True):
     """np.asarray(x) with a real numeric dtype and at least ``min_ndim`` dimensions; with
     ``host=False`` (device arrays) x is only checked, never copied."""
-    if host:
-        try:
-            arr = np.asarray(x)
-        except Exception as exc:  # ragged lists and the like
-            raise TypeError(f"{name}: expected an array-like of numbers, got {type(x).__name__} ({exc})") from None
-    else:
-        arr = x
+    arr = asarray_named(x, name) if host else x
     check_real_dtype(arr.dtype, name)
     if len(arr.shape) < min_ndim:
         what = "(N, D)" if min_ndim == 2 else "(D,)"
@@ -196,7 +199,7 @@ def check_lengths(lengths, lead, n, what="N", name="lengths"):
 
     Returns the lengths broadcast over all leading dims and flattened, as int64.
     """
-    arr = lengths if type(lengths) is np.ndarray else np.asarray(lengths)
+    arr = lengths if type(lengths) is np.ndarray else asarray_named(lengths, name)
     if arr.dtype.kind not in "iu":
         raise TypeError(f"{name}: expected an integer array, got dtype {arr.dtype}")
     if arr.shape != lead[:arr.ndim] or (arr.ndim == 0 and lead != ()):
@@ -216,11 +219,20 @@ def check_lengths(lengths, lead, n, what="N", name="lengths"):
     return np.repeat(arr.reshape(-1), math.prod(lead[arr.ndim:])).astype(np.int64, copy=False)
 
 
+def _int_not_bool(x):
+    """operator.index(x), refusing bools (a TypeError)."""
+    if isinstance(x, (bool, np.bool_)):
+        raise TypeError("a bool")
+    return operator.index(x)
+
+
 def check_state_zeros_args(batch_shape, d_k, d_v, dtype):
-    if isinstance(batch_shape, (numbers.Integral, np.integer)):
+    if isinstance(batch_shape, (numbers.Integral, np.integer)) and not isinstance(batch_shape, (bool, np.bool_)):
         batch_shape = (batch_shape,)
     try:
-        batch_shape = tuple(operator.index(b) for b in batch_shape)
+        if not isinstance(batch_shape, (tuple, list, np.ndarray)):  # (not a str, bytes, dict, set, ...)
+            raise TypeError
+        batch_shape = tuple(_int_not_bool(b) for b in batch_shape)
     except TypeError:
         raise TypeError(f"batch_shape: expected a tuple of ints, got {batch_shape!r}") from None
     if any(b < 0 for b in batch_shape):
@@ -228,7 +240,7 @@ def check_state_zeros_args(batch_shape, d_k, d_v, dtype):
     dims = []
     for name, val in (("d_k", d_k), ("d_v", d_v)):
         try:
-            val = operator.index(val)
+            val = _int_not_bool(val)
         except TypeError:
             raise TypeError(f"{name}: expected an int, got {type(val).__name__}") from None
         if val < 1:
@@ -248,7 +260,7 @@ def check_placement(arrays, device):
     are CUDA device arrays). ``arrays`` maps argument names to arrays (None entries are skipped)."""
     from .cuda import is_device_array
 
-    if device not in DEVICES:
+    if not (device is None or isinstance(device, str)) or device not in DEVICES:  # (an array: no truth value)
         raise ValueError(f"device: expected None, 'cpu' or 'cuda', got {device!r}")
     flags = {name: is_device_array(x) for name, x in arrays.items() if x is not None}
     on_dev = [name for name, f in flags.items() if f]

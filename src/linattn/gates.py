@@ -22,7 +22,7 @@ NONE, SCALAR, VECTOR, CONSTANT = 0, 1, 2, 3
 def check_decay(decay, lead):
     """A decay in (0, 1] broadcastable to the leading dims; returns it per sequence (float64, flattened
     over ``lead``)."""
-    arr = np.asarray(decay) if not isinstance(decay, (str, bytes)) else np.asarray(None)
+    arr = checks.asarray_named(decay, "decay") if not isinstance(decay, (str, bytes)) else np.asarray(None)
     if arr.dtype.kind not in "fiu":
         got = f"an array of dtype {arr.dtype}" if isinstance(decay, np.ndarray) else type(decay).__name__
         raise TypeError(f"decay: expected a real number or an array of them, got {got}")
