@@ -504,3 +504,31 @@ def test_bad_parameters(rng):
         fm.Performer.random(4, 0)
     with pytest.raises(ValueError, match="feature_map: expected an array"):
         fm.Taylor()(np.zeros((3, 0)))
+    # complex weights would lose their imaginary part, bools are no weights
+    for bad, name in ((lambda w: fm.Performer(w), "omega"), (lambda w: fm.T2R(w), "weight"),
+                      (lambda w: fm.Hedgehog(np.ones((4, 3)), w[0]), "bias"),
+                      (lambda w: fm.ReBased(w[0], w[1]), "gamma")):
+        for w in (np.ones((4, 3), complex), np.ones((4, 3), bool)):
+            with pytest.raises(TypeError, match=f"{name}: expected an array of real numbers, got dtype {w.dtype}"):
+                bad(w)
+
+
+@pytest.mark.parametrize("dtype", [np.float32, np.float64])
+def test_too_many_features(rng, dtype):
+    """D' over 2**24 is refused before anything of its size is built: float32 parameters would round D'
+    and the feature tables' indices (Taylor on D = 6000, D' = 18009001, returned numbers 4000x off), and
+    DPFP's tables grow with nu (nu = 10**30 filled memory until the process was killed)."""
+    q, k, v = make_qkv(rng, (1,), 3, 4, 2, dtype)
+    huge = fm.DPFP(10 ** 30)
+    for call in (lambda: linattn.causal_linear_attention(q, k, v, feature_map=huge),
+                 lambda: linattn.linear_attention(q, k, v, feature_map=huge),
+                 lambda: linattn.step(q[:, 0], k[:, 0], v[:, 0], linattn.State.zeros(1, 8, 2, dtype), feature_map=huge),
+                 lambda: linattn.attention_weights(q, k, feature_map=huge),
+                 lambda: linattn.causal_linear_attention_vjp(q, k, v, feature_map=huge),
+                 lambda: huge(q)):
+        with pytest.raises(ValueError, match=r"feature_map: expected at most 16777216 features D' "
+                                             r".*DPFP\(nu=10+\) on D = 4"):
+            call()
+    assert fm.Taylor().out_dim(5791) <= fm.MAX_FEATURES < fm.Taylor().out_dim(5792)
+    with pytest.raises(ValueError, match=f"got D' = {fm.Taylor().out_dim(5792)} from Taylor"):
+        fm.Taylor().params(5792, dtype)

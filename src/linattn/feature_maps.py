@@ -55,6 +55,10 @@ def identity(x):
 
 _FLOATS = (np.dtype(np.float32), np.dtype(np.float64))
 
+#: The most features D' a map computed by the kernels may have: its parameter vector holds D' and its
+#: feature tables' indices in the compute dtype, exact in float32 up to 2**24.
+MAX_FEATURES = 2 ** 24
+
 
 def _real(value, name, low=None, positive=False):
     if isinstance(value, (bool, np.bool_)) or not isinstance(value, numbers.Real):
@@ -69,9 +73,12 @@ def _real(value, name, low=None, positive=False):
 def _matrix(value, name, ndim, shape=None):
     """A finite float64 array of ``ndim`` dims (and ``shape`` where given, None for any size)."""
     try:
-        arr = np.array(value, dtype=np.float64)
+        arr = np.asarray(value)
     except (TypeError, ValueError) as exc:
         raise TypeError(f"{name}: expected an array of real numbers ({exc})") from None
+    if arr.dtype.kind not in "fiu":  # (a complex array would lose its imaginary part, bools mean no weights)
+        raise TypeError(f"{name}: expected an array of real numbers, got dtype {arr.dtype}")
+    arr = np.array(arr, dtype=np.float64)
     if arr.ndim != ndim or (shape is not None and any(s is not None and s != a for s, a in zip(shape, arr.shape))):
         want = "x".join("m" if s is None else str(s) for s in shape) if shape else f"{ndim}-D"
         raise ValueError(f"{name}: expected shape ({want}), got {arr.shape}")
@@ -133,7 +140,12 @@ class FeatureMap:
         key = (d, np.dtype(dtype))
         fp = self._params.get(key)
         if fp is None:
-            fp = np.concatenate([[self.input_scale, self.out_dim(d)], self._family_params(d)]).astype(dtype)
+            dk = self.out_dim(d)
+            if dk > MAX_FEATURES:  # (before the family's tables, which grow with D')
+                raise ValueError(f"feature_map: expected at most {MAX_FEATURES} features D' (2**24: float32 holds D' "
+                                 f"and the feature tables' indices exactly up to there), got D' = {dk} from "
+                                 f"{self!r} on D = {d}")
+            fp = np.concatenate([[self.input_scale, dk], self._family_params(d)]).astype(dtype)
             fp.setflags(write=False)
             if len(self._params) > 8:
                 self._params.clear()
