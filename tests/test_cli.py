@@ -229,6 +229,23 @@ def test_precompile_bad_arguments():
         linattn.precompile(feature_map=lambda x: x)
     with pytest.raises(ValueError, match="feature_map: unknown name"):
         linattn.precompile(feature_map="tanh")
+    # all checked before anything compiles: no list of names to iterate, no item taken for a name
+    for bad, message in (({}, "dtypes: expected a name or a sequence of names, got dict"),
+                         (np.ones(2), "dtypes: expected a name or a sequence of names, got ndarray"),
+                         ([1.0], "dtypes: expected a name or a sequence of names, got an item 1.0"),
+                         ([], "dtypes: expected a name or a sequence of names, got none")):
+        with pytest.raises(TypeError if "none" not in message else ValueError, match=message):
+            linattn.precompile(bad)
+    with pytest.raises(TypeError, match=r"functions: expected a name or a sequence of names, got an item \('step',\)"):
+        linattn.precompile(["float32"], [("step",)])
+    with pytest.raises(ValueError, match="functions: expected a name or a sequence of names, got none"):
+        linattn.precompile(["float32"], ())
+    for option in ("gates", "gradients"):
+        for bad in ("yes", 1, np.ones(2)):
+            with pytest.raises(TypeError, match=f"{option}: expected True or False, got {type(bad).__name__}"):
+                linattn.precompile(["float32"], ["step"], **{option: bad})
+    with pytest.raises(TypeError, match=r"progress: expected a callable progress\(name, seconds\) or None, got str"):
+        linattn.precompile(["float32"], ["step"], progress="print")
 
 
 _LOAD_PROBE = """

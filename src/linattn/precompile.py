@@ -102,13 +102,29 @@ def _jobs(dtype, functions, gates, gradients, feature_map):
 
 
 def _names(x, name):
-    """One name (or dtype) or an iterable of them as a list (TypeError otherwise)."""
+    """One name (or dtype) or an iterable of them as a list (TypeError otherwise); at least one."""
     if isinstance(x, (str, np.dtype, type)):  # one name, dtype or scalar type (np.float32)
         return [x]
+    want = f"{name}: expected a name or a sequence of names"
+    if isinstance(x, (bytes, dict, np.ndarray)):
+        raise TypeError(f"{want}, got {type(x).__name__}")
     try:
-        return list(x)
+        names = list(x)
     except TypeError:
-        raise TypeError(f"{name}: expected a name or a sequence of names, got {type(x).__name__}") from None
+        raise TypeError(f"{want}, got {type(x).__name__}") from None
+    wrong = [n for n in names if not isinstance(n, (str, np.dtype, type))]
+    if wrong:
+        raise TypeError(f"{want}, got an item {wrong[0]!r}")
+    if not names:
+        raise ValueError(f"{want}, got none")
+    return names
+
+
+def _flag(x, name):
+    """A bool option (True, False or NumPy's bools), else a TypeError."""
+    if not isinstance(x, (bool, np.bool_)):
+        raise TypeError(f"{name}: expected True or False, got {type(x).__name__}")
+    return bool(x)
 
 
 def precompile(dtypes=("float32",), functions=FUNCTIONS, *, gates=False, gradients=False, feature_map="elu",
@@ -149,6 +165,9 @@ def precompile(dtypes=("float32",), functions=FUNCTIONS, *, gates=False, gradien
     ['step float64']
     """
     dtypes, functions = (_names(x, name) for x, name in ((dtypes, "dtypes"), (functions, "functions")))
+    gates, gradients = _flag(gates, "gates"), _flag(gradients, "gradients")
+    if progress is not None and not callable(progress):
+        raise TypeError(f"progress: expected a callable progress(name, seconds) or None, got {type(progress).__name__}")
     kinds = []
     for dt in dtypes:
         try:
@@ -159,7 +178,7 @@ def precompile(dtypes=("float32",), functions=FUNCTIONS, *, gates=False, gradien
             raise ValueError(f"dtypes: expected float32 or float64, got {dt!r}")
         kinds.append(kind)
     unknown = [f for f in functions if f not in FUNCTIONS]
-    if unknown or not functions:
+    if unknown:
         raise ValueError(f"functions: expected some of {', '.join(map(repr, FUNCTIONS))}, got {list(functions)!r}")
     fmap = as_map(feature_map)  # (a clear error for a bad one)
     if not isinstance(fmap, FeatureMap):
@@ -168,7 +187,7 @@ def precompile(dtypes=("float32",), functions=FUNCTIONS, *, gates=False, gradien
     _input_dim(fmap)
     done = []
     for kind in kinds:
-        for name, job in _jobs(kind.type, tuple(functions), bool(gates), bool(gradients), feature_map):
+        for name, job in _jobs(kind.type, tuple(functions), gates, gradients, feature_map):
             t = time.perf_counter()
             job()
             item = (f"{name} {kind.name}", time.perf_counter() - t)
