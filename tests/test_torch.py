@@ -244,6 +244,14 @@ def test_bad_input():
         lt.causal_linear_attention(q, k, v, feature_map=fmap)
     with pytest.raises(TypeError, match="decay: expected float32 or float64"):
         lt.causal_linear_attention(q, k, v, decay=torch.tensor([1, 1]))
+    for fn in (lt.causal_linear_attention, lt.linear_attention):
+        for bad in ("SZ", 1.0, (torch.zeros(2, 3, 4),)):
+            with pytest.raises(TypeError, match=f"initial_state: expected a pair of tensors \\(S, Z\\), got "
+                                                f"{type(bad).__name__}"):
+                fn(q, k, v, initial_state=bad)
+        for bad in (torch.ones(2), "yes", 1):  # (a tensor of several values has no truth value: not a RuntimeError)
+            with pytest.raises(TypeError, match=f"return_state: expected True or False, got {type(bad).__name__}"):
+                fn(q, k, v, return_state=bad)
 
 
 @settings(max_examples=40, deadline=None)

@@ -4,6 +4,7 @@ import time
 import numpy as np
 
 from .attention import causal_linear_attention, linear_attention
+from .checks import check_flag
 from .decoding import step
 from .feature_maps import FeatureMap, as_map
 from .gradients import causal_linear_attention_vjp, linear_attention_vjp
@@ -120,13 +121,6 @@ def _names(x, name):
     return names
 
 
-def _flag(x, name):
-    """A bool option (True, False or NumPy's bools), else a TypeError."""
-    if not isinstance(x, (bool, np.bool_)):
-        raise TypeError(f"{name}: expected True or False, got {type(x).__name__}")
-    return bool(x)
-
-
 def precompile(dtypes=("float32",), functions=FUNCTIONS, *, gates=False, gradients=False, feature_map="elu",
                progress=None):
     """Compile the kernels of the common calls now, into Numba's disk cache, so that a later process
@@ -165,7 +159,7 @@ def precompile(dtypes=("float32",), functions=FUNCTIONS, *, gates=False, gradien
     ['step float64']
     """
     dtypes, functions = (_names(x, name) for x, name in ((dtypes, "dtypes"), (functions, "functions")))
-    gates, gradients = _flag(gates, "gates"), _flag(gradients, "gradients")
+    gates, gradients = check_flag(gates, "gates"), check_flag(gradients, "gradients")
     if progress is not None and not callable(progress):
         raise TypeError(f"progress: expected a callable progress(name, seconds) or None, got {type(progress).__name__}")
     kinds = []

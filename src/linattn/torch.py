@@ -12,6 +12,7 @@ import numpy as np
 import torch
 
 from . import gradients
+from .checks import check_flag
 from .feature_maps import FeatureMap
 from .state import State
 
@@ -24,6 +25,15 @@ def _array(t, name):
     if t.dtype not in (torch.float32, torch.float64):
         raise TypeError(f"{name}: expected float32 or float64, got {t.dtype}")
     return t.detach().numpy()
+
+
+def _state_tensors(state):
+    """(S, Z) of an ``initial_state`` (None: (None, None)); the tensors themselves are checked by _array."""
+    if state is None:
+        return None, None
+    if not isinstance(state, (tuple, list)) or len(state) != 2:
+        raise TypeError(f"initial_state: expected a pair of tensors (S, Z), got {type(state).__name__}")
+    return tuple(state)
 
 
 def _tensor(x):
@@ -231,7 +241,8 @@ def causal_linear_attention(q, k, v, *, feature_map="elu", eps=1e-6, normalize=T
     >>> q.grad.shape
     torch.Size([2, 4, 64, 16])
     """
-    S0, Z0 = (None, None) if initial_state is None else initial_state
+    S0, Z0 = _state_tensors(initial_state)
+    return_state = check_flag(return_state, "return_state")
     options = dict(eps=eps, normalize=normalize, lengths=lengths, scale=scale)
     out, S, Z = _Causal.apply(q, k, v, S0, Z0, gate, decay, feature_map, options, *_map_params(feature_map))
     return (out, (S, Z)) if return_state else out
@@ -245,7 +256,8 @@ def linear_attention(q, k=None, v=None, *, feature_map="elu", eps=1e-6, normaliz
     ``return_state=True`` returns ``(out, (S, Z))``, the state of every key, differentiable too;
     ``lengths``, ``query_lengths``: the keys' and the queries' true lengths (right padding), as for
     :func:`linattn.linear_attention`."""
-    S0, Z0 = (None, None) if initial_state is None else initial_state
+    S0, Z0 = _state_tensors(initial_state)
+    return_state = check_flag(return_state, "return_state")
     options = dict(eps=eps, normalize=normalize, scale=scale, lengths=lengths, query_lengths=query_lengths)
-    out, S, Z = _NonCausal.apply(q, k, v, S0, Z0, feature_map, options, bool(return_state), *_map_params(feature_map))
+    out, S, Z = _NonCausal.apply(q, k, v, S0, Z0, feature_map, options, return_state, *_map_params(feature_map))
     return (out, (S, Z)) if return_state else out
