@@ -529,6 +529,9 @@ def test_too_many_features(rng, dtype):
         with pytest.raises(ValueError, match=r"feature_map: expected at most 16777216 features D' "
                                              r".*DPFP\(nu=10+\) on D = 4"):
             call()
+    for d, m in ((4, 10 ** 30), (4, 2 ** 24 + 1), (2 ** 24 + 1, 4)):  # (m = 10**30 drew blocks until memory ran out)
+        with pytest.raises(ValueError, match=f"{'m' if m > 4 else 'd'}: expected an integer <= 16777216"):
+            fm.Performer.random(d, m)
     assert fm.Taylor().out_dim(5791) <= fm.MAX_FEATURES < fm.Taylor().out_dim(5792)
     with pytest.raises(ValueError, match=f"got D' = {fm.Taylor().out_dim(5792)} from Taylor"):
         fm.Taylor().params(5792, dtype)

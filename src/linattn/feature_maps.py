@@ -486,9 +486,11 @@ class Performer(_Projection):
         """omega of shape (d, m) with N(0, I) columns; ``orthogonal=True`` makes each block of d
         columns orthogonal, each rescaled to the norm of an independent Gaussian vector (FAVOR+'s
         orthogonal random features), from ``numpy.random.default_rng(seed)``."""
-        for name, value in (("d", d), ("m", m)):
+        for name, value in (("d", d), ("m", m)):  # (m: D', at most MAX_FEATURES, as params() requires)
             if isinstance(value, (bool, np.bool_)) or not isinstance(value, numbers.Integral) or value < 1:
                 raise ValueError(f"{name}: expected an integer >= 1, got {value!r}")
+            if value > MAX_FEATURES:
+                raise ValueError(f"{name}: expected an integer <= {MAX_FEATURES} (2**24), got {value!r}")
         rng = np.random.default_rng(seed)
         if not orthogonal:
             return cls(rng.standard_normal((d, m)))
