@@ -1,7 +1,7 @@
-"""Every keyword of every public function, given values that are wrong for any keyword (a string, a
-complex number, a float array of the wrong size, a complex array, a ragged list, a State where it is not
-one), raises a ValueError or TypeError whose message names that keyword: never NumPy's, Numba's or
-torch's own error, never a silent acceptance."""
+"""Every keyword of every public attention function, given values that are wrong for any keyword (a
+string, a complex number, a float array of the wrong size, a complex array, a ragged list, a State where
+it is not one), raises a ValueError or TypeError whose message names that keyword: never NumPy's or
+Numba's own error, never a silent acceptance."""
 import numpy as np
 import pytest
 
