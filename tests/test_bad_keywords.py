@@ -1,11 +1,12 @@
-"""Every keyword of every public attention function, given values that are wrong for any keyword (a
-string, a complex number, a float array of the wrong size, a complex array, a ragged list, a State where
-it is not one), raises a ValueError or TypeError whose message names that keyword: never NumPy's or
-Numba's own error, never a silent acceptance."""
+"""Every keyword of every public attention function and of the NumPy references, given values that are
+wrong for any keyword (a string, a complex number, a float array of the wrong size, a complex array, a
+ragged list, a State where it is not one), raises a ValueError or TypeError whose message names that
+keyword: never NumPy's or Numba's own error, never a silent acceptance."""
 import numpy as np
 import pytest
 
 import linattn
+from linattn import reference
 
 F = np.float32
 _q = np.random.default_rng(0).standard_normal((2, 3, 5, 4)).astype(F)
@@ -33,6 +34,11 @@ CALLS = {
     "linear_attention_vjp": (lambda **kw: linattn.linear_attention_vjp(_q, _q, _v, **kw),
                              ["feature_map", "eps", "normalize", "initial_state", "return_state", "lengths",
                               "query_lengths", "scale"]),
+    "reference.masked": (lambda **kw: reference.masked(_q, _q, _v, **kw),
+                         ["causal", "feature_map", "eps", "normalize", "initial_state", "decay", "gate", "scale"]),
+    "reference.loop": (lambda **kw: reference.loop(_q, _q, _v, **kw),
+                       ["feature_map", "eps", "normalize", "initial_state", "return_state", "decay", "gate", "scale",
+                        "lengths"]),
 }
 BAD = {
     "str": "abc",

@@ -2,7 +2,8 @@
 
 They compute in float64 and return float64. ``masked`` is the O(N^2) masked form, ``loop`` the
 textbook per-token recurrence. Neither is meant for real sizes: use
-:func:`linattn.causal_linear_attention` and :func:`linattn.linear_attention`.
+:func:`linattn.causal_linear_attention` and :func:`linattn.linear_attention`. Their arguments are
+checked as those functions check theirs (a ValueError or TypeError naming the argument).
 
 Decay and gates (``decay=``, ``gate=``, ``scale=``), for both: the state before position t is
 multiplied by a_t = decay * exp(gate_t) (a scalar, or per key dimension for a gate of shape
@@ -13,12 +14,34 @@ multiplied by a_t = decay * exp(gate_t) (a scalar, or per key dimension for a ga
 """
 import numpy as np
 
+from . import checks, gates
 from .feature_maps import resolve
 
 
 def _phi(x, feature_map):
     fn = resolve(feature_map)[0]
     return np.asarray(fn(np.asarray(x, dtype=np.float64)), dtype=np.float64)
+
+
+def _checked(qf, lead, n, dv, *, eps, normalize, initial_state, decay, gate, scale):
+    """The options checked as linattn's functions check them (the same messages: a bad one is a
+    ValueError or TypeError naming it; q, k, v by checks.check_qkv before), for phi(q) ``qf`` of leading
+    dims ``lead``, N = ``n``, and values of Dv = ``dv``; the computation stays the plain formula."""
+    checks.check_eps(eps)
+    checks.check_flag(normalize, "normalize")
+    gates.check_scale(scale)
+    if decay is not None:
+        gates.check_decay(decay, lead)
+    if gate is not None:
+        gates.check_gate(gate, lead, n, qf.shape[-1], np.float64)
+    if initial_state is not None:
+        if not isinstance(initial_state, tuple) or len(initial_state) != 2:
+            raise TypeError(f"initial_state: expected a linattn.State (S, Z), got {type(initial_state).__name__}")
+        dk = qf.shape[-1]
+        for part, x, shape in zip("SZ", initial_state, (lead + (dk, dv), lead + (dk,))):
+            if checks.as_array(x, f"initial_state.{part}", 0).shape != shape:
+                raise ValueError(f"initial_state.{part}: expected shape {shape} (leading dims {lead}, D'={dk}, "
+                                 f"Dv={dv}), got {np.shape(x)}")
 
 
 def _log_decays(decay, gate, lead, n, d):
@@ -68,10 +91,13 @@ def masked(q, k, v, *, causal=True, feature_map="elu", eps=1e-6, normalize=True,
            [1., 2.],
            [2., 3.]])
     """
+    causal = checks.check_flag(causal, "causal")
+    _, _, _, lead, n, _, dv, _, _ = checks.check_qkv(q, k, v, cross=not causal)
     qf, kf = _phi(q, feature_map), _phi(k, feature_map)
+    _checked(qf, lead, n, dv, eps=eps, normalize=normalize, initial_state=initial_state, decay=decay, gate=gate,
+             scale=scale)
     if scale is not None:
         qf = qf * scale
-    lead, n = qf.shape[:-2], qf.shape[-2]
     log_a = _log_decays(decay, gate, lead, n, qf.shape[-1])
     if log_a is None:
         a = qf @ np.swapaxes(kf, -1, -2)
@@ -100,13 +126,16 @@ def loop(q, k, v, *, feature_map="elu", eps=1e-6, normalize=True, initial_state=
 
     Returns ``out`` or ``(out, (S, Z))`` with ``return_state=True``.
     """
+    _, _, _, lead, n, _, dv, _, _ = checks.check_qkv(q, k, v)
     qf, kf = _phi(q, feature_map), _phi(k, feature_map)
+    _checked(qf, lead, n, dv, eps=eps, normalize=normalize, initial_state=initial_state, decay=decay, gate=gate,
+             scale=scale)
+    return_state = checks.check_flag(return_state, "return_state")
+    lens = np.broadcast_to(n if lengths is None else checks.check_lengths(lengths, lead, n).reshape(lead), lead)
     if scale is not None:
         qf = qf * scale
     v = np.asarray(v, dtype=np.float64)
-    lead, n = qf.shape[:-2], qf.shape[-2]
     log_a = _log_decays(decay, gate, lead, n, qf.shape[-1])
-    lens = np.broadcast_to(n if lengths is None else np.asarray(lengths), lead)
     out = np.zeros(lead + (n, v.shape[-1]))
     S_all = np.zeros(lead + (qf.shape[-1], v.shape[-1]))
     Z_all = np.zeros(lead + (qf.shape[-1],))
