@@ -137,7 +137,7 @@ def state_parts(state):
 
 
 def check_state(state, name, lead, dk, dv, dtype):
-    """A State/(S, Z) pair with S (*lead, dk, dv), Z (*lead, dk) of dtype ``dtype``."""
+    """A State/(S, Z) pair with S (*lead, dk, dv), Z (*lead, dk) of dtype ``dtype`` (None: any)."""
     if not isinstance(state, tuple) or len(state) != 2:
         raise TypeError(f"{name}: expected a linattn.State (S, Z), got {type(state).__name__}")
     S, Z = state
@@ -148,7 +148,7 @@ def check_state(state, name, lead, dk, dv, dtype):
             raise ValueError(
                 f"{name}.{part}: expected shape {shape} (leading dims {lead}, D'={dk}, Dv={dv}), "
                 f"got {tuple(arr.shape)}")
-        if np.dtype(arr.dtype) != dtype:
+        if dtype is not None and np.dtype(arr.dtype) != dtype:
             raise TypeError(
                 f"{name}.{part}: expected dtype {dtype} (the computation's dtype for these inputs), "
                 f"got {np.dtype(arr.dtype)}")

@@ -34,14 +34,9 @@ def _checked(qf, lead, n, dv, *, eps, normalize, initial_state, decay, gate, sca
         gates.check_decay(decay, lead)
     if gate is not None:
         gates.check_gate(gate, lead, n, qf.shape[-1], np.float64)
-    if initial_state is not None:
-        if not isinstance(initial_state, tuple) or len(initial_state) != 2:
-            raise TypeError(f"initial_state: expected a linattn.State (S, Z), got {type(initial_state).__name__}")
-        dk = qf.shape[-1]
-        for part, x, shape in zip("SZ", initial_state, (lead + (dk, dv), lead + (dk,))):
-            if checks.as_array(x, f"initial_state.{part}", 0).shape != shape:
-                raise ValueError(f"initial_state.{part}: expected shape {shape} (leading dims {lead}, D'={dk}, "
-                                 f"Dv={dv}), got {np.shape(x)}")
+    if initial_state is not None:  # (of any real dtype: computed in float64)
+        for part, x in zip("SZ", checks.check_state(initial_state, "initial_state", lead, qf.shape[-1], dv, None)):
+            checks.check_real_dtype(x.dtype, f"initial_state.{part}")
 
 
 def _log_decays(decay, gate, lead, n, d):
