@@ -4,8 +4,9 @@
     NUMBA_ENABLE_CUDASIM=1 python examples/gpu_check.py --tiny   # the same code path, in the simulator
 
 Prints, per case, the largest difference from the CPU result and the time of the causal forward
-and of one decoding step, next to a PyTorch chunked implementation when torch with CUDA is installed;
-then two maps that are computed on the device before the kernels (Taylor, Performer).
+(and of the same kernels with each head in one block, unsplit: cuda/api.segments) and of one
+decoding step, next to a PyTorch chunked implementation when torch with CUDA is installed; then two
+maps that are computed on the device before the kernels (Taylor, Performer), and cross-attention.
 Exits with status 1 if any result differs from the CPU by more than 1e-4 (relative).
 """
 import sys
@@ -14,7 +15,7 @@ import time
 import numpy as np
 
 import linattn
-from linattn.cuda import availability
+from linattn.cuda import api, availability
 
 TINY = "--tiny" in sys.argv
 CASES = [(1, 2, 24, 4)] if TINY else [(1, 8, 2048, 64), (4, 8, 1024, 64), (2, 4, 8192, 64),
@@ -41,6 +42,16 @@ def timed(fn, sync, repeat=5):
     return best
 
 
+def unsplit(fn):
+    """fn() with every head in one block (no segments), as before the split (cuda/api.segments)."""
+    width = api._width
+    api._width = lambda: (1, 1)
+    try:
+        return fn()
+    finally:
+        api._width = width
+
+
 def main():
     try:
         from numba import cuda
@@ -58,22 +69,26 @@ def main():
         have_torch = False
     ok = True
     print(f"CUDA: {availability()}")
-    print(f"{'case (B,H,N,D)':22s} {'max rel err':>11s} {'linattn ms':>11s} {'GFLOP/s':>9s} {'torch ms':>9s}")
+    print(f"{'case (B,H,N,D)':22s} {'max rel err':>11s} {'linattn ms':>11s} {'GFLOP/s':>9s} {'unsplit ms':>11s} "
+          f"{'torch ms':>9s}")
     for (b, h, n, d) in CASES:
         rng = np.random.default_rng(0)
         q, k, v = ((rng.standard_normal((b, h, n, d)) * 0.5).astype(np.float32) for _ in range(3))
         dq, dk, dv = (cuda.to_device(x) for x in (q, k, v))
         ref = linattn.causal_linear_attention(q, k, v)
         got = linattn.causal_linear_attention(dq, dk, dv).copy_to_host()
-        err = float(np.max(np.abs(got - ref)) / np.max(np.abs(ref)))
+        got1 = unsplit(lambda: linattn.causal_linear_attention(dq, dk, dv).copy_to_host())
+        err = max(float(np.max(np.abs(x - ref)) / np.max(np.abs(ref))) for x in (got, got1))
         ok &= err < 1e-4
         t = timed(lambda: linattn.causal_linear_attention(dq, dk, dv), sync)
+        t1 = unsplit(lambda: timed(lambda: linattn.causal_linear_attention(dq, dk, dv), sync))
         flops = 4 * b * h * n * d * d
         t_torch = "-"
         if have_torch:
             tq, tk, tv = (torch.as_tensor(x, device="cuda") for x in (q, k, v))
             t_torch = f"{timed(lambda: torch_chunked(tq, tk, tv), torch.cuda.synchronize) * 1e3:9.3f}"
-        print(f"{str((b, h, n, d)):22s} {err:11.2e} {t * 1e3:11.3f} {flops / t / 1e9:9.1f} {t_torch:>9s}")
+        print(f"{str((b, h, n, d)):22s} {err:11.2e} {t * 1e3:11.3f} {flops / t / 1e9:9.1f} {t1 * 1e3:11.3f} "
+              f"{t_torch:>9s}")
     for batch in STEP_BATCHES:
         H, D = (2, 4) if TINY else (8, 64)
         rng = np.random.default_rng(1)
@@ -119,9 +134,10 @@ def main():
         (padded[:, :, :n // 2], ref[:, :, :n // 2])))
     ok &= err < 1e-4
     t = timed(lambda: linattn.linear_attention(dq, dk, dv), sync)
+    t0 = unsplit(lambda: timed(lambda: linattn.linear_attention(dq, dk, dv), sync))
     t1 = timed(lambda: linattn.linear_attention(dq1, initial_state=st), sync, repeat=20)
     print(f"cross-attention {(b, h, n, d)} over {nk} keys: max rel err {err:.2e} (outputs, state, a query over "
-          f"the state), {t * 1e3:.3f} ms; a query over the state {t1 * 1e6:.1f} us")
+          f"the state), {t * 1e3:.3f} ms (unsplit {t0 * 1e3:.3f}); a query over the state {t1 * 1e6:.1f} us")
     print("OK" if ok else "MISMATCH")
     return 0 if ok else 1
 

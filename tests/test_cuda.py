@@ -467,6 +467,74 @@ def test_gates_on_device(cuda, dtype):
         linattn.causal_linear_attention(dq, dk, dv, gate=bad)
 
 
+def test_segments_plan():
+    """How a head is split: none where the heads fill the width or a head is short (under 4 x ``least``
+    chunks), else about ``width`` blocks in all, every chunk in exactly one segment, none shorter than
+    ``least`` chunks but the last."""
+    from linattn.cuda.api import segments
+
+    assert segments(32, 128, 528, 8) == (16, 8)  # B1 H8 N2048 D64 on an H200 (132 multiprocessors)
+    assert segments(4, 1024, 528, 8) == (128, 8)  # B1 H1 N16384
+    assert segments(16, 1024, 528, 8) == (32, 32)  # B2 H4 N8192 D128 (two tiles of 64 columns)
+    assert segments(528, 128, 528, 8) == (1, 128) and segments(4, 31, 528, 8) == (1, 31)
+    assert segments(1, 33, 528, 8) == (5, 8) and segments(4, 6, 16, 1) == (3, 2) and segments(1, 0, 16, 1) == (1, 1)
+    for blocks in (1, 3, 7, 40):
+        for chunks in (1, 2, 5, 9, 100, 1001):
+            for width, least in ((16, 1), (528, 8)):
+                parts, per = segments(blocks, chunks, width, least)
+                assert (parts - 1) * per < chunks <= parts * per
+                assert parts == 1 or (per >= least and blocks * parts <= 2 * width)
+                assert parts > 1 or chunks < 4 * least or blocks >= width
+
+
+@pytest.mark.parametrize("width", [1, 16, 10**6])
+def test_heads_split_into_segments(cuda, monkeypatch, width):
+    """The causal forward with each head split into segments (each one's sums, their starting states
+    carried through the ones before, the outputs from them) equals the CPU path for every split (a
+    GPU ``width`` of 1 block: none; 10**6: one chunk a segment): with a decay, gates per position and
+    per key dimension (resets included; per feature of the Taylor map), an initial state, and lengths
+    that end inside a segment and before the last one; and the non-causal form (the keys' sums by
+    segment, the queries' outputs by segment) with an initial state and padded keys and queries."""
+    from linattn.cuda import api
+
+    monkeypatch.setattr(api, "_width", lambda: (width, 1))
+    rng = np.random.default_rng(11)
+    n = 23 if SIM else 70  # six chunks of 4 in the simulator, five of 16 on a GPU
+    q, k, v = qkv(rng, (2,), n, 3, 5, np.float64)
+    dq, dk, dv = (dev(cuda, x) for x in (q, k, v))
+    init = linattn.State(0.3 * rng.random((2, 3, 5)), rng.random((2, 3)))
+    for kw in _gate_options(rng, (2,), n, 3, np.float64) + [{}, dict(initial_state=init, lengths=np.array([23, 9])),
+                                                            dict(lengths=np.array([2, 14]), decay=0.9),
+                                                            dict(feature_map=linattn.feature_maps.Taylor(),
+                                                                 gate=-0.2 * rng.random((2, n, 10)))]:
+        ref, st_ref = linattn.causal_linear_attention(q, k, v, return_state=True, **kw)
+        dkw = dict(kw)
+        if "initial_state" in kw:
+            dkw["initial_state"] = linattn.State(dev(cuda, init.S), dev(cuda, init.Z))
+        out, st = linattn.causal_linear_attention(dq, dk, dv, return_state=True, **dkw)
+        close(out.copy_to_host(), ref, np.float64)
+        close(st.S.copy_to_host(), st_ref.S, np.float64)
+        close(st.Z.copy_to_host(), st_ref.Z, np.float64)
+    # non-causal: keys (17, padded with NaN past their lengths) summed by segment, queries' outputs by segment
+    kx, vx = (rng.standard_normal((2, 17, w)) * 0.6 for w in (3, 5))
+    lengths, qlengths = np.array([17, 6]), np.array([23, 10])
+    kp, vp = (np.where((np.arange(17) < lengths[:, None])[..., None], x, np.nan) for x in (kx, vx))
+    qp = np.where((np.arange(n) < qlengths[:, None])[..., None], q, np.nan)
+    for kw in ({}, dict(initial_state=init, lengths=lengths, query_lengths=qlengths)):
+        args = (q, kx, vx) if not kw else (qp, kp, vp)
+        ref, st_ref = linattn.linear_attention(*args, return_state=True, **kw)
+        dkw = dict(kw)
+        if "initial_state" in kw:
+            dkw["initial_state"] = linattn.State(dev(cuda, init.S), dev(cuda, init.Z))
+        out, st = linattn.linear_attention(*(dev(cuda, x) for x in args), return_state=True, **dkw)
+        close(out.copy_to_host(), ref, np.float64)
+        close(st.S.copy_to_host(), st_ref.S, np.float64)
+        close(st.Z.copy_to_host(), st_ref.Z, np.float64)
+    c, te = api.tiles(3, 5)
+    parts = api.segments(2 * -(-5 // te), -(-n // c), width, 1)[0]
+    assert parts == {1: 1, 16: 3 if SIM else 5, 10**6: 6 if SIM else 5}[width]
+
+
 @settings(max_examples=25 if SIM else 100, deadline=None)
 @given(lead=st.sampled_from([(), (2,)]), n=st.integers(1, 10), d=st.integers(1, 3), dv=st.integers(1, 3),
        f64=st.booleans(), fmap=st.sampled_from(["elu", "relu", "softplus", "taylor", "dpfp", "hedgehog"]),

@@ -42,6 +42,31 @@ def tiles(d, dv, kind=0):
     return c, te
 
 
+def segments(blocks, chunks, width, least):
+    """(P, chunks per segment): a head of ``chunks`` chunks split into P segments so that the forward's
+    ``blocks`` blocks (heads x value tiles) become about ``width`` (the GPU's width), each segment at
+    least ``least`` chunks long; P = 1 (one segment of every chunk) where the heads alone fill
+    ``width`` or a head has fewer than 4 x ``least`` chunks (a split costs two more launches)."""
+    if blocks >= width or chunks < 4 * least:
+        return 1, max(chunks, 1)
+    per = max(least, -(-chunks * blocks // width))
+    return -(-chunks // per), per
+
+
+def _width():
+    """(width, least) for ``segments``: four blocks per multiprocessor of the current GPU, segments of
+    at least 8 chunks (128 positions: a launch cost about 0.16 ms on an H200 machine, a chunk of the
+    unsplit kernel about 0.03 ms); in the simulator (16, 1), so that its tiny shapes run split."""
+    if _simulating():
+        return 16, 1
+    return 4 * cuda_module().get_current_device().MULTIPROCESSOR_COUNT, 8
+
+
+def _no_state():
+    """Empty (0, 1, 1) and (0, 1) float64 device arrays: a state argument left unwritten."""
+    return constant(np.zeros((0, 1, 1))), constant(np.zeros((0, 1)))
+
+
 def step_shared_bytes(d):
     """Dynamic shared memory of the step kernel for D' = d features: phi(q), phi(k), the factors, 4 statistics."""
     return (3 * d + 4) * 8
@@ -139,9 +164,10 @@ def causal(q, k, v, fmap, eps, normalize, lengths, S0, Z0, want_state, dtype, ga
     cuda/maps.device_map); returns (out, S, Z, status) (S, Z have no rows unless ``want_state``) on the
     host if q is a host array, else on the device. ``gates``: (BH, N, 1) or (BH, N, D') log gates of
     ``kind`` (linattn.gates; None with a kind: zero gates, for a decay alone), ``log_decay`` (BH,);
-    ``status`` (host, 3 ints) reports a bad gate value as the CPU kernels do."""
+    ``status`` (host, 3 ints) reports a bad gate value as the CPU kernels do. Where the heads alone
+    would leave the GPU idle, each is split into segments (``segments``; cuda/kernels.py)."""
     cuda = cuda_module()
-    from .kernels import causal as kern
+    from . import kernels
     host = not is_device_array(q)
     bh, n = q.shape[:2]
     code, fp, d = _map_args(fmap)
@@ -165,9 +191,20 @@ def causal(q, k, v, fmap, eps, normalize, lengths, S0, Z0, want_state, dtype, ga
     if bh and n:
         w = gate_columns(kind, d)
         c, te = tiles(d, dv, kind)
-        kern[(bh, -(-dv // te)), (te, c), 0, shared_doubles(c, te, d, w) * 8](
+        ntiles, shared = -(-dv // te), shared_doubles(c, te, d, w) * 8
+        status_d = constant(np.zeros(3, np.int64)) if status is None else status
+        parts, per = segments(bh * ntiles, -(-n // c), *_width())
+        if parts > 1:  # each segment's own sums, then their starting states (in place), in float64
+            rows = bh * parts
+            Sb, Zb = cuda.device_array((rows, d, dv), np.float64), cuda.device_array((rows, d), np.float64)
+            Fb = cuda.device_array((rows, max(w, 1)), np.float64)
+            kernels.segment_sums[(rows, ntiles), (te, c), 0, shared](
+                k, v, code, fp, lens, Sb, Zb, Fb, c, te, g, kind, ld, status_d, parts, per * c)
+            kernels.scan_segments[(bh, ntiles), (te, c)](S0, Z0, Sb, Zb, Fb, kind, parts, te, *_no_state())
+            S0, Z0 = Sb, Zb
+        kernels.causal[(bh * parts, ntiles), (te, c), 0, shared](
             q, k, v, code, fp, float(eps), bool(normalize), lens, S0, Z0, out, S, Z, c, te, g, kind, ld,
-            float(scale), constant(np.zeros(3, np.int64)) if status is None else status)
+            float(scale), status_d, parts, per * c)
     elif want_state and S0.shape[0]:
         S, Z = S0, Z0
     elif want_state:
@@ -183,7 +220,7 @@ def noncausal(q, k, v, fmap, eps, normalize, dtype, scale, S0, Z0, want_state, l
     are 0). Returns (out, S, Z) (the state of every key: S, Z
     None unless ``want_state``), on the host for a host q."""
     cuda = cuda_module()
-    from .kernels import noncausal as kern
+    from . import kernels
     host = not is_device_array(q)
     bh, n = q.shape[:2]
     code, fp, d = _map_args(fmap)
@@ -199,8 +236,24 @@ def noncausal(q, k, v, fmap, eps, normalize, dtype, scale, S0, Z0, want_state, l
     lens, qlens = (constant(np.asarray(x, dtype=np.int64)) for x in (lengths, qlengths))
     if bh:
         c, te = tiles(d, dv)
-        kern[(bh, -(-dv // te)), (te, c), 0, shared_doubles(c, te, d) * 8](
-            q, k, v, code, fp, float(eps), bool(normalize), lens, qlens, S0, Z0, out, S, Z, c, te, float(scale))
+        ntiles, shared = -(-dv // te), shared_doubles(c, te, d) * 8
+        width, least = _width()
+        kparts, kper = segments(bh * ntiles, -(-k.shape[1] // c), width, least)
+        parts, per = segments(bh * ntiles, -(-n // c), width, least)
+        summed = kparts > 1 or parts > 1
+        if summed:  # the keys' sums by segment, then the state of every key (float64): as the causal form's
+            rows = bh * kparts
+            Sb, Zb = cuda.device_array((rows, d, dv), np.float64), cuda.device_array((rows, d), np.float64)
+            St, Zt = cuda.device_array((bh, d, dv), np.float64), cuda.device_array((bh, d), np.float64)
+            Fb = constant(np.ones((1, 1)))
+            kernels.segment_sums[(rows, ntiles), (te, c), 0, shared](
+                k, v, code, fp, lens, Sb, Zb, Fb, c, te, constant(np.zeros((1, 1, 1), dtype)), 0,
+                constant(np.zeros(0)), constant(np.zeros(3, np.int64)), kparts, kper * c)
+            kernels.scan_segments[(bh, ntiles), (te, c)](S0, Z0, Sb, Zb, Fb, 0, kparts, te, St, Zt)
+            S0, Z0 = St, Zt
+        kernels.noncausal[(bh * parts, ntiles), (te, c), 0, shared](
+            q, k, v, code, fp, float(eps), bool(normalize), lens, qlens, S0, Z0, out, S, Z, c, te, float(scale),
+            parts, per * c, summed)
     state = (_result(S, host), _result(Z, host)) if want_state else (None, None)
     return (_result(out, host),) + state
 

@@ -1,13 +1,23 @@
 """@cuda.jit kernels: chunkwise causal forward, non-causal forward and one decoding step.
 
-A block owns one head and one tile of TE value columns and walks the sequence in chunks of C
-positions with C x TE threads: thread (t, e) computes score row t and output (t, e); the state tile
-S (D x TE) and Z stay in shared memory, in float64, for the whole sequence. D is the number of
-features D' (``fp[1]``): the feature map (code ``fm``, parameters ``fp``: cuda/maps.py) is computed
-from the rows of q and k as each chunk is loaded. Shared memory is one dynamic float64 buffer: phi(Q),
-phi(K) (C x D each), V (C x TE), A (C x C), S (D x TE), Z (D), denominators (C), the map's row
-statistics (4 C), and with gates G, R (C x W each, W = 1 or D). Kernels compile on first launch;
-importing this module (done lazily, only for the CUDA path) needs numba.cuda but no GPU.
+A block owns one head (or one segment of a head, below) and one tile of TE value columns and walks
+its positions in chunks of C with C x TE threads: thread (t, e) computes score row t and output
+(t, e); the state tile S (D x TE) and Z stay in shared memory, in float64, from the first chunk to
+the last. Where the heads' blocks alone would leave most of the GPU idle, the causal forward splits
+each head into P segments of L positions (a multiple of C) in three launches: ``segment_sums``
+(each segment's own S and Z, from zero, and its total decay), ``scan_segments`` (each segment's
+starting state: the initial state carried through the segments before it) and ``causal`` (each
+segment's outputs from its starting state, as one block of the unsplit form would); the non-causal
+forward likewise sums its keys by segment, adds the segments' sums up (``scan_segments``' totals)
+and computes its queries' outputs by segment. The segments' sums and states are float64 device
+arrays of (heads x P, D', Dv), P chosen so that the blocks about fill the GPU (cuda/api.segments).
+
+D is the number of features D' (``fp[1]``): the feature map (code ``fm``, parameters ``fp``:
+cuda/maps.py) is computed from the rows of q and k as each chunk is loaded. Shared memory is one
+dynamic float64 buffer: phi(Q), phi(K) (C x D each), V (C x TE), A (C x C), S (D x TE), Z (D),
+denominators (C), the map's row statistics (4 C), and with gates G, R (C x W each, W = 1 or D).
+Kernels compile on first launch; importing this module (done lazily, only for the CUDA path) needs
+numba.cuda but no GPU.
 
 Gates as on the CPU (cpu/gating.py): ``gk`` 0 (none), 1 (``gates`` (BH, N, 1): a log gate per
 position) or 2 ((BH, N, D): per key dimension), plus ``ld[h]`` (a log decay per head). Per chunk
@@ -129,8 +139,9 @@ def gkw_reset(Rs, w, t, a):
 
 @cuda.jit(device=True)
 def start_state(S0, Z0, h, e0, Ss, Zs, d, dv, TE, tid, nthreads):
-    """The block's tile of S (D' x TE) and all of Z from the initial state (zero when S0 has no rows)."""
-    has_init = S0.shape[0] > 0
+    """The block's tile of S (D' x TE) and all of Z from row h of the initial state (zero when h is not
+    one of S0's rows: S0 has none, or h = -1)."""
+    has_init = 0 <= h < S0.shape[0]
     for i in range(tid, d * TE, nthreads):
         a = i // TE
         e = i - a * TE
@@ -154,29 +165,43 @@ def write_state(Ss, Zs, S_out, Z_out, h, e0, d, dv, TE, tid, nthreads):
 
 
 @cuda.jit(device=True)
-def zero_past(out, h, length, e, dv, ty, C):
-    """Column e of head h's outputs from row ``length`` on = 0 (the padding), rows ty, ty + C, ... of it
-    by this thread."""
+def zero_past(out, h, length, e, dv, ty, C, end):
+    """Column e of head h's outputs in rows ``length`` to ``end`` = 0 (the padding), rows ty, ty + C, ...
+    of them by this thread."""
     if e < dv:
-        for i in range(length + ty, out.shape[1], C):
+        for i in range(length + ty, end, C):
             out[h, i, e] = 0.0
+
+
+@cuda.jit(device=True)
+def segment_of(P, L, n, length):
+    """(head, segment, first position, end of its positions that count, end of its rows) of this block
+    (block x = head * P + segment; a head's first ``length`` positions count)."""
+    x = cuda.blockIdx.x
+    h = x // P
+    seg = x - h * P
+    lo = seg * L
+    return h, seg, lo, min(lo + L, length), min(lo + L, n)
 
 
 @cuda.jit
 def causal(q, k, v, fm, fp, eps, normalize, lengths, S0, Z0, out, S_out, Z_out, C, TE, gates, gk, ld, scale,
-           status):
-    h, e0, tx, ty, tid, nthreads = block_position(C, TE)
+           status, P, L):
+    """The outputs of segment ``seg`` of head h (P segments of L positions a head; block x = h * P + seg)
+    from its starting state, row x of S0, Z0 (zero where they have no rows); the last segment writes
+    the final state into S_out, Z_out (where they have rows)."""
+    x, e0, tx, ty, tid, nthreads = block_position(C, TE)
     n, d, dv = q.shape[1], int(fp[1]), v.shape[2]  # d: the features' number D'
+    h, seg, lo, hi, end = segment_of(P, L, n, lengths[x // P])
     sm = cuda.shared.array(0, float64)
     Qs, Ks, Vs, As, Ss, Zs, dens, Ms = carve(sm, C, TE, d)
     w = 0 if gk == 0 else (1 if gk == 1 else d)
     Gs, Rs = carve_gates(sm, C, TE, d, w)
-    start_state(S0, Z0, h, e0, Ss, Zs, d, dv, TE, tid, nthreads)
+    start_state(S0, Z0, x, e0, Ss, Zs, d, dv, TE, tid, nthreads)
     cuda.syncthreads()
-    length = lengths[h]
     e = e0 + tx
-    for i0 in range(0, length, C):
-        c = min(C, length - i0)
+    for i0 in range(lo, hi, C):
+        c = min(C, hi - i0)
         load_chunk(q, k, v, h, i0, c, fm, fp, e0, C, TE, d, dv, Qs, Ks, Vs, Ms, tid, nthreads)
         if gk != 0:
             chunk_gates(gates, gk, ld, h, i0, c, Gs, Rs, w, status, tid, nthreads)
@@ -213,8 +238,77 @@ def causal(q, k, v, fm, fp, eps, normalize, lengths, S0, Z0, out, S_out, Z_out, 
         else:
             add_decayed_chunk(Ks, Vs, Ss, Zs, c, C, TE, d, tx, ty, tid, nthreads, Gs, Rs, w, gk)
         cuda.syncthreads()
-    zero_past(out, h, length, e, dv, ty, C)
-    write_state(Ss, Zs, S_out, Z_out, h, e0, d, dv, TE, tid, nthreads)
+    zero_past(out, h, max(lo, hi), e, dv, ty, C, end)
+    if seg == P - 1:
+        write_state(Ss, Zs, S_out, Z_out, h, e0, d, dv, TE, tid, nthreads)
+
+
+@cuda.jit
+def segment_sums(k, v, fm, fp, lengths, Sb, Zb, Fb, C, TE, gates, gk, ld, status, P, L):
+    """Segment seg of head h's own state (block x = h * P + seg, as ``causal``): its keys' sums from
+    zero, each key decayed to the segment's end, into row x of Sb, Zb; and, with gates, its total
+    decay (each column's factor from the segment's start to its end) into row x of Fb."""
+    x, e0, tx, ty, tid, nthreads = block_position(C, TE)
+    n, d, dv = k.shape[1], int(fp[1]), v.shape[2]
+    h, seg, lo, hi, end = segment_of(P, L, n, lengths[x // P])
+    sm = cuda.shared.array(0, float64)
+    Qs, Ks, Vs, As, Ss, Zs, dens, Ms = carve(sm, C, TE, d)
+    w = 0 if gk == 0 else (1 if gk == 1 else d)
+    Gs, Rs = carve_gates(sm, C, TE, d, w)
+    start_state(Sb, Zb, -1, e0, Ss, Zs, d, dv, TE, tid, nthreads)
+    first = cuda.blockIdx.y == 0  # (the factors are the same for every tile: one block writes them)
+    for a in range(tid, w if first else 0, nthreads):
+        Fb[x, a] = 1.0
+    cuda.syncthreads()
+    for i0 in range(lo, hi, C):
+        c = min(C, hi - i0)
+        load_chunk(k, k, v, h, i0, c, fm, fp, e0, C, TE, d, dv, Qs, Ks, Vs, Ms, tid, nthreads)
+        if gk != 0:
+            chunk_gates(gates, gk, ld, h, i0, c, Gs, Rs, w, status, tid, nthreads)
+        cuda.syncthreads()
+        if gk == 0:
+            add_chunk_to_state(Ks, Vs, Ss, Zs, c, C, TE, d, tx, ty, tid, nthreads)
+        else:
+            add_decayed_chunk(Ks, Vs, Ss, Zs, c, C, TE, d, tx, ty, tid, nthreads, Gs, Rs, w, gk)
+            for a in range(tid, w if first else 0, nthreads):  # (a column by the same thread in every chunk)
+                Fb[x, a] *= factor(Gs, Rs, w, c - 1, -1, a)
+        cuda.syncthreads()
+    write_state(Ss, Zs, Sb, Zb, x, e0, d, dv, TE, tid, nthreads)
+
+
+@cuda.jit
+def scan_segments(S0, Z0, Sb, Zb, Fb, gk, P, TE, S_tot, Z_tot):
+    """Each segment's starting state in place of its own sums (rows h * P ... h * P + P - 1 of Sb, Zb):
+    head h's initial state (row h of S0, Z0; zero where they have no rows) carried through the segments
+    before it, each decaying the state by its factors (Fb) and adding its sums; the state after the
+    last into row h of S_tot, Z_tot where they have rows. Block (h, tile of TE value columns); each
+    thread walks the segments for its entries of S and Z."""
+    h, e0 = cuda.blockIdx.x, cuda.blockIdx.y * TE
+    tid = cuda.threadIdx.y * cuda.blockDim.x + cuda.threadIdx.x
+    nthreads = cuda.blockDim.x * cuda.blockDim.y
+    d, dv = Sb.shape[1], Sb.shape[2]
+    has_init = S0.shape[0] > 0
+    wide = gk == 2
+    for i in range(tid, d * TE + (d if cuda.blockIdx.y == 0 else 0), nthreads):
+        is_z = i >= d * TE  # Z's entries after S's tile, by the first tile's block
+        a = i - d * TE if is_z else i // TE
+        e = e0 + i - a * TE
+        if is_z or e < dv:
+            s = (Z0[h, a] if is_z else S0[h, a, e]) if has_init else 0.0
+            for seg in range(P):
+                r = h * P + seg
+                own = Zb[r, a] if is_z else Sb[r, a, e]
+                if is_z:
+                    Zb[r, a] = s
+                else:
+                    Sb[r, a, e] = s
+                f = 1.0 if gk == 0 else Fb[r, a if wide else 0]
+                s = f * s + own
+            if S_tot.shape[0] > 0:
+                if is_z:
+                    Z_tot[h, a] = s
+                else:
+                    S_tot[h, a, e] = s
 
 
 @cuda.jit(device=True)
@@ -235,26 +329,30 @@ def add_decayed_chunk(Ks, Vs, Ss, Zs, c, C, TE, d, tx, ty, tid, nthreads, Gs, Rs
 
 
 @cuda.jit
-def noncausal(q, k, v, fm, fp, eps, normalize, lengths, qlengths, S0, Z0, out, S_out, Z_out, C, TE, scale):
-    """One block per head and tile of TE value columns: the state (from S0, Z0 when they have rows)
-    summed over the keys' chunks (the first lengths[h]), written to S_out, Z_out when they have rows,
-    then each chunk of queries' outputs from it (the first qlengths[h]; 0 past them) (q (BH, N, D), k
-    (BH, Nk, D), v (BH, Nk, Dv))."""
-    h, e0, tx, ty, tid, nthreads = block_position(C, TE)
-    n, nk, d, dv = qlengths[h], lengths[h], int(fp[1]), v.shape[2]
+def noncausal(q, k, v, fm, fp, eps, normalize, lengths, qlengths, S0, Z0, out, S_out, Z_out, C, TE, scale, P, L,
+              summed):
+    """Block x = h * P + seg and a tile of TE value columns: the outputs of segment seg of head h's queries
+    (P segments of L; the first qlengths[h] count, 0 past them) from the state of every key: row h of
+    S0, Z0 itself where ``summed`` (scan_segments' totals), else S0, Z0 (zero where they have no rows)
+    plus the keys' chunks (the first lengths[h]) summed here. The first segment's block writes that
+    state to S_out, Z_out where they have rows. (q (BH, N, D), k (BH, Nk, D), v (BH, Nk, Dv).)"""
+    x, e0, tx, ty, tid, nthreads = block_position(C, TE)
+    h, seg, lo, hi, end = segment_of(P, L, out.shape[1], qlengths[x // P])
+    nk, d, dv = lengths[h], int(fp[1]), v.shape[2]
     Qs, Ks, Vs, _, Ss, Zs, dens, Ms = carve(cuda.shared.array(0, float64), C, TE, d)
     start_state(S0, Z0, h, e0, Ss, Zs, d, dv, TE, tid, nthreads)
     cuda.syncthreads()
-    for i0 in range(0, nk, C):  # the state over all the keys (k and v may be longer or shorter than q)
+    for i0 in range(0, 0 if summed else nk, C):  # the keys' state (k and v may be longer or shorter than q)
         c = min(C, nk - i0)
         load_chunk(k, k, v, h, i0, c, fm, fp, e0, C, TE, d, dv, Qs, Ks, Vs, Ms, tid, nthreads)
         cuda.syncthreads()
         add_chunk_to_state(Ks, Vs, Ss, Zs, c, C, TE, d, tx, ty, tid, nthreads)
         cuda.syncthreads()
-    write_state(Ss, Zs, S_out, Z_out, h, e0, d, dv, TE, tid, nthreads)
+    if seg == 0:
+        write_state(Ss, Zs, S_out, Z_out, h, e0, d, dv, TE, tid, nthreads)
     e = e0 + tx
-    for i0 in range(0, n, C):
-        c = min(C, n - i0)
+    for i0 in range(lo, hi, C):
+        c = min(C, hi - i0)
         # the queries' features alone (no value columns: dv 0)
         load_chunk(q, q, v, h, i0, c, fm, fp, e0, C, TE, d, 0, Qs, Ks, Vs, Ms, tid, nthreads)
         cuda.syncthreads()
@@ -270,7 +368,7 @@ def noncausal(q, k, v, fm, fp, eps, normalize, lengths, qlengths, S0, Z0, out, S
         if ty < c and e < dv:
             out[h, i0 + ty, e] = scale * num / (scale * dens[ty] + eps) if normalize else scale * num
         cuda.syncthreads()
-    zero_past(out, h, n, e, dv, ty, C)  # (the padded queries)
+    zero_past(out, h, max(lo, hi), e, dv, ty, C, end)  # (the padded queries)
 
 
 @cuda.jit
