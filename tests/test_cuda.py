@@ -539,11 +539,24 @@ def test_heads_split_into_segments(cuda, monkeypatch, width):
 @given(lead=st.sampled_from([(), (2,)]), n=st.integers(1, 10), d=st.integers(1, 3), dv=st.integers(1, 3),
        f64=st.booleans(), fmap=st.sampled_from(["elu", "relu", "softplus", "taylor", "dpfp", "hedgehog"]),
        gating=st.sampled_from(["none", "decay", "position", "dimension"]), with_state=st.booleans(),
-       with_lengths=st.booleans(), scale=st.sampled_from([None, 0.5]), seed=st.integers(0, 2**31))
-def test_options_together_on_device(cuda, lead, n, d, dv, f64, fmap, gating, with_state, with_lengths, scale, seed):
+       with_lengths=st.booleans(), scale=st.sampled_from([None, 0.5]), seed=st.integers(0, 2**31),
+       split=st.booleans())
+def test_options_together_on_device(cuda, lead, n, d, dv, f64, fmap, gating, with_state, with_lengths, scale, seed,
+                                    split):
     """The options drawn together (hypothesis) on device arrays: the output, the final state, a step after it
     and the non-causal form equal the CPU path's (which tests/test_combinations.py checks against the
-    reference the same way)."""
+    reference the same way). With ``split``, 12 positions more and every head split into segments of one
+    chunk (in the simulator; cuda/api.segments)."""
+    from unittest import mock
+
+    from linattn.cuda import api
+
+    with mock.patch.object(api, "_width", lambda: (10**6, 1) if split else (1, 1)):
+        _options_on_device(cuda, lead, n + 12 * split, d, dv, f64, fmap, gating, with_state, with_lengths, scale,
+                           seed)
+
+
+def _options_on_device(cuda, lead, n, d, dv, f64, fmap, gating, with_state, with_lengths, scale, seed):
     rng = np.random.default_rng(seed)
     dtype = np.float64 if f64 else np.float32
     q, k, v = qkv(rng, lead, n, d, dv, dtype)
