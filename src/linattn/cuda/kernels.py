@@ -96,15 +96,17 @@ def carve(sm, C, TE, d):
 
 
 @cuda.jit(device=True)
-def carve_gates(sm, C, TE, d, w):
-    """G and R (C x w each) after carve's views."""
+def carve_gates(sm, C, TE, d, gk):
+    """G and R (C x w each) after carve's views, and w: 0 without gates (gk 0), 1 for a gate per position
+    (1), D' per key dimension (2)."""
+    w = 0 if gk == 0 else (1 if gk == 1 else d)
     o = 2 * C * d + C * TE + C * C + d * TE + d + 5 * C
-    return sm[o:o + C * w], sm[o + C * w:o + 2 * C * w]
+    return sm[o:o + C * w], sm[o + C * w:o + 2 * C * w], w
 
 
 @cuda.jit(device=True)
 def chunk_gates(gates, gk, ld, h, i0, c, Gs, Rs, w, status, tid, nthreads):
-    """Gs, Rs of the chunk (one thread per column of w)."""
+    """Gs, Rs of the chunk (one thread per column of w; nothing without gates: w = 0)."""
     for a in range(tid, w, nthreads):
         total = 0.0
         last = -1.0
@@ -195,16 +197,14 @@ def causal(q, k, v, fm, fp, eps, normalize, lengths, S0, Z0, out, S_out, Z_out, 
     h, seg, lo, hi, end = segment_of(P, L, n, lengths[x // P])
     sm = cuda.shared.array(0, float64)
     Qs, Ks, Vs, As, Ss, Zs, dens, Ms = carve(sm, C, TE, d)
-    w = 0 if gk == 0 else (1 if gk == 1 else d)
-    Gs, Rs = carve_gates(sm, C, TE, d, w)
+    Gs, Rs, w = carve_gates(sm, C, TE, d, gk)
     start_state(S0, Z0, x, e0, Ss, Zs, d, dv, TE, tid, nthreads)
     cuda.syncthreads()
     e = e0 + tx
     for i0 in range(lo, hi, C):
         c = min(C, hi - i0)
         load_chunk(q, k, v, h, i0, c, fm, fp, e0, C, TE, d, dv, Qs, Ks, Vs, Ms, tid, nthreads)
-        if gk != 0:
-            chunk_gates(gates, gk, ld, h, i0, c, Gs, Rs, w, status, tid, nthreads)
+        chunk_gates(gates, gk, ld, h, i0, c, Gs, Rs, w, status, tid, nthreads)
         cuda.syncthreads()
         for s in range(tx, C, TE):  # scores of row ty, masked (and decayed)
             acc = 0.0
@@ -233,10 +233,7 @@ def causal(q, k, v, fm, fp, eps, normalize, lengths, S0, Z0, out, S_out, Z_out, 
         cuda.syncthreads()
         if ty < c and e < dv:
             out[h, i0 + ty, e] = scale * num / (scale * dens[ty] + eps) if normalize else scale * num
-        if gk == 0:
-            add_chunk_to_state(Ks, Vs, Ss, Zs, c, C, TE, d, tx, ty, tid, nthreads)
-        else:
-            add_decayed_chunk(Ks, Vs, Ss, Zs, c, C, TE, d, tx, ty, tid, nthreads, Gs, Rs, w, gk)
+        add_to_state(Ks, Vs, Ss, Zs, c, C, TE, d, tx, ty, tid, nthreads, Gs, Rs, w, gk)
         cuda.syncthreads()
     zero_past(out, h, max(lo, hi), e, dv, ty, C, end)
     if seg == P - 1:
@@ -253,8 +250,7 @@ def segment_sums(k, v, fm, fp, lengths, Sb, Zb, Fb, C, TE, gates, gk, ld, status
     h, seg, lo, hi, end = segment_of(P, L, n, lengths[x // P])
     sm = cuda.shared.array(0, float64)
     Qs, Ks, Vs, As, Ss, Zs, dens, Ms = carve(sm, C, TE, d)
-    w = 0 if gk == 0 else (1 if gk == 1 else d)
-    Gs, Rs = carve_gates(sm, C, TE, d, w)
+    Gs, Rs, w = carve_gates(sm, C, TE, d, gk)
     start_state(Sb, Zb, -1, e0, Ss, Zs, d, dv, TE, tid, nthreads)
     first = cuda.blockIdx.y == 0  # (the factors are the same for every tile: one block writes them)
     for a in range(tid, w if first else 0, nthreads):
@@ -263,15 +259,11 @@ def segment_sums(k, v, fm, fp, lengths, Sb, Zb, Fb, C, TE, gates, gk, ld, status
     for i0 in range(lo, hi, C):
         c = min(C, hi - i0)
         load_chunk(k, k, v, h, i0, c, fm, fp, e0, C, TE, d, dv, Qs, Ks, Vs, Ms, tid, nthreads)
-        if gk != 0:
-            chunk_gates(gates, gk, ld, h, i0, c, Gs, Rs, w, status, tid, nthreads)
+        chunk_gates(gates, gk, ld, h, i0, c, Gs, Rs, w, status, tid, nthreads)
         cuda.syncthreads()
-        if gk == 0:
-            add_chunk_to_state(Ks, Vs, Ss, Zs, c, C, TE, d, tx, ty, tid, nthreads)
-        else:
-            add_decayed_chunk(Ks, Vs, Ss, Zs, c, C, TE, d, tx, ty, tid, nthreads, Gs, Rs, w, gk)
-            for a in range(tid, w if first else 0, nthreads):  # (a column by the same thread in every chunk)
-                Fb[x, a] *= factor(Gs, Rs, w, c - 1, -1, a)
+        add_to_state(Ks, Vs, Ss, Zs, c, C, TE, d, tx, ty, tid, nthreads, Gs, Rs, w, gk)
+        for a in range(tid, w if first else 0, nthreads):  # (a column by the same thread in every chunk)
+            Fb[x, a] *= factor(Gs, Rs, w, c - 1, -1, a)
         cuda.syncthreads()
     write_state(Ss, Zs, Sb, Zb, x, e0, d, dv, TE, tid, nthreads)
 
@@ -309,6 +301,16 @@ def scan_segments(S0, Z0, Sb, Zb, Fb, gk, P, TE, S_tot, Z_tot):
                     Z_tot[h, a] = s
                 else:
                     S_tot[h, a, e] = s
+
+
+@cuda.jit(device=True)
+def add_to_state(Ks, Vs, Ss, Zs, c, C, TE, d, tx, ty, tid, nthreads, Gs, Rs, w, gk):
+    """The chunk's keys and values added to the state, decayed by the chunk's gates where there are
+    any (gk != 0)."""
+    if gk == 0:
+        add_chunk_to_state(Ks, Vs, Ss, Zs, c, C, TE, d, tx, ty, tid, nthreads)
+    else:
+        add_decayed_chunk(Ks, Vs, Ss, Zs, c, C, TE, d, tx, ty, tid, nthreads, Gs, Rs, w, gk)
 
 
 @cuda.jit(device=True)
