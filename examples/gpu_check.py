@@ -6,7 +6,8 @@
 Prints, per case, the largest difference from the CPU result and the time of the causal forward
 (and of the same kernels with each head in one block, unsplit: cuda/api.segments) and of one
 decoding step, next to a PyTorch chunked implementation when torch with CUDA is installed; then two
-maps that are computed on the device before the kernels (Taylor, Performer), and cross-attention.
+maps that are computed on the device before the kernels (Taylor, Performer), cross-attention, and
+the causal forward's time for several plans of the segments (to tune cuda/api._width).
 Exits with status 1 if any result differs from the CPU by more than 1e-4 (relative).
 """
 import sys
@@ -42,14 +43,38 @@ def timed(fn, sync, repeat=5):
     return best
 
 
-def unsplit(fn):
-    """fn() with every head in one block (no segments), as before the split (cuda/api.segments)."""
-    width = api._width
-    api._width = lambda: (1, 1)
+def planned(width, least, fn):
+    """fn() with the heads' segments planned for a GPU ``width`` blocks wide and segments of at least
+    ``least`` chunks (cuda/api.segments; a width of 1: every head in one block)."""
+    saved = api._width
+    api._width = lambda: (width, least)
     try:
         return fn()
     finally:
-        api._width = width
+        api._width = saved
+
+
+def unsplit(fn):
+    """fn() with every head in one block (no segments), as before the split."""
+    return planned(1, 1, fn)
+
+
+def sweep(cuda, sync):
+    """The causal forward's time for several plans of the segments (the default: four blocks a
+    multiprocessor, 8 chunks at least), to tune cuda/api._width on this GPU."""
+    sms = 4 if TINY else cuda.get_current_device().MULTIPROCESSOR_COUNT
+    plans = [(1, 1), (16, 1)] if TINY else [(1, 1)] + [(m * sms, least) for m in (1, 2, 4, 8) for least in (4, 8, 16)]
+    print(f"segments swept ({sms} multiprocessors; width 1: unsplit):")
+    for (b, h, n, d) in (CASES[:1] if TINY else [CASES[0], CASES[3]]):
+        rng = np.random.default_rng(0)
+        dq, dk, dv = (cuda.to_device((rng.standard_normal((b, h, n, d)) * 0.5).astype(np.float32)) for _ in range(3))
+        c, te = api.tiles(d, d)
+        for width, least in plans:
+            parts = api.segments(b * h * -(-d // te), -(-n // c), width, least)[0]
+            t = planned(width, least, lambda: timed(lambda: linattn.causal_linear_attention(dq, dk, dv), sync,
+                                                    repeat=1 if TINY else 5))
+            print(f"  {str((b, h, n, d)):22s} width {width:5d}, least {least:2d}: {parts:4d} segments a head, "
+                  f"{t * 1e3:.3f} ms")
 
 
 def main():
@@ -138,6 +163,7 @@ def main():
     t1 = timed(lambda: linattn.linear_attention(dq1, initial_state=st), sync, repeat=20)
     print(f"cross-attention {(b, h, n, d)} over {nk} keys: max rel err {err:.2e} (outputs, state, a query over "
           f"the state), {t * 1e3:.3f} ms (unsplit {t0 * 1e3:.3f}); a query over the state {t1 * 1e6:.1f} us")
+    sweep(cuda, sync)
     print("OK" if ok else "MISMATCH")
     return 0 if ok else 1
 
