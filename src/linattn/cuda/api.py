@@ -62,9 +62,28 @@ def _width():
     return 4 * cuda_module().get_current_device().MULTIPROCESSOR_COUNT, 8
 
 
-def _no_state():
-    """Empty (0, 1, 1) and (0, 1) float64 device arrays: a state argument left unwritten."""
-    return constant(np.zeros((0, 1, 1))), constant(np.zeros((0, 1)))
+def _segment_states(k, v, code, fp, d, lens, S0, Z0, parts, length, c, te, shared, gates, kind, log_decay, status,
+                    totals=False):
+    """(Sb, Zb, St, Zt): each of ``parts`` segments (of ``length`` positions) of every head's keys k and
+    values v summed (kernels.segment_sums), then carried from the initial state S0, Z0 through the
+    segments before it (kernels.scan_segments): Sb, Zb ((heads x parts, D', Dv), (heads x parts, D'))
+    hold each segment's starting state and, with ``totals``, St, Zt ((heads, D', Dv), (heads, D')) the
+    state after the last (else empty); all float64 device arrays. D' = d, chunks of c positions, tiles
+    of te value columns."""
+    cuda = cuda_module()
+    from . import kernels
+    bh, dv = k.shape[0], v.shape[2]
+    ntiles, rows, w = -(-dv // te), bh * parts, gate_columns(kind, d)
+    Sb, Zb = cuda.device_array((rows, d, dv), np.float64), cuda.device_array((rows, d), np.float64)
+    Fb = cuda.device_array((rows, w), np.float64) if w else constant(np.ones((1, 1)))  # (unread without gates)
+    kernels.segment_sums[(rows, ntiles), (te, c), 0, shared](
+        k, v, code, fp, lens, Sb, Zb, Fb, c, te, gates, kind, log_decay, status, parts, length)
+    if totals:
+        St, Zt = cuda.device_array((bh, d, dv), np.float64), cuda.device_array((bh, d), np.float64)
+    else:
+        St, Zt = constant(np.zeros((0, 1, 1))), constant(np.zeros((0, 1)))
+    kernels.scan_segments[(bh, ntiles), (te, c)](S0, Z0, Sb, Zb, Fb, kind, parts, te, St, Zt)
+    return Sb, Zb, St, Zt
 
 
 def step_shared_bytes(d):
@@ -194,14 +213,9 @@ def causal(q, k, v, fmap, eps, normalize, lengths, S0, Z0, want_state, dtype, ga
         ntiles, shared = -(-dv // te), shared_doubles(c, te, d, w) * 8
         status_d = constant(np.zeros(3, np.int64)) if status is None else status
         parts, per = segments(bh * ntiles, -(-n // c), *_width())
-        if parts > 1:  # each segment's own sums, then their starting states (in place), in float64
-            rows = bh * parts
-            Sb, Zb = cuda.device_array((rows, d, dv), np.float64), cuda.device_array((rows, d), np.float64)
-            Fb = cuda.device_array((rows, max(w, 1)), np.float64)
-            kernels.segment_sums[(rows, ntiles), (te, c), 0, shared](
-                k, v, code, fp, lens, Sb, Zb, Fb, c, te, g, kind, ld, status_d, parts, per * c)
-            kernels.scan_segments[(bh, ntiles), (te, c)](S0, Z0, Sb, Zb, Fb, kind, parts, te, *_no_state())
-            S0, Z0 = Sb, Zb
+        if parts > 1:  # each segment from its starting state
+            S0, Z0 = _segment_states(k, v, code, fp, d, lens, S0, Z0, parts, per * c, c, te, shared, g, kind, ld,
+                                     status_d)[:2]
         kernels.causal[(bh * parts, ntiles), (te, c), 0, shared](
             q, k, v, code, fp, float(eps), bool(normalize), lens, S0, Z0, out, S, Z, c, te, g, kind, ld,
             float(scale), status_d, parts, per * c)
@@ -241,16 +255,10 @@ def noncausal(q, k, v, fmap, eps, normalize, dtype, scale, S0, Z0, want_state, l
         kparts, kper = segments(bh * ntiles, -(-k.shape[1] // c), width, least)
         parts, per = segments(bh * ntiles, -(-n // c), width, least)
         summed = kparts > 1 or parts > 1
-        if summed:  # the keys' sums by segment, then the state of every key (float64): as the causal form's
-            rows = bh * kparts
-            Sb, Zb = cuda.device_array((rows, d, dv), np.float64), cuda.device_array((rows, d), np.float64)
-            St, Zt = cuda.device_array((bh, d, dv), np.float64), cuda.device_array((bh, d), np.float64)
-            Fb = constant(np.ones((1, 1)))
-            kernels.segment_sums[(rows, ntiles), (te, c), 0, shared](
-                k, v, code, fp, lens, Sb, Zb, Fb, c, te, constant(np.zeros((1, 1, 1), dtype)), 0,
-                constant(np.zeros(0)), constant(np.zeros(3, np.int64)), kparts, kper * c)
-            kernels.scan_segments[(bh, ntiles), (te, c)](S0, Z0, Sb, Zb, Fb, 0, kparts, te, St, Zt)
-            S0, Z0 = St, Zt
+        if summed:  # the state of every key from the keys' sums by segment
+            S0, Z0 = _segment_states(k, v, code, fp, d, lens, S0, Z0, kparts, kper * c, c, te, shared,
+                                     constant(np.zeros((1, 1, 1), dtype)), 0, constant(np.zeros(0)),
+                                     constant(np.zeros(3, np.int64)), totals=True)[2:]
         kernels.noncausal[(bh * parts, ntiles), (te, c), 0, shared](
             q, k, v, code, fp, float(eps), bool(normalize), lens, qlens, S0, Z0, out, S, Z, c, te, float(scale),
             parts, per * c, summed)
