@@ -16,10 +16,11 @@ folded into a float64 accumulator every FOLD_EVERY chunks, so float32 results do
 millions of positions while the per-chunk work stays in float32.
 
 A segment's item first sums phi(K)^T V over the chunks before its segment (the "prefix": about
-0.3 of a chunk's full cost), so items need no barrier; segment lengths shrink geometrically so
-that every item does the same work. With many segments a head (more threads than heads), the kernel
-runs twice instead: each segment sums its own chunks, then starts from the sum of the parts before it
-(runtime.plan chooses). Extra memory is O(chunk * (D + Dv) + D * Dv) per item.
+0.36 of a chunk's full cost), so items need no barrier; segment lengths shrink geometrically so
+that every item does the same work. Or the kernel runs twice: first the head's first segment runs
+whole while each of the others but the last sums its own chunks, then each of the others starts from
+the first's final state and the parts between (runtime.plan chooses: two runs from two threads on a
+long head). Extra memory is O(chunk * (D + Dv) + D * Dv) per item.
 """
 import numpy as np
 from numba import types
@@ -246,13 +247,14 @@ def _write_state(acc, accz, B, P, Pz, h, S_out, Z_out, has_acc, acc_in_b, has_p,
 def segment_parts(sbuf, has_acc, acc_in_b, has_p, summing, parts, s, total, decayed):
     """The parts of a kernel run twice (parts: a head's (nseg, D', X + 2), float64). ``summing`` (phase 0):
     parts[s] = [S | Z | log decay], the sums of _state_buffers' tuple ``sbuf`` (a segment's own, from a
-    zero start; folded here) and the log of its whole decay per key dimension (``total``; 0 without
-    gates). Else (phase 1): sbuf's acc, accz = exp(log decay_j) acc + S_j and the same with Z_j for the
-    parts j < s (acc, accz: the initial state when ``has_acc``; acc as B where ``acc_in_b``), and B, Bz
-    their rounded values. Returns the new (has_acc, acc_in_b)."""
+    zero start, or the first segment's final state; folded here) and the log of its whole decay per key
+    dimension (``total``; 0 without gates). Else (phase 1): sbuf's acc, accz = exp(log decay_j) acc + S_j
+    and the same with Z_j for the parts j < s (acc, accz: the initial state when ``has_acc``; acc as B
+    where ``acc_in_b``), and B, Bz their rounded values. Returns the new (has_acc, acc_in_b)."""
     P, B, acc, Pz, Bz, Z, accz, lam = sbuf
     x = acc.shape[1]
     if summing:
+        acc_in_b = _fill_acc(acc, B, acc_in_b)
         if has_p:
             _fold(acc, accz, B, Bz, P, Pz, has_acc, lam, decayed)
         dst = parts[s]
@@ -339,10 +341,12 @@ def _causal_forward(q, k, v, fm, fp, fa, eps, normalize, scale, lengths, chunk, 
 
     Segments start in one of two ways. With ``parts`` of no rows (one run, ``phase`` 1), a segment's
     item first sums the chunks before it (the prefix). With parts (heads, nseg, D', Dv + 2) (float64),
-    the kernel runs twice: ``phase`` 0, each segment but the last sums its own chunks from a zero state
-    into parts[head, segment] ([S | Z | log decay]); phase 1, each starts from the initial state and the
-    parts before it, with no prefix (segment_parts). The first costs the later segments more as the
-    segments multiply; the second, one extra pass over every segment but the last.
+    the kernel runs twice: ``phase`` 0, the first segment runs whole from the initial state and leaves
+    its final state in parts[head, 0], while each other segment but the last sums its own chunks from a
+    zero state into parts[head, segment] ([S | Z | log decay]); phase 1, each segment but the first
+    starts from the parts before it, with no prefix (segment_parts). The first costs the later segments
+    more as the segments multiply; the second, one extra pass over every segment but the first and the
+    last (runtime.plan makes the first segment as long as that pass over one of the others).
 
     A segment's code is written here, not in a function of its own: Numba would compile such a
     function on its own and then again inside this one (+1.7 s at the first call, measured).
@@ -380,7 +384,10 @@ def _causal_forward(q, k, v, fm, fp, fa, eps, normalize, scale, lengths, chunk, 
         length = lengths[item // nseg]
         h, s, c0, c1 = _segment(item, nseg, frac, (length + chunk - 1) // chunk)
         last = s == nseg - 1
-        if (summing and last) or not (summing or c0 < c1 or (last and (S_out.shape[0] > 0 or length < n))):
+        whole = s == 0 or parts.shape[0] == 0  # (from the initial state: one run, or two runs' first segment)
+        sums_only = summing and not whole  # (phase 0's other segments: their own sums)
+        if ((summing and last) or (s == 0 and parts.shape[0] > 0 and not summing)
+                or not (summing or c0 < c1 or (last and (S_out.shape[0] > 0 or length < n)))):
             item = take(counter)
             continue
         # the segment: outputs of chunks [c0, c1) of head h from the state before chunk c0
@@ -391,16 +398,16 @@ def _causal_forward(q, k, v, fm, fp, fa, eps, normalize, scale, lengths, chunk, 
         kept = states[h // g2, h % g2] if states.shape[2] > 0 else states[0, 0]
         sbuf = (_state_buffers(d_, dv, dt), empty(d_ if decayed else 0, dt))  # (zeros where they must start so)
         (P, B, acc, Pz, Bz, Z, accz, lam), fb = unowned(sbuf)  # fb: B's factors (gate_state_factors)
-        has_acc = bool(False) if summing else _init_state(S0, Z0, h, B, accz, Bz)
+        has_acc = _init_state(S0, Z0, h, B, accz, Bz) if whole else bool(False)
         acc_in_b = has_acc  # (acc is filled from B when first read: see _init_state)
         has_p = bool(False)
-        if parts.shape[0] > 0 and not summing:
+        if parts.shape[0] > 0 and not summing:  # (parts[h, 0]: the first segment's final state)
             has_acc, acc_in_b = segment_parts(sbuf[0], has_acc, acc_in_b, has_p, summing, parts[h], s, total,
                                               decayed)
         for a in range(total.shape[0]):  # the segment's log decay (phase 0)
             total[a] = 0
         # the state at the start of this segment from its prefix, or phase 0's sum of the segment itself
-        p0, p1 = (c0, c1) if summing else (0, 0 if parts.shape[0] > 0 else c0)
+        p0, p1 = (c0, c1) if sums_only else (0, 0 if parts.shape[0] > 0 else c0)
         for ci in range(p0, p1):
             i0 = ci * chunk
             c = min(chunk, length - i0)
@@ -414,9 +421,9 @@ def _causal_forward(q, k, v, fm, fp, fa, eps, normalize, scale, lengths, chunk, 
             _add_prefix(kh, vh, i0, c, mp, Kf, SV, P, Pz, beta if has_p else 0, gates, F)
             has_acc, has_p, acc_in_b = pending_added(ci, acc, accz, B, Bz, P, Pz, has_acc, acc_in_b, lam,
                                                      decayed)
-            if summing:
+            if sums_only:
                 gate_log_sum(gates, total, c, G, R)
-        if summing:
+        if sums_only:
             segment_parts(sbuf[0], has_acc, acc_in_b, has_p, summing, parts[h], s, total, decayed)
             keep_alive(sbuf)
             item = take(counter)
@@ -452,7 +459,7 @@ def _causal_forward(q, k, v, fm, fp, fa, eps, normalize, scale, lengths, chunk, 
                 small_gemm_stacked(QA[:c, :d_ + c], SV[:d_], V, oh[i0:i0 + c], factors, d_, -1)
             else:  # a zero state: the chunk's own part only
                 small_gemm_stacked(QA[:c, d_:d_ + c], V, V[:0], oh[i0:i0 + c], factors, 0, -1)
-            if ci == c1 - 1 and not (last and S_out.shape[0] > 0):
+            if ci == c1 - 1 and not ((last and S_out.shape[0] > 0) or summing):
                 break  # no one reads the state after the segment's last chunk (a tiny call: half its products)
             beta = gate_pending(gates, P, Pz, lam, c, G, R, F, has_p)
             gate_key_columns(gates, KT, Kf, c, F, Pz)
@@ -467,6 +474,8 @@ def _causal_forward(q, k, v, fm, fp, fa, eps, normalize, scale, lengths, chunk, 
             oh[length:] = 0
             if S_out.shape[0] > 0:
                 _write_state(acc, accz, B, P, Pz, h, S_out, Z_out, has_acc, acc_in_b, has_p, lam, decayed)
+        elif summing:  # the first segment's final state for the others (its log decay: 0, never read)
+            segment_parts(sbuf[0], has_acc, acc_in_b, has_p, summing, parts[h], s, total, decayed)
         keep_alive(sbuf)
         item = take(counter)
     store_fence()  # the kept states' streaming stores, before the backward's threads read them

@@ -14,6 +14,11 @@ from . import blas_pool
 #: does not pay for waking it (tens of microseconds): the work per thread is at least this much.
 MIN_WORK_PER_THREAD = 1 << 21
 
+#: Fixed cost of a kernel's second run, in multiply-adds as MIN_WORK_PER_THREAD (the threads woken
+#: again, and each waiting for the slowest at the end of the first): measured 10-15 us, one head of
+#: N1024-2048, D = Dv = 64, float32, against the same head in one run.
+RUN_COST = 1 << 18
+
 #: Cost of the prefix of one chunk (phi(K), phi(K)^T V) relative to a chunk's full work (measured
 #: 0.33-0.41 at D = Dv = 64 and 0.33-0.37 at 128, float32, with the register products).
 PREFIX_COST = 0.36
@@ -46,30 +51,41 @@ def chunk_size(n):
     return min(32, max(8, -(-n // 8) * 8))
 
 
-def _segment_fractions(nseg, prefix, cost=PREFIX_COST):
+def _segment_fractions(nseg, prefix, cost=PREFIX_COST, whole_first=False):
     """Cumulative fractions of a head's chunks where its segments start (nseg + 1 values).
 
     With a prefix (causal, one run) segment i also sums the chunks before it, so lengths shrink by
     (1 - PREFIX_COST) each to give every item the same work. Otherwise equal segments (non-causal, and
-    causal in two runs: each segment sums its own part of the state first; see cpu/chunked.py).
+    causal in two runs: each segment sums its own part of the state first; see cpu/chunked.py), after a
+    first segment ``cost`` times as long where ``whole_first`` (that segment runs whole while the next
+    ones sum their parts: its item costs what a sum does).
     """
-    w = (1 - cost) ** np.arange(nseg) if prefix else np.ones(nseg)
+    if prefix:
+        w = (1 - cost) ** np.arange(nseg)
+    elif whole_first:
+        w = np.concatenate([[cost], np.ones(nseg - 1)])
+    else:
+        w = np.ones(nseg)
     return np.concatenate([[0.0], np.cumsum(w) / w.sum()])
 
 
-def plan(bh, n, dk, dv, causal=True, two_runs=True, prefix_cost=PREFIX_COST):
+def plan(bh, n, dk, dv, causal=True, two_runs=True, prefix_cost=PREFIX_COST, whole_first=True):
     """(chunk, frac, nthreads, two_runs): chunk size, segment fractions, number of threads and whether
     the kernel runs twice, minimising the estimated time (heads are split into segments only when there
     are too few to keep the threads busy; small calls run on fewer threads, down to the calling thread
     alone, which wakes none).
 
     A causal head in segments either has each segment sum its prefix (one run; the later segments
-    shorter) or, where ``two_runs`` allows it, each sum its own part first (equal segments; a segment's
-    item costs (1 + prefix_cost) / nseg of the head): from three segments a head the second is
-    faster. ``prefix_cost``: a chunk's prefix over its full work (the backward's is BACKWARD_PREFIX_COST).
-    Non-causal segments always take two runs (each sums its own part)."""
+    shorter) or, where ``two_runs`` allows it, runs twice, each segment summing its own part first.
+    With ``whole_first`` (the forward kernel) the first segment runs whole in the first run, as long as
+    a sum of one of the k equal segments after it: k items a run, each (1 + prefix_cost) / (k +
+    prefix_cost) of the head, which beats the prefix from two items a head (two threads on one head:
+    0.58 of it each, against 0.61) where the head is long enough to pay for the second run
+    (RUN_COST). Without (the backward kernel, mirrored), k equal segments of (1 + prefix_cost) / k
+    each, the first summed too. ``prefix_cost``: a chunk's prefix over its full work (the backward's
+    is BACKWARD_PREFIX_COST). Non-causal segments always take two runs (each sums its own part)."""
     threads = num_threads()
-    key = (bh, n, dk, dv, causal, two_runs, prefix_cost, threads)
+    key = (bh, n, dk, dv, causal, two_runs, prefix_cost, whole_first, threads)
     found = _plans.get(key)
     if found is not None:
         return found
@@ -77,18 +93,23 @@ def plan(bh, n, dk, dv, causal=True, two_runs=True, prefix_cost=PREFIX_COST):
     threads = max(1, min(threads, bh * n * (dk + chunk) * dv // MIN_WORK_PER_THREAD))
     nchunks = -(-n // chunk)
     a = prefix_cost
+    whole = causal and whole_first
+    again = RUN_COST / max(1, n * (dk + chunk) * dv)  # (a second run, in units of one head's work)
     best, best_nseg, prefix = None, 1, causal
-    for nseg in range(1, min(8 * threads, nchunks) + 1):
+    for nseg in range(1, min(8 * threads, nchunks - int(whole)) + 1):  # (nseg: items a head and run)
         rounds = -(-bh * nseg // threads)
         if causal:  # (the prefix first; a tie keeps it: one run)
-            costs = [(a / (1 - (1 - a) ** nseg), True)] + ([((1 + a) / nseg, False)] if two_runs and nseg > 1 else [])
+            runs = ((1 + a) / (nseg + a) if whole else (1 + a) / nseg) if two_runs and nseg > 1 else None
+            costs = [(a / (1 - (1 - a) ** nseg), True)] + ([(runs, False)] if runs is not None else [])
         else:
             costs = [(1 / nseg, False)]
         for per_item, pre in costs:
-            t = rounds * per_item
+            t = rounds * per_item + (again if nseg > 1 and not pre else 0)
             if best is None or t < best * 0.97:
                 best, best_nseg, prefix = t, nseg, pre
-    found = (chunk, _segment_fractions(best_nseg, prefix, a), threads, best_nseg > 1 and not prefix)
+    split = best_nseg > 1 and not prefix
+    nfrac = best_nseg + int(split and whole)
+    found = (chunk, _segment_fractions(nfrac, prefix, a, split and whole), threads, split)
     if len(_plans) > 1024:
         _plans.clear()
     _plans[key] = found
