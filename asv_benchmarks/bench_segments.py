@@ -1,7 +1,7 @@
 """One long causal head cut into segments for many threads: the work of its segments over the unsplit
 head's (``track_``), for both ways a segment can start (runtime.plan): after summing its prefix (one
-run) and from the parts of the segments before it (two runs; forward, after a first segment that runs
-whole in the first run). Items run one after another on one
+run) and from the parts of the segments before it (two runs, after a first segment that runs whole in
+the first run). Items run one after another on one
 thread, so the time is the sum of their work: a machine with as many threads as segments takes about
 1/nseg of it. The two-run ratio rising means the split does more work than the cost model assumes."""
 import numpy as np
@@ -15,14 +15,12 @@ from .common import SMOKE, best_of, inputs
 SEGMENTS = 8
 
 
-def _fractions(scheme, cost, whole_first=False):
+def _fractions(scheme, cost):
     if scheme == "whole":
         return np.array([0.0, 1.0]), False
     if scheme == "prefix":
         return runtime._segment_fractions(SEGMENTS, True, cost), False
-    if whole_first:  # (SEGMENTS items a run, as the prefix's)
-        return runtime._segment_fractions(SEGMENTS + 1, False, cost, True), True
-    return np.linspace(0.0, 1.0, SEGMENTS + 1), True
+    return runtime._segment_fractions(SEGMENTS + 1, False, cost, True), True  # (SEGMENTS items a run)
 
 
 class SegmentWork:
@@ -44,7 +42,7 @@ class SegmentWork:
 
     def _time(self, which, scheme):
         real_a, real_g = self.plans
-        f, two = _fractions(scheme, runtime.PREFIX_COST, whole_first=True)
+        f, two = _fractions(scheme, runtime.PREFIX_COST)
         fb, twob = _fractions(scheme, runtime.BACKWARD_PREFIX_COST)
         attention._constants.clear()  # (the plain call's cached plans)
         attention.plan = lambda *a, **kw: (real_a(*a, **kw)[0], f, 1, two)

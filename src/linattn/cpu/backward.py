@@ -339,8 +339,10 @@ def _causal_backward(q, k, v, g, out, den, fm, normalize, s, lengths, chunk, fra
     with gates (else (1, 0, 1)). Run by threaded.ThreadedKernel: each thread takes items (head,
     segment) from ``counter``. Segments start as the forward kernel's do (cpu/chunked.py), mirrored:
     after their prefix (the adjoint updates of the chunks after them; ``parts`` with no rows, ``phase``
-    1), or in two runs with ``parts`` (heads, nseg, D, Dv + 2): phase 0, each segment but the first in
-    time sums its own chunks' adjoint updates from zero; phase 1, each starts from the parts after it.
+    1), or in two runs with ``parts`` (heads, nseg, D, Dv + 2): phase 0, the last segment in time runs
+    whole from H0, Z0 and leaves its adjoint before it in parts[head, 0], while each other segment but
+    the first in time sums its own chunks' adjoint updates from zero; phase 1, each but the last in
+    time starts from the parts after it.
     """
     g2, n, d = q.shape[1], q.shape[2], q.shape[3]
     e, dt = v.shape[3] + 1, dq.dtype
@@ -375,7 +377,9 @@ def _causal_backward(q, k, v, g, out, den, fm, normalize, s, lengths, chunk, fra
         h1, h2 = h // g2, h % g2
         last = sg == nseg - 1
         r = h if has_r else 0
-        if (summing and last) or not (summing or f0 < f1 or last):
+        whole = sg == 0 or parts.shape[0] == 0  # (from H0: one run, or two runs' first segment in reverse)
+        sums_only = summing and not whole  # (phase 0's other segments: their own sums)
+        if (summing and last) or (sg == 0 and parts.shape[0] > 0 and not summing) or not (summing or f0 < f1 or last):
             item = take(counter)
             continue
         # the segment: chunks [c0, c1) of head h from the adjoint after them, the update alone of the
@@ -389,7 +393,7 @@ def _causal_backward(q, k, v, g, out, den, fm, normalize, s, lengths, chunk, fra
         dqh, dkh, dvh, kept = dq[h1, h2], dk[h1, h2], dv[h1, h2], states[h1, h2]
         sbuf = (_state_buffers(d, e - 1, dt), empty(d if decayed else 0, dt))
         (P, B, acc, Pz, Bz, Z, accz, lam), fb = unowned(sbuf)  # the adjoint [C | Cz] as a state
-        has_acc = bool(False) if summing else _init_state(H0, Z0, h, B, accz, Bz)
+        has_acc = _init_state(H0, Z0, h, B, accz, Bz) if whole else bool(False)
         acc_in_b = has_acc  # (acc is filled from B when first read: see _init_state)
         has_p = bool(False)
         if parts.shape[0] > 0 and not summing:
@@ -417,7 +421,7 @@ def _causal_backward(q, k, v, g, out, den, fm, normalize, s, lengths, chunk, fra
             chunk_gates(gates, h, ld, i0, c, G, Rg, F, status)
             has_st = ci > 0 or has_s0
             has_c = has_acc or has_p
-            own = ci < c1 and not summing
+            own = ci < c1 and not sums_only
             _chunk(qh, kh, vh, gh, oh, denh, fm, normalize, s, one, i0, c, kept[ci], has_st, C, Z, has_c, own, gates,
                    dqh, dkh, dvh, rq[r], rk[r], has_r, QA, QA2, KT, KT2, V1, KF, KW, QE, R, CT, sums, G, Rg, F, X, W)
             if ci == c0 and not (summing or (last and H_out.shape[0] > 0)):
@@ -431,7 +435,7 @@ def _causal_backward(q, k, v, g, out, den, fm, normalize, s, lengths, chunk, fra
                     Pz[a] += qt[a] * bt
             has_acc, has_p, acc_in_b = pending_added(j, acc, accz, B, Bz, P, Pz, has_acc, acc_in_b, lam,
                                                      decayed)
-            if summing:
+            if sums_only:
                 gate_log_sum(gates, total, c, G, Rg)
                 continue
             gate_state_factors(gates, lam, fb)

@@ -69,23 +69,23 @@ def _segment_fractions(nseg, prefix, cost=PREFIX_COST, whole_first=False):
     return np.concatenate([[0.0], np.cumsum(w) / w.sum()])
 
 
-def plan(bh, n, dk, dv, causal=True, two_runs=True, prefix_cost=PREFIX_COST, whole_first=True):
+def plan(bh, n, dk, dv, causal=True, two_runs=True, prefix_cost=PREFIX_COST):
     """(chunk, frac, nthreads, two_runs): chunk size, segment fractions, number of threads and whether
     the kernel runs twice, minimising the estimated time (heads are split into segments only when there
     are too few to keep the threads busy; small calls run on fewer threads, down to the calling thread
     alone, which wakes none).
 
     A causal head in segments either has each segment sum its prefix (one run; the later segments
-    shorter) or, where ``two_runs`` allows it, runs twice, each segment summing its own part first.
-    With ``whole_first`` (the forward kernel) the first segment runs whole in the first run, as long as
-    a sum of one of the k equal segments after it: k items a run, each (1 + prefix_cost) / (k +
-    prefix_cost) of the head, which beats the prefix from two items a head (two threads on one head:
-    0.58 of it each, against 0.61) where the head is long enough to pay for the second run
-    (RUN_COST). Without (the backward kernel, mirrored), k equal segments of (1 + prefix_cost) / k
-    each, the first summed too. ``prefix_cost``: a chunk's prefix over its full work (the backward's
-    is BACKWARD_PREFIX_COST). Non-causal segments always take two runs (each sums its own part)."""
+    shorter) or, where ``two_runs`` allows it, runs twice: the first segment (the last in time for the
+    backward kernel, mirrored) runs whole in the first run while each of the k equal segments after it
+    but the last sums its own part, and is as long as one such sum takes; then those k run from the
+    parts before them. k items a run, each (1 + prefix_cost) / (k + prefix_cost) of the head, which
+    beats the prefix from two items a head (two threads on one head: 0.58 of it each, against 0.61)
+    where the head is long enough to pay for the second run (RUN_COST). ``prefix_cost``: a chunk's
+    prefix over its full work (the backward's is BACKWARD_PREFIX_COST). Non-causal segments always
+    take two runs (each sums its own part)."""
     threads = num_threads()
-    key = (bh, n, dk, dv, causal, two_runs, prefix_cost, whole_first, threads)
+    key = (bh, n, dk, dv, causal, two_runs, prefix_cost, threads)
     found = _plans.get(key)
     if found is not None:
         return found
@@ -93,13 +93,12 @@ def plan(bh, n, dk, dv, causal=True, two_runs=True, prefix_cost=PREFIX_COST, who
     threads = max(1, min(threads, bh * n * (dk + chunk) * dv // MIN_WORK_PER_THREAD))
     nchunks = -(-n // chunk)
     a = prefix_cost
-    whole = causal and whole_first
     again = RUN_COST / max(1, n * (dk + chunk) * dv)  # (a second run, in units of one head's work)
     best, best_nseg, prefix = None, 1, causal
-    for nseg in range(1, min(8 * threads, nchunks - int(whole)) + 1):  # (nseg: items a head and run)
+    for nseg in range(1, min(8 * threads, nchunks - int(causal)) + 1):  # (nseg: items a head and run)
         rounds = -(-bh * nseg // threads)
         if causal:  # (the prefix first; a tie keeps it: one run)
-            runs = ((1 + a) / (nseg + a) if whole else (1 + a) / nseg) if two_runs and nseg > 1 else None
+            runs = (1 + a) / (nseg + a) if two_runs and nseg > 1 else None
             costs = [(a / (1 - (1 - a) ** nseg), True)] + ([(runs, False)] if runs is not None else [])
         else:
             costs = [(1 / nseg, False)]
@@ -108,8 +107,8 @@ def plan(bh, n, dk, dv, causal=True, two_runs=True, prefix_cost=PREFIX_COST, who
             if best is None or t < best * 0.97:
                 best, best_nseg, prefix = t, nseg, pre
     split = best_nseg > 1 and not prefix
-    nfrac = best_nseg + int(split and whole)
-    found = (chunk, _segment_fractions(nfrac, prefix, a, split and whole), threads, split)
+    whole = split and causal  # (the first segment runs whole: one more)
+    found = (chunk, _segment_fractions(best_nseg + int(whole), prefix, a, whole), threads, split)
     if len(_plans) > 1024:
         _plans.clear()
     _plans[key] = found
