@@ -3,15 +3,18 @@ initial state x lengths x scale x normalize x dtype x layout, against the float6
 with ``out=``, ``attention_weights``, the non-causal form, split/resume through the state and
 prefill + ``step`` on the same draws; and the gradients of every input on such draws."""
 import re
+from contextlib import contextmanager
+from unittest import mock
 
+import numba
 import numpy as np
 import pytest
 from hypothesis import assume, given, settings
 from hypothesis import strategies as st
 
 import linattn
+from linattn import attention, gradients, reference
 from linattn import feature_maps as fm
-from linattn import reference
 
 from conftest import TOL, cancellation
 
@@ -131,15 +134,56 @@ def _close(out, ref, dtype, cond, whole=None):
     assert err <= TOL[np.dtype(dtype)] * cond, f"relative error {err:.3e} > {TOL[np.dtype(dtype)]:.1e} x {cond:.3g}"
 
 
+#: None (the plan as it is: one segment a head at these sizes), or the heads of every causal call cut at
+#: the drawn fractions of their chunks (empty segments too), in one run (each segment sums its prefix) or
+#: two (runtime.plan's two ways for few heads on many threads)
+SEGMENTS = st.one_of(st.none(), st.tuples(st.lists(st.sampled_from([0.0, 0.1, 0.3, 0.5, 0.6, 0.9, 1.0]),
+                                                   min_size=1, max_size=3), st.booleans()))
+
+
+@contextmanager
+def _segments(drawn):
+    """Every causal call (forward, and the vjp's backward) with its heads in the ``drawn`` segments."""
+    if drawn is None:
+        yield
+        return
+    cuts, two_runs = drawn
+    frac = np.array([0.0] + sorted(cuts) + [1.0])
+    threads = min(2, numba.config.NUMBA_NUM_THREADS)
+
+    def forced(real):
+        def plan(*args, **kw):
+            found = real(*args, **kw)
+            causal = kw.get("causal", args[4] if len(args) > 4 else True)
+            return (found[0], frac, threads, two_runs) if causal else found
+        return plan
+
+    attention._constants.clear()  # (the short path's plans)
+    try:
+        with mock.patch.object(attention, "plan", forced(attention.plan)), \
+                mock.patch.object(gradients, "plan", forced(gradients.plan)):
+            yield
+    finally:
+        attention._constants.clear()
+
+
 @settings(max_examples=150, deadline=None)
 @given(lead=st.sampled_from([(), (3,), (2, 2)]), n=st.integers(1, 70), d=st.integers(1, 5), dv=st.integers(1, 4),
        dtype=st.sampled_from([np.float32, np.float64, np.float16]), map_name=st.sampled_from(sorted(MAPS)),
        gating=st.sampled_from(GATINGS), reset=st.booleans(), with_state=st.booleans(),
        with_lengths=st.sampled_from([None, "leading", "first"]),
        scale=st.sampled_from([None, 0.5]), layout=st.sampled_from(["c", "transposed", "strided", "heads"]),
-       split=st.floats(0, 1), seed=st.integers(0, 2**31))
+       split=st.floats(0, 1), segments=SEGMENTS, seed=st.integers(0, 2**31))
 def test_options_together(lead, n, d, dv, dtype, map_name, gating, reset, with_state, with_lengths, scale, layout,
-                          split, seed):
+                          split, segments, seed):
+    """Every option drawn, and the heads in the drawn segments (``SEGMENTS``)."""
+    with _segments(segments):
+        _options_together(lead, n, d, dv, dtype, map_name, gating, reset, with_state, with_lengths, scale, layout,
+                          split, seed)
+
+
+def _options_together(lead, n, d, dv, dtype, map_name, gating, reset, with_state, with_lengths, scale, layout, split,
+                      seed):
     rng = np.random.default_rng(seed)
     make_map, positive = MAPS[map_name]
     fmap = make_map(d, rng)
@@ -236,10 +280,16 @@ def _assert_derivative(have, f, x, dx):
 @settings(max_examples=100, deadline=None)
 @given(lead=st.sampled_from([(), (3,), (2, 2)]), n=st.integers(1, 70), d=st.integers(1, 4), dv=st.integers(1, 3),
        map_name=st.sampled_from(sorted(MAPS)), gating=st.sampled_from(GATINGS), with_state=st.booleans(),
-       with_lengths=st.booleans(), scale=st.sampled_from([None, 0.5]), seed=st.integers(0, 2**31))
-def test_gradients_together(lead, n, d, dv, map_name, gating, with_state, with_lengths, scale, seed):
+       with_lengths=st.booleans(), scale=st.sampled_from([None, 0.5]), segments=SEGMENTS, seed=st.integers(0, 2**31))
+def test_gradients_together(lead, n, d, dv, map_name, gating, with_state, with_lengths, scale, segments, seed):
     """vjp along a random direction of every input (q, k, v, the initial state, gate, decay and the map's
-    parameters) equals the forward's central difference, float64, the final state's gradient included."""
+    parameters) equals the forward's central difference, float64, the final state's gradient included;
+    the heads in the drawn segments (``SEGMENTS``) forward and backward."""
+    with _segments(segments):
+        _gradients_together(lead, n, d, dv, map_name, gating, with_state, with_lengths, scale, seed)
+
+
+def _gradients_together(lead, n, d, dv, map_name, gating, with_state, with_lengths, scale, seed):
     rng = np.random.default_rng(seed)
     make_map, positive = MAPS[map_name]
     fmap = fm.as_map(make_map(d, rng))
