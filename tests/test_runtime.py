@@ -143,25 +143,23 @@ def test_kernels_run_in_a_child_forked_after_the_pool_started(tmp_path):
 def test_plan_splits_few_heads(monkeypatch, threads):
     """runtime.plan's split of heads into segments: none when the heads fill the threads; one long head
     in two runs with its first segment run whole while the next ones sum their parts (that segment as
-    long as prefix_cost of one of theirs), forward and backward (where the prefix does not win: its
-    cost differs); short heads in one run (a second run would cost more than it saves)."""
+    long as prefix_cost of one of theirs), forward and backward; short heads in one run (a second run
+    would cost more than it saves)."""
     from linattn.cpu import runtime
 
     monkeypatch.setattr(runtime, "num_threads", lambda: threads)
     monkeypatch.setattr(runtime, "_plans", {})
     chunk, frac, nthreads, two_runs = runtime.plan(threads * 4, 2048, 64, 64)
     assert (chunk, nthreads, two_runs) == (32, threads, False) and list(frac) == [0, 1]
-    for d, cost in ((64, runtime.PREFIX_COST), (128, runtime.PREFIX_COST), (64, runtime.BACKWARD_PREFIX_COST)):
-        chunk, frac, nthreads, two_runs = runtime.plan(1, 16384, d, d, prefix_cost=cost)
+    backward = dict(prefix_cost=runtime.BACKWARD_PREFIX_COST, work=runtime.BACKWARD_WORK)
+    for d, kw in ((64, {}), (128, {}), (64, backward), (128, backward)):
+        cost = kw.get("prefix_cost", runtime.PREFIX_COST)
+        chunk, frac, nthreads, two_runs = runtime.plan(1, 16384, d, d, **kw)
         widths = np.diff(frac)
-        assert frac[0] == 0 and frac[-1] == 1 and nthreads == threads
-        if two_runs:
-            assert len(widths) - 1 == threads  # (segments after the first: the items of each run)
-            np.testing.assert_allclose(widths[1:], widths[1])
-            np.testing.assert_allclose(widths[0], cost * widths[1])
-        else:  # (the prefix: each segment shorter by 1 - prefix_cost than the one before)
-            assert cost != runtime.PREFIX_COST and len(widths) == threads
-            np.testing.assert_allclose(widths[1:] / widths[:-1], 1 - cost)
+        assert frac[0] == 0 and frac[-1] == 1 and nthreads == threads and two_runs, kw
+        assert len(widths) - 1 == threads  # (segments after the first: the items of each run)
+        np.testing.assert_allclose(widths[1:], widths[1])
+        np.testing.assert_allclose(widths[0], cost * widths[1])
     if threads == 2:
         _, frac, _, two_runs = runtime.plan(1, 1024, 64, 64)
         assert not two_runs and len(frac) == 3

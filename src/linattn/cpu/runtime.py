@@ -24,8 +24,13 @@ RUN_COST = 1 << 18
 PREFIX_COST = 0.36
 
 #: The same for the backward kernel (the adjoint's update alone against a chunk's gradients: measured
-#: 0.20-0.34 at D = Dv = 64, float32, one head of N16384 in two and four segments on one thread).
-BACKWARD_PREFIX_COST = 0.24
+#: 0.20-0.34 at D = Dv = 64, float32, one head of N16384 in two and four segments on one thread, on a
+#: Zen 5; 0.27-0.29 at D = 64 and 0.29-0.30 at 128 on a Zen 4, one head cut in halves).
+BACKWARD_PREFIX_COST = 0.29
+
+#: The backward kernel's time over the forward's for the same head (one thread, N16384 float32: 2.4 at
+#: D = Dv = 64, 2.2 at 128, Zen 4): a second run's fixed cost is that much smaller a part of its work.
+BACKWARD_WORK = 2.3
 
 # GNU OpenMP workers spin after every parallel region before they sleep: by default 300,000 times
 # (a fraction of a millisecond), keeping a core busy. Where a BLAS keeps threads of its own (MKL, or
@@ -69,7 +74,7 @@ def _segment_fractions(nseg, prefix, cost=PREFIX_COST, whole_first=False):
     return np.concatenate([[0.0], np.cumsum(w) / w.sum()])
 
 
-def plan(bh, n, dk, dv, causal=True, two_runs=True, prefix_cost=PREFIX_COST):
+def plan(bh, n, dk, dv, causal=True, two_runs=True, prefix_cost=PREFIX_COST, work=1.0):
     """(chunk, frac, nthreads, two_runs): chunk size, segment fractions, number of threads and whether
     the kernel runs twice, minimising the estimated time (heads are split into segments only when there
     are too few to keep the threads busy; small calls run on fewer threads, down to the calling thread
@@ -82,10 +87,11 @@ def plan(bh, n, dk, dv, causal=True, two_runs=True, prefix_cost=PREFIX_COST):
     parts before them. k items a run, each (1 + prefix_cost) / (k + prefix_cost) of the head, which
     beats the prefix from two items a head (two threads on one head: 0.58 of it each, against 0.61)
     where the head is long enough to pay for the second run (RUN_COST). ``prefix_cost``: a chunk's
-    prefix over its full work (the backward's is BACKWARD_PREFIX_COST). Non-causal segments always
-    take two runs (each sums its own part)."""
+    prefix over its full work, and ``work`` the kernel's time over the forward's (the backward's:
+    BACKWARD_PREFIX_COST, BACKWARD_WORK). Non-causal segments always take two runs (each sums its own
+    part)."""
     threads = num_threads()
-    key = (bh, n, dk, dv, causal, two_runs, prefix_cost, threads)
+    key = (bh, n, dk, dv, causal, two_runs, prefix_cost, work, threads)
     found = _plans.get(key)
     if found is not None:
         return found
@@ -93,7 +99,7 @@ def plan(bh, n, dk, dv, causal=True, two_runs=True, prefix_cost=PREFIX_COST):
     threads = max(1, min(threads, bh * n * (dk + chunk) * dv // MIN_WORK_PER_THREAD))
     nchunks = -(-n // chunk)
     a = prefix_cost
-    again = RUN_COST / max(1, n * (dk + chunk) * dv)  # (a second run, in units of one head's work)
+    again = RUN_COST / max(1, work * n * (dk + chunk) * dv)  # (a second run, in units of one head's work)
     best, best_nseg, prefix = None, 1, causal
     for nseg in range(1, min(8 * threads, nchunks - int(causal)) + 1):  # (nseg: items a head and run)
         rounds = -(-bh * nseg // threads)
