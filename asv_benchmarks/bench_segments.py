@@ -1,9 +1,9 @@
 """One long causal head cut into segments for many threads: the work of its segments over the unsplit
 head's (``track_``), for both ways a segment can start (runtime.plan): after summing its prefix (one
 run) and from the parts of the segments before it (two runs, after a first segment that runs whole in
-the first run). Items run one after another on one
-thread, so the time is the sum of their work: a machine with as many threads as segments takes about
-1/nseg of it. The two-run ratio rising means the split does more work than the cost model assumes."""
+the first run). Items run one after another on one thread, so the time is the sum of their work: a
+machine with as many threads as segments takes about 1/nseg of it. The two-run ratio rising means the
+split does more work than the cost model assumes."""
 import numpy as np
 
 import linattn
