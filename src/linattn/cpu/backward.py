@@ -34,7 +34,7 @@ from numba.np.numpy_support import as_dtype
 from .._jit import OVERLOAD_OPTIONS, array, njit
 from .buffers import empty, zeros
 from .chunked import (_copy_row, _current, _init_state, _rows_to_touch, _segment, _state_buffers, _write_state,
-                      pending_added, segment_parts)
+                      pending_added, segment_parts, segment_role)
 from .elementwise import ELU, RELU, load_rows
 from .gating import (SUB, VECTOR, _kind, _stub, chunk_gates, gate_buffers, gate_key_rows, gate_log_sum, gate_pending,
                      gate_queries, gate_scores, gate_state_factors, masked_product, one_product, prepare_kernel,
@@ -377,9 +377,8 @@ def _causal_backward(q, k, v, g, out, den, fm, normalize, s, lengths, chunk, fra
         h1, h2 = h // g2, h % g2
         last = sg == nseg - 1
         r = h if has_r else 0
-        whole = sg == 0 or parts.shape[0] == 0  # (from H0: one run, or two runs' first segment in reverse)
-        sums_only = summing and not whole  # (phase 0's other segments: their own sums)
-        if (summing and last) or (sg == 0 and parts.shape[0] > 0 and not summing) or not (summing or f0 < f1 or last):
+        whole, sums_only, idle = segment_role(sg, parts.shape[0] > 0, summing)  # (whole: from H0)
+        if (summing and last) or idle or not (summing or f0 < f1 or last):
             item = take(counter)
             continue
         # the segment: chunks [c0, c1) of head h from the adjoint after them, the update alone of the

@@ -285,6 +285,16 @@ def segment_parts(sbuf, has_acc, acc_in_b, has_p, summing, parts, s, total, deca
 
 
 @njit(helper=True)
+def segment_role(s, two_runs, summing):
+    """(whole, sums_only, idle) for segment s's item of a kernel run once, or twice (``two_runs``;
+    ``summing``: the first run): ``whole``, it starts from the initial state (one run, or the first
+    segment, which runs whole in the first run); ``sums_only``, it sums its own chunks alone (the first
+    run's other segments); ``idle``, it has nothing left to do (the first segment in the second run)."""
+    whole = s == 0 or not two_runs
+    return whole, summing and not whole, two_runs and s == 0 and not summing
+
+
+@njit(helper=True)
 def keep_state(S, Z, d_, dst, block, scratch):
     """dst (Dv + 1, D') = [S[:D'] | Z]^T: the state a chunk starts from, kept for the backward pass:
     transposed in ``block`` (as dst), then streamed to memory (``scratch``: at least Dv elements)."""
@@ -384,10 +394,8 @@ def _causal_forward(q, k, v, fm, fp, fa, eps, normalize, scale, lengths, chunk, 
         length = lengths[item // nseg]
         h, s, c0, c1 = _segment(item, nseg, frac, (length + chunk - 1) // chunk)
         last = s == nseg - 1
-        whole = s == 0 or parts.shape[0] == 0  # (from the initial state: one run, or two runs' first segment)
-        sums_only = summing and not whole  # (phase 0's other segments: their own sums)
-        if ((summing and last) or (s == 0 and parts.shape[0] > 0 and not summing)
-                or not (summing or c0 < c1 or (last and (S_out.shape[0] > 0 or length < n)))):
+        whole, sums_only, idle = segment_role(s, parts.shape[0] > 0, summing)
+        if (summing and last) or idle or not (summing or c0 < c1 or (last and (S_out.shape[0] > 0 or length < n))):
             item = take(counter)
             continue
         # the segment: outputs of chunks [c0, c1) of head h from the state before chunk c0
