@@ -113,7 +113,9 @@ def test_bench_model_quick(rounds):
     assert [r["case"] for r in rows] == [name for name, _, _ in model.QUICK_PREFILLS]
     for r in rows:
         assert r["numpy_prefill_tok_s"] > 0 and r["numpy_decode_tok_s"] > 0
-        assert r["in_model_over_alone_calls"] > 0 and 0 <= r["attention_share"] < 1
+        assert r["in_model_over_alone_calls"] > 0 and 0 < r["attention_share"] < 1
+        timed = results["numpy"]["rows"][f"linattn {r['case']}"]  # the calls' own time, not with minus without
+        assert r["attention_share"] == pytest.approx(timed["attention_in_model_s"] / timed["prefill_s"])
         low, high = r["in_model_over_alone_model_interval"]
         assert low <= r["in_model_over_alone_model"] <= high and r["rounds"] == (rounds or 9)
     for row in results["numpy"]["rows"].values():  # every model timed that many times
