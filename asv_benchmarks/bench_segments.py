@@ -42,7 +42,7 @@ class SegmentWork:
 
     def _time(self, which, scheme):
         real_a, real_g = self.plans
-        f, two = _fractions(scheme, runtime.PREFIX_COST)
+        f, two = _fractions(scheme, runtime.prefix_cost(*self.q.shape[-1:] * 2))
         fb, twob = _fractions(scheme, runtime.BACKWARD_PREFIX_COST)
         attention._constants.clear()  # (the plain call's cached plans)
         attention.plan = lambda *a, **kw: (real_a(*a, **kw)[0], f, 1, two)

@@ -151,9 +151,9 @@ def test_plan_splits_few_heads(monkeypatch, threads):
     monkeypatch.setattr(runtime, "_plans", {})
     chunk, frac, nthreads, two_runs = runtime.plan(threads * 4, 2048, 64, 64)
     assert (chunk, nthreads, two_runs) == (32, threads, False) and list(frac) == [0, 1]
-    backward = dict(prefix_cost=runtime.BACKWARD_PREFIX_COST, work=runtime.BACKWARD_WORK)
+    backward = dict(prefix=runtime.BACKWARD_PREFIX_COST, work=runtime.BACKWARD_WORK)
     for d, kw in ((64, {}), (128, {}), (64, backward), (128, backward)):
-        cost = kw.get("prefix_cost", runtime.PREFIX_COST)
+        cost = kw.get("prefix", runtime.prefix_cost(d, d))
         chunk, frac, nthreads, two_runs = runtime.plan(1, 16384, d, d, **kw)
         widths = np.diff(frac)
         assert frac[0] == 0 and frac[-1] == 1 and nthreads == threads and two_runs, kw
@@ -164,3 +164,21 @@ def test_plan_splits_few_heads(monkeypatch, threads):
         _, frac, _, two_runs = runtime.plan(1, 1024, 64, 64)
         assert not two_runs and len(frac) == 3
         np.testing.assert_allclose(frac[1], 1 / (2 - runtime.PREFIX_COST))
+
+
+def test_prefix_cost_by_head_width(monkeypatch):
+    """The forward's prefix cost: PREFIX_COST up to heads of 64 x 64, PREFIX_COST_WIDE more at 128 x 128
+    and beyond, in between linearly in log2 of sqrt(dk dv); plan() takes it unless given one."""
+    from linattn.cpu import runtime
+
+    monkeypatch.setattr(runtime, "num_threads", lambda: 2)
+    monkeypatch.setattr(runtime, "_plans", {})
+
+    base, wide = runtime.PREFIX_COST, runtime.PREFIX_COST + runtime.PREFIX_COST_WIDE
+    for dk, dv, want in ((1, 1, base), (16, 16, base), (64, 64, base), (32, 128, base), (128, 128, wide),
+                         (64, 256, wide), (512, 512, wide), (96, 96, base + runtime.PREFIX_COST_WIDE * np.log2(1.5))):
+        assert runtime.prefix_cost(dk, dv) == pytest.approx(want), (dk, dv)
+    one_head = runtime.plan(1, 16384, 128, 128)
+    assert one_head[1][1] / (one_head[1][2] - one_head[1][1]) == pytest.approx(wide)
+    np.testing.assert_allclose(runtime.plan(1, 16384, 128, 128, prefix=base)[1],
+                               runtime._segment_fractions(len(one_head[1]) - 1, False, base, True))

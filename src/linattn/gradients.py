@@ -264,7 +264,7 @@ def _backward(q, k, v, fmap, code, lead, d, out_dt, normalize, s, initial_state,
                 arrays = (q, k) if code is not None else (qf, kf)
                 (q4, k4, v4, g4, o4), _, _ = _seq4(arrays + (v, g, out), lead)  # (rows made unit-stride there)
             g12 = q4.shape[:2]
-            _, frac, nthreads, two_runs = plan(bh, n, d, dv, prefix_cost=BACKWARD_PREFIX_COST, work=BACKWARD_WORK)
+            _, frac, nthreads, two_runs = plan(bh, n, d, dv, prefix=BACKWARD_PREFIX_COST, work=BACKWARD_WORK)
             nthreads = min(nthreads, bh * (len(frac) - 1))
             kernel = backward.causal_backward.get(comp, 2 if vector else int(gated))
             lam4 = (lam.reshape(g12 + (n,) + ((d,) if vector else ())) if gated else np.empty(0, comp))

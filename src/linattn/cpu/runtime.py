@@ -19,9 +19,15 @@ MIN_WORK_PER_THREAD = 1 << 21
 #: N1024-2048, D = Dv = 64, float32, against the same head in one run.
 RUN_COST = 1 << 18
 
-#: Cost of the prefix of one chunk (phi(K), phi(K)^T V) relative to a chunk's full work (measured
-#: 0.33-0.41 at D = Dv = 64 and 0.33-0.37 at 128, float32, with the register products).
+#: Cost of the prefix of one chunk (phi(K), phi(K)^T V) relative to a chunk's full work at D = Dv <= 64
+#: (measured 0.33-0.41 at D = Dv = 64 on a Zen 5; 0.32, 0.33, 0.36 at D = 16, 32, 64 on a Zen 4, float32,
+#: with the register products). It grows with the head dimension, the prefix's D x Dv product against the
+#: chunk's scores: see prefix_cost.
 PREFIX_COST = 0.36
+
+#: What the prefix's cost adds from D = 64 to D = 128 (measured 0.41 at D = Dv = 128 on a Zen 4; one
+#: head of N8192 in two runs was 1.5-2% faster planned with 0.41 than with 0.36).
+PREFIX_COST_WIDE = 0.05
 
 #: The same for the backward kernel (the adjoint's update alone against a chunk's gradients: measured
 #: 0.20-0.34 at D = Dv = 64, float32, one head of N16384 in two and four segments on one thread, on a
@@ -56,6 +62,13 @@ def chunk_size(n):
     return min(32, max(8, -(-n // 8) * 8))
 
 
+def prefix_cost(dk, dv):
+    """The forward kernel's prefix cost (see PREFIX_COST) for heads of dk by dv: PREFIX_COST up to
+    sqrt(dk dv) = 64, then PREFIX_COST_WIDE more, linearly in log2, up to 128 and beyond."""
+    wide = np.log2(max(1.0, np.sqrt(float(dk) * float(dv))) / 64.0)
+    return PREFIX_COST + PREFIX_COST_WIDE * float(min(1.0, max(0.0, wide)))
+
+
 def _segment_fractions(nseg, prefix, cost=PREFIX_COST, whole_first=False):
     """Cumulative fractions of a head's chunks where its segments start (nseg + 1 values).
 
@@ -74,7 +87,7 @@ def _segment_fractions(nseg, prefix, cost=PREFIX_COST, whole_first=False):
     return np.concatenate([[0.0], np.cumsum(w) / w.sum()])
 
 
-def plan(bh, n, dk, dv, causal=True, two_runs=True, prefix_cost=PREFIX_COST, work=1.0):
+def plan(bh, n, dk, dv, causal=True, two_runs=True, prefix=None, work=1.0):
     """(chunk, frac, nthreads, two_runs): chunk size, segment fractions, number of threads and whether
     the kernel runs twice, minimising the estimated time (heads are split into segments only when there
     are too few to keep the threads busy; small calls run on fewer threads, down to the calling thread
@@ -84,21 +97,21 @@ def plan(bh, n, dk, dv, causal=True, two_runs=True, prefix_cost=PREFIX_COST, wor
     shorter) or, where ``two_runs`` allows it, runs twice: the first segment (the last in time for the
     backward kernel, mirrored) runs whole in the first run while each of the k equal segments after it
     but the last sums its own part, and is as long as one such sum takes; then those k run from the
-    parts before them. k items a run, each (1 + prefix_cost) / (k + prefix_cost) of the head, which
+    parts before them. k items a run, each (1 + a) / (k + a) of the head (a: the prefix's cost), which
     beats the prefix from two items a head (two threads on one head: 0.58 of it each, against 0.61)
-    where the head is long enough to pay for the second run (RUN_COST). ``prefix_cost``: a chunk's
-    prefix over its full work, and ``work`` the kernel's time over the forward's (the backward's:
-    BACKWARD_PREFIX_COST, BACKWARD_WORK). Non-causal segments always take two runs (each sums its own
-    part)."""
+    where the head is long enough to pay for the second run (RUN_COST). ``prefix``: a chunk's prefix
+    over its full work (None: the forward's, ``prefix_cost(dk, dv)``), and ``work`` the kernel's time
+    over the forward's (the backward's: BACKWARD_PREFIX_COST, BACKWARD_WORK). Non-causal segments
+    always take two runs (each sums its own part)."""
     threads = num_threads()
-    key = (bh, n, dk, dv, causal, two_runs, prefix_cost, work, threads)
+    key = (bh, n, dk, dv, causal, two_runs, prefix, work, threads)
     found = _plans.get(key)
     if found is not None:
         return found
     chunk = chunk_size(n)
     threads = max(1, min(threads, bh * n * (dk + chunk) * dv // MIN_WORK_PER_THREAD))
     nchunks = -(-n // chunk)
-    a = prefix_cost
+    a = prefix_cost(dk, dv) if prefix is None else prefix
     again = RUN_COST / max(1, work * n * (dk + chunk) * dv)  # (a second run, in units of one head's work)
     best, best_nseg, prefix = None, 1, causal
     for nseg in range(1, min(8 * threads, nchunks - int(causal)) + 1):  # (nseg: items a head and run)
