@@ -31,6 +31,20 @@ def test_example_runs(script, args, tmp_path):
         assert "padding's outputs all 0: True" in res.stdout
 
 
+def test_machine_check_quick(tmp_path):
+    """examples/machine_check.py's four parts run (small sizes) and print their figures."""
+    res = subprocess.run([sys.executable, str(EXAMPLES / "machine_check.py"), "--quick"], capture_output=True,
+                         text=True, cwd=tmp_path, timeout=600)
+    assert res.returncode == 0, res.stdout + res.stderr
+    out = res.stdout
+    assert "threading_layer" in out and out.rstrip().endswith("done"), out
+    cases = [line for line in out.splitlines() if line.startswith(("  all threads B", "  8 threads   B"))]
+    assert len(cases) == 4 and all(", x GEMM " in line for line in cases), out  # two cases, two thread counts
+    assert "issue 10's <= 2.5 in every run: (quick sizes: none)" in out, out
+    assert "8x64x64" in out and "64x64x192" in out and "us own: ratios" in out, out
+    assert "ms alone:" in out, out
+
+
 def test_gpu_check_without_gpu_and_in_simulator(tmp_path):
     script = str(EXAMPLES / "gpu_check.py")
     res = subprocess.run([sys.executable, script, "--tiny"], capture_output=True, text=True, cwd=tmp_path,
