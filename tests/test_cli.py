@@ -37,6 +37,9 @@ def test_bench_quick():
         assert row["linattn_ms"] > 0 and row["gemm_ms"] > 0
     text = buf.getvalue()
     assert "x GEMM" in text and "speed-up" in text
+    from linattn.cpu.runtime import num_threads
+
+    assert f"This machine: {os.cpu_count()} CPUs; linattn on {num_threads()} threads (" in text, text
 
 
 def test_bench_times_after_its_warm_up_calls(monkeypatch):

@@ -161,6 +161,7 @@ def bench(cases=None, quick=False, progress=True, stream=sys.stdout):
     causal_linear_attention(*(np.ones((1, 4, 2), np.float32),) * 3)
     first_call = time.perf_counter() - t_first
     in_turn = _blas_report()[1] is None  # (no advice: no BLAS keeps threads of its own)
+    machine = _machine_line(in_turn)
     inputs, outs, rows, gemms = [], [], [], []
     for (b, h, n, d) in cases:
         rng = np.random.default_rng(0)
@@ -193,7 +194,23 @@ def bench(cases=None, quick=False, progress=True, stream=sys.stdout):
         bar and bar.update()
     bar and bar.close()
     _print_table(rows, first_call, stream)
+    print(machine, file=stream)
     return rows
+
+
+def _machine_line(blas_shares):
+    """What a figure of ``bench`` depends on, in a line: CPUs, linattn's threads and layer, BLAS's threads."""
+    import numba
+
+    from .cpu.runtime import num_threads
+
+    try:
+        layer = numba.threading_layer()
+    except ValueError:  # pragma: no cover - the first call above started the pool
+        layer = "none yet"
+    return (f"This machine: {os.cpu_count()} CPUs; linattn on {num_threads()} threads ({layer} layer); "
+            + ("every threaded BLAS runs on linattn's pool." if blas_shares else
+               "a BLAS keeps threads of its own (python -m linattn info says what to set)."))
 
 
 def _gemm(rows, d):
