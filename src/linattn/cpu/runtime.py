@@ -113,7 +113,7 @@ def plan(bh, n, dk, dv, causal=True, two_runs=True, prefix=None, work=1.0):
     nchunks = -(-n // chunk)
     a = prefix_cost(dk, dv) if prefix is None else prefix
     again = RUN_COST / max(1, work * n * (dk + chunk) * dv)  # (a second run, in units of one head's work)
-    best, best_nseg, prefix = None, 1, causal
+    best, best_nseg, with_prefix = None, 1, causal
     for nseg in range(1, min(8 * threads, nchunks - int(causal)) + 1):  # (nseg: items a head and run)
         rounds = -(-bh * nseg // threads)
         if causal:  # (the prefix first; a tie keeps it: one run)
@@ -124,10 +124,10 @@ def plan(bh, n, dk, dv, causal=True, two_runs=True, prefix=None, work=1.0):
         for per_item, pre in costs:
             t = rounds * per_item + (again if nseg > 1 and not pre else 0)
             if best is None or t < best * 0.97:
-                best, best_nseg, prefix = t, nseg, pre
-    split = best_nseg > 1 and not prefix
+                best, best_nseg, with_prefix = t, nseg, pre
+    split = best_nseg > 1 and not with_prefix
     whole = split and causal  # (the first segment runs whole: one more)
-    found = (chunk, _segment_fractions(best_nseg + int(whole), prefix, a, whole), threads, split)
+    found = (chunk, _segment_fractions(best_nseg + int(whole), with_prefix, a, whole), threads, split)
     if len(_plans) > 1024:
         _plans.clear()
     _plans[key] = found
