@@ -182,3 +182,43 @@ def test_prefix_cost_by_head_width(monkeypatch):
     assert one_head[1][1] / (one_head[1][2] - one_head[1][1]) == pytest.approx(wide)
     np.testing.assert_allclose(runtime.plan(1, 16384, 128, 128, prefix=base)[1],
                                runtime._segment_fractions(len(one_head[1]) - 1, False, base, True))
+
+
+_SIXTEEN = """
+import numpy as np, numba, linattn
+from linattn.cpu import runtime
+rng = np.random.default_rng(0)
+for b, h, n, d in ((1, 1, 16384, 32), (1, 2, 4096, 64)):
+    q, k, v = ((rng.standard_normal((b, h, n, d)) * 0.5).astype(np.float32) for _ in range(3))
+    gate = -np.abs(rng.standard_normal((b, h, n, d))).astype(np.float32) * 0.01
+    dout = rng.standard_normal((b, h, n, d)).astype(np.float32)
+    got = {}
+    for threads, dt in ((16, np.float32), (1, np.float64)):
+        numba.set_num_threads(threads)
+        x = [a.astype(dt) for a in (q, k, v, gate, dout)]
+        start = linattn.causal_linear_attention(*(a[..., :40, :] for a in x[:3]), return_state=True)[1]
+        for name, kw in (("plain", {}), ("gated", dict(gate=x[3], initial_state=start))):
+            out, vjp = linattn.causal_linear_attention_vjp(*x[:3], **kw)
+            got[threads, name] = [out] + [g for g in vjp(x[4]) if isinstance(g, np.ndarray)]
+        if threads == 16:
+            _, frac, nthreads, two_runs = runtime.plan(b * h, n, d, d)
+            print("plan", b * h, nthreads, len(frac) - 1, two_runs)
+    for name in ("plain", "gated"):
+        for a, want in zip(got[16, name], got[1, name]):
+            print("err", name, float(np.max(np.abs(a - want)) / np.max(np.abs(want))))
+"""
+
+
+def test_sixteen_threads_split_heads_as_planned():
+    """With 16 threads (more than this machine may have: the split does not depend on the cores), few
+    heads are cut into many segments by runtime.plan itself, not a forced plan: the forward and the vjp
+    (with a gate per key dimension and an initial state too) match the same calls in float64 on one
+    thread, unsplit."""
+    env = dict(os.environ, NUMBA_NUM_THREADS="16")
+    res = subprocess.run([sys.executable, "-c", _SIXTEEN], env=env, capture_output=True, text=True, timeout=600,
+                         check=False)
+    assert res.returncode == 0, res.stderr
+    plans = [line.split()[1:] for line in res.stdout.splitlines() if line.startswith("plan")]
+    assert plans == [["1", "16", "17", "True"], ["2", "16", "9", "True"]], res.stdout  # (segments a head)
+    errors = [float(line.split()[2]) for line in res.stdout.splitlines() if line.startswith("err")]
+    assert len(errors) == 2 * (4 + 5) and max(errors) < 2e-5, res.stdout  # (out, dq, dk, dv; and dgate)
