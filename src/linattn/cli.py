@@ -39,10 +39,7 @@ def info():
 
     causal_linear_attention(np.ones((2, 2, 8, 2), np.float32), np.ones((2, 2, 8, 2), np.float32),
                             np.ones((2, 2, 8, 2), np.float32))  # starts the thread pool, loads a kernel
-    try:
-        layer = numba.threading_layer()
-    except ValueError:
-        layer = "none yet"
+    layer = _threading_layer()
     disp = chunked.causal_forward.get(np.float32, ("C", 0)).worker
     cache = getattr(getattr(disp, "_cache", None), "cache_path", None)
     facts = _versions()
@@ -198,17 +195,21 @@ def bench(cases=None, quick=False, progress=True, stream=sys.stdout):
     return rows
 
 
-def _machine_line(blas_shares):
-    """What a figure of ``bench`` depends on, in a line: CPUs, linattn's threads and layer, BLAS's threads."""
+def _threading_layer():
+    """Numba's threading layer, once a parallel kernel has run."""
     import numba
 
+    try:
+        return numba.threading_layer()
+    except ValueError:
+        return "none yet"
+
+
+def _machine_line(blas_shares):
+    """What a figure of ``bench`` depends on, in a line: CPUs, linattn's threads and layer, BLAS's threads."""
     from .cpu.runtime import num_threads
 
-    try:
-        layer = numba.threading_layer()
-    except ValueError:  # pragma: no cover - the first call above started the pool
-        layer = "none yet"
-    return (f"This machine: {os.cpu_count()} CPUs; linattn on {num_threads()} threads ({layer} layer); "
+    return (f"This machine: {os.cpu_count()} CPUs; linattn on {num_threads()} threads ({_threading_layer()} layer); "
             + ("every threaded BLAS runs on linattn's pool." if blas_shares else
                "a BLAS keeps threads of its own (python -m linattn info says what to set)."))
 
