@@ -73,10 +73,10 @@ def _segment_fractions(nseg, prefix, cost=PREFIX_COST, whole_first=False):
     """Cumulative fractions of a head's chunks where its segments start (nseg + 1 values).
 
     With a prefix (causal, one run) segment i also sums the chunks before it, so lengths shrink by
-    (1 - PREFIX_COST) each to give every item the same work. Otherwise equal segments (non-causal, and
-    causal in two runs: each segment sums its own part of the state first; see cpu/chunked.py), after a
-    first segment ``cost`` times as long where ``whole_first`` (that segment runs whole while the next
-    ones sum their parts: its item costs what a sum does).
+    (1 - cost) each to give every item the same work (``cost``: the prefix's, see prefix_cost).
+    Otherwise equal segments (non-causal, and causal in two runs: each segment sums its own part of the
+    state first; see cpu/chunked.py), after a first segment ``cost`` times as long where ``whole_first``
+    (that segment runs whole while the next ones sum their parts: its item costs what a sum does).
     """
     if prefix:
         w = (1 - cost) ** np.arange(nseg)
