@@ -185,6 +185,83 @@ def test_bad_decay_gate_and_scale(rng):
             linattn.linear_attention(q, k, v, **{name: 0.5})
 
 
+@pytest.mark.parametrize("dtype", [np.float32, np.float64])
+@pytest.mark.parametrize("option", OPTIONS + ["scale"])
+def test_options_take_the_short_path(rng, monkeypatch, option, dtype):
+    """A decay (a float, or one per head), a gate of the inputs' dtype and a float scale take the plain
+    call's short path (the checked path, patched to fail, is not reached): the same bits as the checked
+    path (reached with ``device="cpu"``), with the final state, from an initial state, into ``out=``,
+    on a fused projection's head views and on (N, D) and (H, N, D) inputs."""
+    from linattn import attention
+
+    for lead, n, d, dv in (((2, 3), 70, 5, 4), ((), 33, 3, 2), ((3,), 1, 1, 1), ((1, 2), 200, 8, 8)):
+        q, k, v = make_qkv(rng, lead, n, d, dv, dtype)
+        kw = dict(scale=0.3) if option == "scale" else dict(_options(rng, option, lead, n, d, dtype), scale=0.7)
+        st = linattn.State(*(rng.random(lead + shape).astype(dtype) for shape in ((d, dv), (d,))))
+        want, want_state = linattn.causal_linear_attention(q, k, v, device="cpu", return_state=True, **kw)
+        assert_close(want, reference.loop(q, k, v, **kw), dtype)
+        from_state = linattn.causal_linear_attention(q, k, v, device="cpu", initial_state=st, **kw)
+        with monkeypatch.context() as m:
+            m.setattr(attention, "_prepare", lambda *a, **kw: pytest.fail("the general path"))
+            np.testing.assert_array_equal(linattn.causal_linear_attention(q, k, v, **kw), want)
+            out, state = linattn.causal_linear_attention(q, k, v, return_state=True, **kw)
+            np.testing.assert_array_equal(out, want)
+            np.testing.assert_array_equal(state.S, want_state.S)
+            np.testing.assert_array_equal(state.Z, want_state.Z)
+            if n > 6:  # (fewer positions from a state run step's kernel)
+                np.testing.assert_array_equal(linattn.causal_linear_attention(q, k, v, initial_state=st, **kw),
+                                              from_state)
+            buf = np.full(want.shape, np.nan, dtype)
+            assert linattn.causal_linear_attention(q, k, v, out=buf, **kw) is buf
+            np.testing.assert_array_equal(buf, want)
+    # the heads of a fused (B, N, 3, H, D) projection, read in place, with a gate per key dimension
+    qkv = (rng.standard_normal((2, 90, 3, 4, 8)) * 0.5).astype(dtype)
+    q, k, v = (qkv[:, :, i].transpose(0, 2, 1, 3) for i in range(3))
+    kw = dict(scale=0.3) if option == "scale" else dict(_options(rng, option, (2, 4), 90, 8, dtype), scale=0.7)
+    want = linattn.causal_linear_attention(q, k, v, device="cpu", **kw)
+    with monkeypatch.context() as m:
+        m.setattr(attention, "_prepare", lambda *a, **kw: pytest.fail("the general path"))
+        np.testing.assert_array_equal(linattn.causal_linear_attention(q, k, v, **kw), want)
+
+
+def test_options_the_short_path_leaves_to_the_checked_one(rng, monkeypatch):
+    """What the short path does not take, the checked path runs (each call below reaches it), with its
+    results: a gate of another dtype or not whole-element strides, a decay that broadcasts (a list,
+    shape (1, H)), an int scale, an ``out=`` in the gate's memory; bad values raise its errors."""
+    from linattn import attention
+
+    lead, n, d, dv = (2, 3), 40, 4, 4
+    q, k, v = make_qkv(rng, lead, n, d, dv)
+    checked, prepare = [], attention._prepare
+    monkeypatch.setattr(attention, "_prepare", lambda *a, **kw: checked.append(1) or prepare(*a, **kw))
+
+    def f(*args, **kw):
+        before = len(checked)
+        res = linattn.causal_linear_attention(*args, **kw)
+        assert len(checked) == before + 1
+        return res
+
+    g32 = _gates(rng, lead + (n, d), np.float32)
+    want = reference.loop(q, k, v, gate=g32, decay=np.array([0.5, 0.8, 0.9]), scale=2.0)
+    for kw in (dict(gate=g32.astype(np.float64)), dict(decay=[0.5, 0.8, 0.9]), dict(decay=np.array([[0.5, 0.8, 0.9]])),
+               dict(scale=2)):
+        full = dict(dict(gate=g32, decay=np.array([0.5, 0.8, 0.9]), scale=2.0), **kw)
+        assert_close(f(q, k, v, **full), want, np.float32)
+    packed = np.zeros(g32.shape, [("gate", np.float32), ("pad", np.uint8)])  # (strides of 5 bytes)
+    packed["gate"] = g32
+    np.testing.assert_array_equal(f(q, k, v, gate=packed["gate"]), f(q, k, v, gate=g32, device="cpu"))
+    gate = g32.copy()
+    res = f(q, k, v, gate=gate, out=gate)  # (D = Dv: the gate's own memory for the result)
+    assert res is gate
+    assert_close(gate, reference.loop(q, k, v, gate=g32), np.float32)
+    for bad in (0.0, 1.5, -0.1, np.nan, np.inf, np.array([0.9, 0.9, 2.0]), np.array([0.9, np.nan, 0.5], np.float32)):
+        with pytest.raises(ValueError, match=r"decay: expected values in \(0, 1\]"):
+            f(q, k, v, decay=bad)
+    for bad in (0.0, -1.0, np.inf, np.nan):
+        with pytest.raises(ValueError, match="scale: expected"):
+            f(q, k, v, scale=bad)
+
+
 def test_retnet_three_forms(rng):
     """RetNet's retention (identity map, no normalisation, decay gamma per head) in its parallel form
     (Q K^T * D) V with D[n, m] = gamma^(n - m), its recurrent form, and the chunkwise kernel."""

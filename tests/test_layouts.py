@@ -60,12 +60,13 @@ def test_head_views_take_the_short_path(rng, dtype, causal, monkeypatch):
     """A plain call on a fused projection's head views (4-D, unit-stride rows) runs the strided kernel
     from the short path (the checked path, patched to fail, is not reached), with and without the
     state, with ``out=`` (heads of a buffer, or C-contiguous), and for the vjp: the same results bit for
-    bit as the checked path (reached with a scale of 1) and, within float rounding, as the float64
-    reference; views of other shapes, and an ``out`` in an input's memory, take the checked path."""
+    bit as the checked path (reached with ``device="cpu"``, the vjp's with a scale of 1) and, within
+    float rounding, as the float64 reference; views of other shapes, and an ``out`` in an input's
+    memory, take the checked path."""
     _, (q, k, v) = _fused_qkv(rng, 2, 70, 3, 8, dtype)
     fn = linattn.causal_linear_attention if causal else linattn.linear_attention
     vjp_fn = linattn.causal_linear_attention_vjp if causal else linattn.linear_attention_vjp
-    want, want_state = fn(q, k, v, scale=1.0, return_state=True)
+    want, want_state = fn(q, k, v, device="cpu", return_state=True)
     assert_close(want, reference.masked(q, k, v, causal=causal), dtype)
     dout = rng.standard_normal(want.shape).astype(dtype)
     want_grads = vjp_fn(q, k, v, scale=1.0)[1](dout)
@@ -106,7 +107,7 @@ def test_one_sequence_head_views_take_the_short_path(rng, causal, monkeypatch):
     q, k, v = (qkv[:, i].transpose(1, 0, 2) for i in range(3))
     fn = linattn.causal_linear_attention if causal else linattn.linear_attention
     for args in ((q, k, v), (q[1], k[1], v[1])):
-        want = fn(*args, scale=1.0)  # (the checked path)
+        want = fn(*args, device="cpu")  # (the checked path)
         assert_close(want, reference.masked(*args, causal=causal), np.float32)
         with monkeypatch.context() as m:
             m.setattr(attention, "_prepare", lambda *a, **kw: pytest.fail("the general path"))
@@ -264,22 +265,27 @@ def test_any_number_of_threads_takes_all_items(rng, nthreads, views):
 
 
 def test_fast_and_checked_paths_agree(rng):
-    """The plain call takes a short path; the same call with an option that does not change the
-    result takes the checked one: the same kernel, the same bits."""
+    """The plain call takes a short path, as do every length given and ``out=``; the same call with
+    ``device="cpu"`` takes the checked one: the same kernel, the same bits."""
     for lead, n in (((), 1), ((3,), 17), ((2, 2), 200)):
         q, k, v = make_qkv(rng, lead, n, 7, 5)
         full = np.full(lead, n) if lead else n
-        np.testing.assert_array_equal(linattn.causal_linear_attention(q, k, v),
-                                      linattn.causal_linear_attention(q, k, v, lengths=full))
-        np.testing.assert_array_equal(linattn.linear_attention(q, k, v),
-                                      linattn.linear_attention(q, k, v, out=np.empty(lead + (n, 5), np.float32)))
+        want = linattn.causal_linear_attention(q, k, v, device="cpu")
+        np.testing.assert_array_equal(linattn.causal_linear_attention(q, k, v), want)
+        np.testing.assert_array_equal(linattn.causal_linear_attention(q, k, v, lengths=full), want)
+        want = linattn.linear_attention(q, k, v, device="cpu")
+        np.testing.assert_array_equal(linattn.linear_attention(q, k, v), want)
+        np.testing.assert_array_equal(linattn.linear_attention(q, k, v, lengths=full, query_lengths=full), want)
+        np.testing.assert_array_equal(linattn.linear_attention(q, k, v, out=np.empty(lead + (n, 5), np.float32)),
+                                      want)
 
 
 @pytest.mark.parametrize("dtype", [np.float32, np.float64])
 def test_fast_path_passes_the_workers_signature(rng, monkeypatch, dtype):
     """The plain call runs the worker through its unchecked entry point (no type dispatch): wrong
     argument types there would be read as the signature's. Here the entry points are the checked
-    dispatchers (explicit signatures: a mismatch raises TypeError) for every form of the short path."""
+    dispatchers (explicit signatures: a mismatch raises TypeError) for every form of the short path,
+    decay, gates and scale included, on C-contiguous arrays and on views."""
     calls = []
 
     def checked(worker):
@@ -288,12 +294,28 @@ def test_fast_path_passes_the_workers_signature(rng, monkeypatch, dtype):
             return worker(*args)
         return call
 
-    for kernel, variant in ((chunked.causal_forward, ("C", 0)), (chunked.noncausal_forward, "C")):
+    variants = [(chunked.causal_forward, (layout, kind)) for layout in "CA" for kind in range(4)]
+    for kernel, variant in variants + [(chunked.noncausal_forward, "C")]:
         run = kernel.get(np.dtype(dtype), variant)
         monkeypatch.setattr(run, "unchecked", checked(run.worker))
     for lead, n, d, dv in (((), 1, 1, 1), ((3,), 17, 7, 5), ((2, 2), 40, 4, 6), ((1, 2, 1, 2), 9, 3, 2)):
         q, k, v = make_qkv(rng, lead, n, d, dv, dtype)
         k.setflags(write=False)  # read-only inputs as well
+        gate = -rng.random(lead + (n,)).astype(dtype)
+        gate.setflags(write=False)
+        per_dim = -rng.random(lead + (n, d)).astype(dtype)
+        for kw in (dict(decay=0.9, scale=0.5), dict(gate=gate), dict(gate=per_dim, decay=np.full(lead[-1:], 0.8))):
+            before = len(calls)
+            out = linattn.causal_linear_attention(q, k, v, **kw)
+            assert len(calls) == before + 1
+            assert_close(out, reference.loop(q, k, v, **kw), dtype)
+        if len(lead) in (2, 3):  # head views: the strided kernels
+            view = tuple(np.ascontiguousarray(np.swapaxes(x, 0, -2)).swapaxes(0, -2) for x in (q, k, v))
+            gate_view = np.ascontiguousarray(np.swapaxes(gate, 0, -1)).swapaxes(0, -1)
+            before = len(calls)
+            out = linattn.causal_linear_attention(*view, gate=gate_view, decay=0.5)
+            assert len(calls) == before + 1
+            assert_close(out, reference.loop(q, k, v, gate=gate, decay=0.5), dtype)
         for kw in ({}, dict(feature_map="relu", normalize=False, eps=0.0)):
             before = len(calls)
             out = linattn.causal_linear_attention(q, k, v, **kw)

@@ -176,3 +176,48 @@ def test_attention_weights_errors(rng):
         linattn.attention_weights(q, q, lengths=np.array([7, 1]))
     with pytest.raises(ValueError, match=r"query_lengths: expected shape \(2,\)"):
         linattn.attention_weights(q, k, causal=False, query_lengths=np.array([1, 1, 1]))
+
+
+@pytest.mark.parametrize("dtype", [np.float32, np.float64])
+def test_lengths_take_the_short_path(rng, monkeypatch, dtype):
+    """Lengths (causal; non-causal the keys' and the queries', shaped like the leading dims or their
+    first) take the plain call's short path (the checked path, patched to fail, is not reached), NaN
+    past them included: the same bits as the checked path (``device="cpu"``), the final state too, with
+    a decay and a scale, into ``out=``; lengths the short path cannot take (a list, floats, out of
+    range) go to the checked path, which says what is wrong."""
+    from linattn import attention
+
+    lead, n, d, dv = (3, 2), 70, 5, 4
+    q, k, v, _, _, _ = _padded(rng, lead, n, n, d, dv, [70, 0, 33], [1, 64, 70], dtype)
+    q = np.nan_to_num(q)  # (the causal form reads every query up to its length: NaN keys and values past it)
+    runs = []
+    for lens in (np.array([1, 64, 70]), np.array([[70, 31], [0, 2], [65, 64]], np.int32)):
+        for fn, kw in ((linattn.causal_linear_attention, dict(lengths=lens)),
+                       (linattn.causal_linear_attention, dict(lengths=lens, decay=0.9, scale=0.5)),
+                       (linattn.linear_attention, dict(lengths=lens)),
+                       (linattn.linear_attention, dict(lengths=lens, query_lengths=lens[::-1].copy(), scale=0.5))):
+            want, want_state = fn(q, k, v, device="cpu", return_state=True, **kw)
+            runs.append((fn, kw, want, want_state))
+    with monkeypatch.context() as m:
+        m.setattr(attention, "_prepare", lambda *a, **kw: pytest.fail("the general path"))
+        for fn, kw, want, want_state in runs:
+            np.testing.assert_array_equal(fn(q, k, v, **kw), want)
+            out, state = fn(q, k, v, return_state=True, **kw)
+            np.testing.assert_array_equal(out, want)
+            np.testing.assert_array_equal(state.S, want_state.S)
+            np.testing.assert_array_equal(state.Z, want_state.Z)
+            buf = np.full(want.shape, np.nan, dtype)
+            assert fn(q, k, v, out=buf, **kw) is buf
+            np.testing.assert_array_equal(buf, want)
+    assert np.isfinite(runs[0][2]).all() and not runs[0][2][0, :, 1:].any()  # (0 past the first length)
+    want = linattn.causal_linear_attention(q, k, v, lengths=np.array([1, 64, 70]))
+    np.testing.assert_array_equal(linattn.causal_linear_attention(q, k, v, lengths=[1, 64, 70]), want)
+    for fn in (linattn.causal_linear_attention, linattn.linear_attention):
+        with pytest.raises(ValueError, match=r"lengths: expected values in \[0, N(k)?=70\], got 71"):
+            fn(q, k, v, lengths=np.array([1, 71, 3]))
+        with pytest.raises(TypeError, match="lengths: expected an integer array, got dtype float64"):
+            fn(q, k, v, lengths=np.array([1.0, 2.0, 3.0]))
+        with pytest.raises(ValueError, match=r"lengths: expected shape \(3, 2\) .* got \(2,\)"):
+            fn(q, k, v, lengths=np.array([1, 2]))
+    with pytest.raises(ValueError, match=r"query_lengths: expected values in \[0, N=70\], got -1"):
+        linattn.linear_attention(q, k, v, query_lengths=np.array([1, -1, 3]))

@@ -149,20 +149,77 @@ def _fast_state(state, dt, lead, d, dv, causal):
     return S0.reshape(bh, d, dv), Z0.reshape(bh, d)
 
 
+def _fast_log_decay(decay, lead):
+    """A decay's log per sequence (float64, (BH,), read-only) for the short path: a float in (0, 1] or a
+    float array of values in (0, 1] shaped like the last of the leading dims ``lead`` (RetNet's one per
+    head, ``(H,)``); None for anything else (the checked path then takes it). Kept by value for the
+    next call (a model passes the same decay every time: checking an array's values and taking their
+    log cost 6 us of a 13.5 us tiny call)."""
+    if isinstance(decay, float):
+        key = ("decay", float(decay), lead)
+    elif (type(decay) is _ndarray and decay.dtype in _FLOATS and decay.ndim <= len(lead)
+          and decay.shape == lead[len(lead) - decay.ndim:]):
+        key = ("decay", decay.dtype, decay.shape, decay.tobytes(), lead)
+    else:
+        return None
+    found = _constants.get(key)
+    if found is None:
+        values = np.asarray(decay, np.float64)
+        if not ((values > 0) & (values <= 1)).all():
+            return None
+        found = np.empty(math.prod(lead))
+        found.reshape(-1, values.size)[...] = np.log(values.reshape(-1))
+        found.setflags(write=False)
+        if len(_constants) > 256:
+            _constants.clear()
+        _constants[key] = found
+    return found
+
+
+def _fast_gates(dt, shape, decay, gate):
+    """(kind, gates, log decay) as the causal kernel takes them (gates_mod.prepare's, the gates not yet
+    in the kernels' 4-D split) for the short path with q of ``shape`` and dtype ``dt``: a decay as
+    ``_fast_log_decay`` takes it, a gate of dtype ``dt`` shaped (..., N) or (..., N, D) with strides of
+    whole elements; None for anything else (the checked path then takes the call or says why)."""
+    lead = shape[:-2]
+    kind, gates, log_decay = gates_mod.NONE, _NO_GATES[dt], _ZERO_DECAY
+    if decay is not None:
+        log_decay = _fast_log_decay(decay, lead)
+        if log_decay is None:
+            return None
+        kind, gates = gates_mod.CONSTANT, _CONSTANT_ONLY[dt]
+    if gate is not None:
+        if type(gate) is not _ndarray or gate.dtype != dt or any(st % dt.itemsize for st in gate.strides):
+            return None
+        if gate.shape == shape[:-1]:
+            kind = gates_mod.SCALAR
+        elif gate.shape == shape:  # (the named maps keep D' = D)
+            kind = gates_mod.VECTOR
+        else:
+            return None
+        gates = gate
+        if decay is None:
+            log_decay = np.zeros(math.prod(lead))
+    return kind, gates, log_decay
+
+
 def _fast(causal, q, k, v, feature_map, eps, normalize, keep=False, return_state=False, initial_state=None,
-          into=None):
-    """The common call (C-contiguous NumPy arrays of one float dtype, or views of up to 4 dims with
-    unit-stride rows as a fused projection's heads are, a named feature map, nothing else
-    but a State of C-contiguous arrays to start from, the final state to return and an ``out=`` array
-    ``into`` of the same kinds, apart from every input) with a minimum of Python around the kernel; None
-    for anything else, which then takes the checked path (the same kernels). Returns ``out`` (``into``
+          into=None, scale=None, decay=None, gate=None, lengths=None, query_lengths=None):
+    """The common call with a minimum of Python around the kernel: NumPy arrays of one float dtype,
+    C-contiguous or views of up to 4 dims with unit-stride rows (a fused projection's heads), a feature
+    map by name and, each optional, a State of C-contiguous arrays to start from, the final state to
+    return, an ``out=`` array ``into`` of the same kinds apart from every input, a float ``scale``,
+    integer ``lengths`` (non-causal: the keys', and ``query_lengths``) and, causal, a decay and a gate as
+    ``_fast_gates`` takes them (with ``keep``, none of the last four). None for anything else, which
+    then takes the checked path (the same kernels; it says what is wrong). Returns ``out`` (``into``
     when given), or ``(out, State)`` with ``return_state``; with ``keep`` (causal only): ``((out, state),
     kept)`` as causal_with_denominators returns them for the backward pass (state None unless
     ``return_state``)."""
     dt = q.dtype
     if (type(k) is not _ndarray or type(v) is not _ndarray or dt not in _FLOATS or k.dtype != dt
             or v.dtype != dt or type(feature_map) is not str or type(eps) is not float
-            or not (normalize is True or normalize is False) or not 0.0 <= eps < _INF):
+            or not (normalize is True or normalize is False) or not 0.0 <= eps < _INF
+            or not (scale is None or (type(scale) is float and 0.0 < scale < _INF))):
         return None
     shape = q.shape
     if len(shape) < 2 or k.shape != shape or v.shape[:-1] != shape[:-1] or q.size == 0 or v.shape[-1] == 0:
@@ -175,10 +232,28 @@ def _fast(causal, q, k, v, feature_map, eps, normalize, keep=False, return_state
         initial = _fast_state(initial_state, dt, shape[:-2], d, dv, causal)
         if initial is None:
             return None
+    gates = lens = qlens = None
+    if keep and not (decay is None and gate is None and lengths is None and scale is None):
+        return None
+    if decay is not None or gate is not None:
+        if not causal:
+            return None
+        gates = _fast_gates(dt, shape, decay, gate)
+        if gates is None:
+            return None
     if into is not None and (type(into) is not _ndarray or into.dtype != dt or into.shape != shape[:-1] + (dv,)
                              or not into.flags.writeable or into.strides[-1] != dt.itemsize
-                             or _overlaps(into, (q, k, v) + (() if initial_state is None else initial_state))):
+                             or _overlaps(into, (q, k, v) + (() if initial_state is None else initial_state)
+                                          + (() if gate is None else (gate,)))):
         return None
+    if lengths is not None or query_lengths is not None:  # (new arrays: in no one's memory)
+        try:
+            if lengths is not None:
+                lens = checks.check_lengths(lengths, shape[:-2], n, "N" if causal else "Nk")
+            if query_lengths is not None:
+                qlens = checks.check_lengths(query_lengths, shape[:-2], n, "N", "query_lengths")
+        except (TypeError, ValueError):  # (the checked path says why, after what it checks first)
+            return None
     if (q.flags.c_contiguous and k.flags.c_contiguous and v.flags.c_contiguous
             and (into is None or into.flags.c_contiguous)):
         layout = "C"
@@ -205,9 +280,11 @@ def _fast(causal, q, k, v, feature_map, eps, normalize, keep=False, return_state
     else:
         q4, k4, v4, o4 = (x.reshape(1, bh, n, x.shape[-1]) for x in (q, k, v, out))
     if causal:
-        lengths, S0, Z0, S, Z, den4, states4 = found[8:]
+        full, S0, Z0, S, Z, den4, states4 = found[8:]
     else:
-        lengths, qlengths, S0, Z0, S, Z = found[8:]
+        full, qfull, S0, Z0, S, Z = found[8:]
+        qlens = qfull if qlens is None else qlens
+    lens = full if lens is None else lens
     if initial_state is not None:
         S0, Z0 = initial
     if return_state:
@@ -221,12 +298,20 @@ def _fast(causal, q, k, v, feature_map, eps, normalize, keep=False, return_state
                 den4 = den.reshape(q4.shape[:3])
             states = workspace.take(shape[:-2] + (-(-n // chunk), dv + 1, d), dt)  # (the caller releases it)
             states4 = states.reshape(q4.shape[:2] + states.shape[-3:])
-        args = (q4, k4, v4, code, no_gates, 0, dt.type(eps), normalize, one, lengths, chunk, frac, S0, Z0,
-                o4, S, Z, no_gates, _ZERO_DECAY, status, den4, states4)
+        g4, ld = no_gates, _ZERO_DECAY
+        if gates is not None:  # the gated kernel, a status for a bad gate value
+            kind, g4, ld = gates
+            kernel, status = chunked.causal_forward.get(dt, (layout, kind)), np.zeros(3, np.int64)
+            if len(shape) != 4 and kind != gates_mod.CONSTANT:  # the inputs' (1, BH) split
+                g4 = g4.reshape((1, bh) + g4.shape[len(shape) - 2:])
+        args = (q4, k4, v4, code, no_gates, 0, dt.type(eps), normalize, one if scale is None else dt.type(scale),
+                lens, chunk, frac, S0, Z0, o4, S, Z, g4, ld, status, den4, states4)
     else:
-        args = (q4, k4, v4, code, no_gates, 0, dt.type(eps), normalize, one, lengths, qlengths, chunk, frac, S0, Z0,
-                o4, S, Z)
+        args = (q4, k4, v4, code, no_gates, 0, dt.type(eps), normalize, one if scale is None else dt.type(scale),
+                lens, qlens, chunk, frac, S0, Z0, o4, S, Z)
     _launch(kernel, nthreads, args, _parts(True, bh, frac, d, dv, causal) if two_runs else None)
+    if gates is not None:
+        gates_mod.raise_bad_gate(status, shape[:-2])
     state = State(S.reshape(shape[:-2] + (d, dv)), Z.reshape(shape[:-2] + (d,))) if return_state else None
     if keep:
         return (out, state), (den, states, chunk)
@@ -537,14 +622,14 @@ def causal_linear_attention(q, k, v, *, feature_map="elu", eps=1e-6, normalize=T
     >>> bool(np.allclose(np.concatenate([a, b], axis=-2), out, rtol=1e-5, atol=1e-6))
     True
     """
-    if type(q) is _ndarray and lengths is None and device is None:
+    if type(q) is _ndarray and device is None:
         res = None
-        if initial_state is not None and q.ndim >= 2 and 0 < q.shape[-2] <= FEW_POSITIONS:
+        if initial_state is not None and lengths is None and q.ndim >= 2 and 0 < q.shape[-2] <= FEW_POSITIONS:
             res = _few_positions(q, k, v, initial_state, feature_map, eps, normalize, return_state, decay, gate,
                                  scale, out)
-        if (res is None and decay is None and gate is None and scale is None
-                and (return_state is False or return_state is True)):
-            res = _fast(True, q, k, v, feature_map, eps, normalize, False, return_state, initial_state, out)
+        if res is None and (return_state is False or return_state is True):
+            res = _fast(True, q, k, v, feature_map, eps, normalize, False, return_state, initial_state, out, scale,
+                        decay, gate, lengths)
         if res is not None:
             return res
     S_in, Z_in = checks.state_parts(initial_state)
@@ -727,11 +812,12 @@ def linear_attention(q, k=None, v=None, *, feature_map="elu", eps=1e-6, normaliz
         why = (" (decay and gates make the state forget the past: only causal attention has one; use "
                "causal_linear_attention)" if name in ("decay", "gate") else "")
         raise TypeError(f"linear_attention() got an unexpected keyword argument {name!r}{why}")
-    if (type(q) is _ndarray and device is None and scale is None
-            and (return_state is False or return_state is True) and lengths is None and query_lengths is None):
+    if type(q) is _ndarray and device is None and (return_state is False or return_state is True):
         if k is not None or v is not None:
-            res = _fast(False, q, k, v, feature_map, eps, normalize, False, return_state, initial_state, out)
-        elif return_state is False and out is None:
+            res = _fast(False, q, k, v, feature_map, eps, normalize, False, return_state, initial_state, out, scale,
+                        lengths=lengths, query_lengths=query_lengths)
+        elif (return_state is False and out is None and scale is None and lengths is None
+              and query_lengths is None):
             res = _fast_over_state(q, initial_state, feature_map, eps, normalize)
         else:
             res = None
