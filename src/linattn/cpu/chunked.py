@@ -515,26 +515,33 @@ def zero_unless_summed(has_acc, sbuf):
 
 
 @njit(helper=True)
-def _noncausal_sum(k, v, mp, chunk, c0, c1, Kf, V, sbuf):
-    """The sums phi(K)^T V and phi(K)^T 1 over chunks [c0, c1) of one head (views (N, X)) into the float64
-    accumulators of ``sbuf`` (_state_buffers' tuple: acc and accz; zero when there are no chunks)."""
-    P, Pz = sbuf[0], sbuf[3]
+def _pending_sums(k, v, mp, chunk, g0, g1, c0, c1, Kf, V, P, Pz):
+    """P = phi(K)^T V and Pz += phi(K)^T 1 over chunks [g0, g1) (at most FOLD_EVERY: one fold's) of a walk
+    over chunks [c0, c1) of one head's keys (views (N, X)), in the compute dtype."""
     n = k.shape[0]
     owner = empty(0, P.dtype)
     no_gates = unowned(owner)  # (views of an owned array: an atomic add and subtract each)
     no_f = (no_gates, no_gates, no_gates, no_gates)
-    has_acc = bool(False)  # bool()/int(): run-time values, not literals (see _jit)
-    for ci in range(c0, c1):
+    for ci in range(g0, g1):
         i0 = ci * chunk
         t = _rows_to_touch(ci, c0, c1, chunk, n)
         if t > 0:
             touch_rows(k, i0, t)
             touch_rows(v, i0, t)
-        beta = 1.0 if (ci - c0) % FOLD_EVERY else 0.0
-        _add_prefix(k, v, i0, min(chunk, n - i0), mp, Kf, V, P, Pz, beta, no_gates, no_f)
-        has_acc = folded_after(ci, c0, c1, sbuf, has_acc)
-    zero_unless_summed(has_acc, sbuf)
+        _add_prefix(k, v, i0, min(chunk, n - i0), mp, Kf, V, P, Pz, 1.0 if ci > g0 else 0.0, no_gates, no_f)
     keep_alive(owner)
+
+
+@njit(helper=True)
+def _noncausal_sum(k, v, mp, chunk, c0, c1, Kf, V, sbuf):
+    """The sums phi(K)^T V and phi(K)^T 1 over chunks [c0, c1) of one head (views (N, X)) into the float64
+    accumulators of ``sbuf`` (_state_buffers' tuple: acc and accz; zero when there are no chunks)."""
+    has_acc = bool(False)  # bool()/int(): run-time values, not literals (see _jit)
+    for g0 in range(c0, c1, FOLD_EVERY):
+        g1 = min(g0 + FOLD_EVERY, c1)
+        _pending_sums(k, v, mp, chunk, g0, g1, c0, c1, Kf, V, sbuf[0], sbuf[3])
+        has_acc = folded_after(g1 - 1, c0, c1, sbuf, has_acc)
+    zero_unless_summed(has_acc, sbuf)
 
 
 @njit(helper=True)
@@ -569,15 +576,22 @@ def _write_parts(acc, accz, dst):
 def _noncausal_state(k, v, mp, chunk, Kf, V, S, Z, parts, S0, Z0, h):
     """S, Z (the compute dtype) = the state of every key of head h: the initial state S0[h], Z0[h] (when
     S0 has rows) plus the sum of the head's segments' parts (nseg, D', Dv + 1) when ``parts`` has rows,
-    else of its keys k, v (views (Nk, X)), summed here."""
+    else of its keys k, v (views (Nk, X)), summed here: into S and Z themselves where they are all (the
+    keys of one fold: their float64 sum would be theirs exactly; a tiny call's heads 2-3 us each less)."""
     d_, dv = S.shape[0], S.shape[1]
+    kc = (k.shape[0] + chunk - 1) // chunk
+    if parts.shape[0] == 0 and S0.shape[0] == 0 and 0 < kc <= FOLD_EVERY:
+        for a in range(d_):
+            Z[a] = 0
+        _pending_sums(k, v, mp, chunk, int(0), kc, int(0), kc, Kf, V, S, Z)
+        return
     owners = _state_buffers(d_, dv, S.dtype)
     sbuf = unowned(owners)
     acc, accz = sbuf[2], sbuf[6]
     if parts.shape[0] > 0:
         _summed_parts(parts, acc, accz)
     else:
-        _noncausal_sum(k, v, mp, chunk, int(0), (k.shape[0] + chunk - 1) // chunk, Kf, V, sbuf)
+        _noncausal_sum(k, v, mp, chunk, int(0), kc, Kf, V, sbuf)
     if S0.shape[0] > 0:
         for a in range(d_):
             for e in range(dv):
