@@ -461,18 +461,27 @@ def test_views_and_layouts(rng):
 
 @pytest.mark.parametrize("dtype", [np.float32, np.float64])
 def test_fast_and_checked_paths_agree(rng, monkeypatch, dtype):
-    """The plain call (C-contiguous arrays, a map the kernel differentiates, no options) takes a short
-    path that skips the checks; the same call with an option that does not change the result (scale=1)
-    takes the checked one: the same kernels, the same bits, for a C-contiguous dout (prepared once per
-    vjp) and a strided one (laid out per call)."""
+    """The common call (C-contiguous arrays, a map the kernel differentiates by name; a scale, lengths, a
+    decay, gates, an initial state) takes a short path that skips the checks; the same call with the map
+    as an object takes the checked one: the same kernels, the same bits, for a C-contiguous dout
+    (prepared once per vjp) and a strided one (laid out per call)."""
     from linattn import checks
     cases = [((), 1, 1, 1, {}), ((3,), 65, 7, 5, {}), ((2, 2), 200, 4, 6, dict(feature_map="relu")),
              ((2,), 63, 5, 3, dict(feature_map="identity", normalize=False, eps=0.0)),
-             ((2, 3), 100, 3, 4, dict(return_state=True))]
+             ((2, 3), 100, 3, 4, dict(return_state=True)),
+             ((2, 3), 70, 5, 4, dict(scale=0.5, lengths=np.array([70, 33]), decay=np.array([0.5, 0.9, 0.99]))),
+             ((3,), 65, 4, 4, dict(gate="position", decay=0.9, return_state=True, initial_state=True)),
+             ((2, 2), 40, 3, 5, dict(gate="dimension", lengths=np.array([[40, 1], [0, 39]]), initial_state=True))]
     for lead, n, d, dv, kw in cases:
         q, k, v = (rng.standard_normal(lead + (n, x)).astype(dtype) * 0.5 for x in (d, d, dv))
         dout = rng.standard_normal(lead + (n, 2 * dv)).astype(dtype)[..., ::2]
-        first_c = linattn.causal_linear_attention_vjp(q, k, v, scale=1.0, **kw)
+        if "gate" in kw:
+            kw["gate"] = -rng.random(lead + (n,) + ((d,) if kw["gate"] == "dimension" else ())).astype(dtype)
+        if "initial_state" in kw:
+            kw["initial_state"] = linattn.State(rng.random(lead + (d, dv)).astype(dtype),
+                                                rng.random(lead + (d,)).astype(dtype))
+        as_object = linattn.feature_maps.as_map(kw.get("feature_map", "elu"))
+        first_c = linattn.causal_linear_attention_vjp(q, k, v, **dict(kw, feature_map=as_object))
         with monkeypatch.context() as m:  # the short path checks nothing more
             m.setattr(checks, "check_qkv", None)
             first = linattn.causal_linear_attention_vjp(q, k, v, **kw)
@@ -486,14 +495,47 @@ def test_fast_and_checked_paths_agree(rng, monkeypatch, dtype):
                 assert x.dtype == dtype
                 np.testing.assert_array_equal(x, y)
             dstate = (linattn.State(*(rng.standard_normal(x.shape).astype(dtype) for x in first[1])),)
+        extra = ("initial_state" in kw) + ("gate" in kw) + ("decay" in kw)  # (dstate0, dgate, ddecay)
         for g in (dout, np.ascontiguousarray(dout)):
             got, want = vjp(g, *dstate), vjp_c(g, *dstate)
-            assert len(got) == len(want) == 3
+            assert len(got) == len(want) == 3 + extra
             for x, y in zip(got, want):
-                assert x.dtype == dtype
-                np.testing.assert_array_equal(x, y)
+                for a, b in zip(*((z.S, z.Z) if isinstance(z, linattn.State) else (z,) for z in (x, y))):
+                    assert a.dtype == b.dtype == (np.float64 if x is got[-1] and "decay" in kw else dtype)
+                    np.testing.assert_array_equal(a, b)
     with pytest.raises(ValueError, match="dout"):  # the vjp of the short path checks its argument
         vjp(np.ones(lead + (n + 1, dv), dtype))
+
+
+@pytest.mark.parametrize("dtype", [np.float32, np.float64])
+def test_noncausal_fast_and_checked_paths_agree(rng, monkeypatch, dtype):
+    """linear_attention_vjp's common call (a map by name; a scale, the keys' and the queries' lengths, the
+    returned state and its gradient) takes the short path (check_qkv not reached); the map as an object
+    takes the checked one: the same bits."""
+    from linattn import checks
+    for lead, n, d, dv, kw in (((2, 3), 70, 5, 4, dict(scale=0.5, lengths=np.array([70, 33]))),
+                               ((3,), 65, 4, 4, dict(query_lengths=np.array([1, 0, 65]), return_state=True)),
+                               ((2,), 40, 3, 5, dict(feature_map="relu", lengths=np.array([40, 2]),
+                                                     query_lengths=np.array([3, 40]), return_state=True))):
+        q, k, v = (rng.standard_normal(lead + (n, x)).astype(dtype) * 0.5 for x in (d, d, dv))
+        dout = rng.standard_normal(lead + (n, dv)).astype(dtype)
+        first_c = linattn.linear_attention_vjp(
+            q, k, v, **dict(kw, feature_map=linattn.feature_maps.as_map(kw.get("feature_map", "elu"))))
+        with monkeypatch.context() as m:  # the short path checks nothing more
+            m.setattr(checks, "check_qkv", None)
+            first = linattn.linear_attention_vjp(q, k, v, **kw)
+        assert len(first) == len(first_c) == (3 if kw.get("return_state") else 2)
+        np.testing.assert_array_equal(first[0], first_c[0])
+        dstate = ()
+        if len(first) == 3:
+            for x, y in zip(first[1], first_c[1]):
+                np.testing.assert_array_equal(x, y)
+            dstate = (linattn.State(*(rng.standard_normal(x.shape).astype(dtype) for x in first[1])),)
+        got, want = first[-1](dout, *dstate), first_c[-1](dout, *dstate)
+        assert len(got) == len(want) == 3
+        for x, y in zip(got, want):
+            assert x.dtype == dtype
+            np.testing.assert_array_equal(x, y)
 
 
 def _maps(rng, d):

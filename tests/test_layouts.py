@@ -60,7 +60,7 @@ def test_head_views_take_the_short_path(rng, dtype, causal, monkeypatch):
     """A plain call on a fused projection's head views (4-D, unit-stride rows) runs the strided kernel
     from the short path (the checked path, patched to fail, is not reached), with and without the
     state, with ``out=`` (heads of a buffer, or C-contiguous), and for the vjp: the same results bit for
-    bit as the checked path (reached with ``device="cpu"``, the vjp's with a scale of 1) and, within
+    bit as the checked path (reached with ``device="cpu"``, the vjp's with the map as an object) and, within
     float rounding, as the float64 reference; views of other shapes, and an ``out`` in an input's
     memory, take the checked path."""
     _, (q, k, v) = _fused_qkv(rng, 2, 70, 3, 8, dtype)
@@ -69,7 +69,7 @@ def test_head_views_take_the_short_path(rng, dtype, causal, monkeypatch):
     want, want_state = fn(q, k, v, device="cpu", return_state=True)
     assert_close(want, reference.masked(q, k, v, causal=causal), dtype)
     dout = rng.standard_normal(want.shape).astype(dtype)
-    want_grads = vjp_fn(q, k, v, scale=1.0)[1](dout)
+    want_grads = vjp_fn(q, k, v, feature_map=linattn.feature_maps.as_map("elu"))[1](dout)
     three = tuple(x.reshape(1, *x.shape) for x in (q, k, v))  # (5-D views: not the short path's)
     with monkeypatch.context() as m:
         m.setattr(attention, "_prepare", lambda *a, **kw: pytest.fail("the general path"))

@@ -203,6 +203,13 @@ def _fast_gates(dt, shape, decay, gate):
     return kind, gates, log_decay
 
 
+def _gates_as_prepared(dt, shape, decay, gate):
+    """(kind, gates, log decay) as gates_mod.prepare gives them to the vjp's backward, for a decay and a
+    gate that the short path took; gates None for a decay alone (the backward reads them with a gate only)."""
+    kind, _, log_decay = _fast_gates(dt, shape, decay, gate)
+    return kind, gate, None if decay is None else log_decay
+
+
 def _fast(causal, q, k, v, feature_map, eps, normalize, keep=False, return_state=False, initial_state=None,
           into=None, scale=None, decay=None, gate=None, lengths=None, query_lengths=None):
     """The common call with a minimum of Python around the kernel: NumPy arrays of one float dtype,
@@ -210,7 +217,7 @@ def _fast(causal, q, k, v, feature_map, eps, normalize, keep=False, return_state
     map by name and, each optional, a State of C-contiguous arrays to start from, the final state to
     return, an ``out=`` array ``into`` of the same kinds apart from every input, a float ``scale``,
     integer ``lengths`` (non-causal: the keys', and ``query_lengths``) and, causal, a decay and a gate as
-    ``_fast_gates`` takes them (with ``keep``, none of the last four). None for anything else, which
+    ``_fast_gates`` takes them. None for anything else, which
     then takes the checked path (the same kernels; it says what is wrong). Returns ``out`` (``into``
     when given), or ``(out, State)`` with ``return_state``; with ``keep`` (causal only): ``((out, state),
     kept)`` as causal_with_denominators returns them for the backward pass (state None unless
@@ -233,8 +240,6 @@ def _fast(causal, q, k, v, feature_map, eps, normalize, keep=False, return_state
         if initial is None:
             return None
     gates = lens = qlens = None
-    if keep and not (decay is None and gate is None and lengths is None and scale is None):
-        return None
     if decay is not None or gate is not None:
         if not causal:
             return None

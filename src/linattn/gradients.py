@@ -33,8 +33,8 @@ import numpy as np
 from . import checks
 from . import gates as gates_mod
 from . import workspace
-from .attention import (_fast, _full_lengths, _keys_from_state, _no_state, _parts, _run, _seq4,
-                        causal_with_denominators, linear_attention)
+from .attention import (_fast, _full_lengths, _gates_as_prepared, _keys_from_state, _no_state, _parts, _run,
+                        _seq4, causal_with_denominators, linear_attention)
 from .cpu import backward, gate_sums, half, noncausal_grad
 from .cpu.elementwise import ELU, IDENTITY, RELU
 from .cpu.runtime import BACKWARD_PREFIX_COST, BACKWARD_WORK, plan
@@ -168,15 +168,20 @@ def causal_linear_attention_vjp(q, k, v, *, feature_map="elu", eps=1e-6, normali
     >>> dq.shape, dk.shape, dv.shape
     ((2, 50, 8), (2, 50, 8), (2, 50, 8))
     """
-    if (type(q) is np.ndarray and type(feature_map) is str and feature_map in _CODES and initial_state is None
-            and (return_state is False or return_state is True) and lengths is None and scale is None
-            and decay is None and gate is None):
-        fast = _fast(True, q, k, v, feature_map, eps, normalize, True, return_state)  # (None unless the plain call)
+    if (type(q) is np.ndarray and type(feature_map) is str and feature_map in _CODES
+            and (return_state is False or return_state is True)):
+        # (None unless the common call: attention._fast; the gates' gradients read the final state)
+        fast = _fast(True, q, k, v, feature_map, eps, normalize, True,
+                     return_state or decay is not None or gate is not None, initial_state, None, scale, decay, gate,
+                     lengths)
         if fast is not None:  # float arrays of one dtype (C-contiguous, or 4-D head views): out in their dtype
             (out, final), kept = fast
             fmap, code = _map_and_code(feature_map)
-            vjp = _backward(q, k, v, fmap, code, q.shape[:-2], q.shape[-1], q.dtype, normalize, 1.0, None,
-                            return_state, None, None, None, gates_mod.NONE, None, None, out, final, kept)
+            lead, n = q.shape[:-2], q.shape[-2]
+            kind, gates, log_decay = _gates_as_prepared(q.dtype, q.shape, decay, gate)
+            lens = None if lengths is None else checks.check_lengths(lengths, lead, n).reshape(lead)  # (as _fast's)
+            vjp = _backward(q, k, v, fmap, code, lead, q.shape[-1], q.dtype, normalize, 1.0 if scale is None else scale,
+                            initial_state, return_state, lens, decay, gate, kind, gates, log_decay, out, final, kept)
             workspace.release_with(vjp, kept[1])
             return (out, final, vjp) if return_state else (out, vjp)
     fmap, code = _map_and_code(feature_map)
@@ -320,12 +325,19 @@ def linear_attention_vjp(q, k=None, v=None, *, feature_map="elu", eps=1e-6, norm
     fmap, code = _map_and_code(feature_map)
     out = state = None
     keyless = k is None and v is None
-    if (type(q) is np.ndarray and type(feature_map) is str and code is not None and scale is None
-            and initial_state is None and return_state is False and lengths is None and query_lengths is None):
-        out = _fast(False, q, k, v, feature_map, eps, normalize)  # (None unless the plain call)
-    if out is not None:  # float arrays of one dtype (C-contiguous or 4-D head views), eps and normalize checked
-        lead, n, dv, comp, out_dt, s = q.shape[:-2], q.shape[-2], v.shape[-1], q.dtype, q.dtype, 1.0
-        lens = valid = qlens = qvalid = None
+    if (type(q) is np.ndarray and type(feature_map) is str and code is not None and initial_state is None
+            and (return_state is False or return_state is True)):
+        # (None unless the common call: attention._fast)
+        res = _fast(False, q, k, v, feature_map, eps, normalize, False, return_state, None, None, scale,
+                    lengths=lengths, query_lengths=query_lengths)
+        if res is not None:
+            out, state = res if return_state else (res, None)
+    if out is not None:  # float arrays of one dtype (C-contiguous or 4-D head views), keys as long as the queries
+        lead, n, dv, comp, out_dt = q.shape[:-2], q.shape[-2], v.shape[-1], q.dtype, q.dtype
+        s = 1.0 if scale is None else scale
+        lens, qlens = (None if ls is None else checks.check_lengths(ls, lead, n, what, name)  # (as _fast's)
+                       for ls, what, name in ((lengths, "Nk", "lengths"), (query_lengths, "N", "query_lengths")))
+        valid = qvalid = None  # (read for the maps the kernel does not know only)
     else:
         k, v = _keys_from_state(q, k, v, initial_state, "cpu")
         q, k, v, lead, n, _, dv, comp, out_dt = checks.check_qkv(q, k, v, cross=True)
