@@ -338,6 +338,52 @@ def test_attention_against_reference(rng, name, lead, n, d, dv, dtype):
         assert_close(out, reference.masked(q64, k64, v64, feature_map=phi, normalize=normalize, causal=False), dtype)
 
 
+@pytest.mark.parametrize("dtype", [np.float32, np.float64])
+@pytest.mark.parametrize("name", NAMES)
+def test_maps_take_the_short_path(rng, monkeypatch, name, dtype):
+    """Every built-in map, as an object and (elementwise ones) by name, takes the plain call's short path
+    (the checked path, patched to fail, is not reached), with D' its own: the same bits as the checked
+    path (``device="cpu"``), alone and with an initial state, the final state, a gate per key dimension
+    (D' columns), a decay, lengths and ``out=``, causal and not; the same map on q or k with strides that
+    are not whole elements goes to the checked path, which copies them."""
+    from linattn import attention
+
+    lead, n, d, dv = (2, 3), 70, 4, 5
+    mp = _maps(d)[name][0]
+    dk = mp.out_dim(d)
+    q, k, v = make_qkv(rng, lead, n, d, dv, dtype)
+    st = linattn.State(rng.random(lead + (dk, dv)).astype(dtype), rng.random(lead + (dk,)).astype(dtype))
+    cases = [(linattn.causal_linear_attention, dict()), (linattn.linear_attention, dict()),
+             (linattn.causal_linear_attention, dict(initial_state=st, gate=-rng.random(lead + (n, dk)).astype(dtype),
+                                                    lengths=np.array([70, 41]))),
+             (linattn.causal_linear_attention, dict(decay=0.9, scale=0.5)),
+             (linattn.linear_attention, dict(initial_state=st, lengths=np.array([3, 70]))),
+             (linattn.linear_attention, dict(lengths=np.array([70, 9]), query_lengths=np.array([0, 70])))]
+    fmaps = [mp] + ([name] if name in ELEMENTWISE else [])
+    for fn, kw in cases:
+        kw = dict(kw, normalize=name in POSITIVE)
+        want, want_state = fn(q, k, v, feature_map=mp, device="cpu", return_state=True, **kw)
+        with monkeypatch.context() as m:
+            m.setattr(attention, "_prepare", lambda *a, **kw: pytest.fail("the general path"))
+            for fmap in fmaps:
+                out, state = fn(q, k, v, feature_map=fmap, return_state=True, **kw)
+                np.testing.assert_array_equal(out, want)
+                assert state.S.shape == lead + (dk, dv)
+                np.testing.assert_array_equal(state.S, want_state.S)
+                np.testing.assert_array_equal(state.Z, want_state.Z)
+                buf = np.full(want.shape, np.nan, dtype)
+                assert fn(q, k, v, feature_map=fmap, out=buf, **kw) is buf
+                np.testing.assert_array_equal(buf, want)
+    isz = q.itemsize  # rows of adjacent elements, d * isz + 1 bytes apart
+    raw = np.zeros(6 * n * (d * isz + 1), np.uint8)
+    odd = np.ndarray(q.shape, dtype, raw, 0, (3 * n * (d * isz + 1), n * (d * isz + 1), d * isz + 1, isz))
+    odd[...] = q
+    np.testing.assert_array_equal(linattn.causal_linear_attention(odd, k, v, feature_map=mp),
+                                  linattn.causal_linear_attention(q, k, v, feature_map=mp))
+    np.testing.assert_array_equal(linattn.linear_attention(q, odd, v, feature_map=mp),
+                                  linattn.linear_attention(q, q, v, feature_map=mp))
+
+
 @pytest.mark.parametrize("name", ["taylor", "performer", "hedgehog", "dpfp", "gelu"])
 def test_non_contiguous_views(rng, name):
     """Heads of a fused QKV projection (strided views) and reversed sequences read in place."""

@@ -97,16 +97,16 @@ def _parts(two_runs, bh, frac, dk, dv, causal):
     return np.empty((bh, len(frac) - 1, dk, dv + (2 if causal else 1))) if two_runs else None
 
 
-def _fast_plan(causal, dt, shape, dv, threads, layout):
+def _fast_plan(causal, dt, shape, dv, threads, layout, dk):
     """Everything a plain call of ``shape`` (q's) passes besides its own arrays, one lookup per call
     (each part was a lookup of its own: ~1.5 us of a tiny call): ``plan``'s (chunk, frac, nthreads) for
     ``threads``, whether the result comes from the workspace pool, the kernel (for arrays of ``layout``:
     "C" or "A"), no gates, scale 1 and, the full lengths (non-causal: the keys', the queries'), (S0, Z0,
-    S_out, Z_out) with no rows and, causal, the "keep no denominators / chunk states" arrays."""
-    key = (causal, dt, shape, dv, threads, layout)
+    S_out, Z_out) with no rows and, causal, the "keep no denominators / chunk states" arrays; ``dk``: D'."""
+    key = (causal, dt, shape, dv, threads, layout, dk)
     found = _constants.get(key)
     if found is None:
-        n, d = shape[-2], shape[-1]
+        n, d = shape[-2], dk
         bh = math.prod(shape[:-2])
         chunk, frac, nthreads, two_runs = plan(bh, n, d, dv, causal)
         pooled = bh * n * dv * dt.itemsize >= workspace.POOL_MIN_BYTES  # (workspace.empty's own test: ~1 us)
@@ -149,6 +149,26 @@ def _fast_state(state, dt, lead, d, dv, causal):
     return S0.reshape(bh, d, dv), Z0.reshape(bh, d)
 
 
+def _fast_map(feature_map, dt, d, q, k):
+    """(kernel code, parameters, address, D') of a built-in map (a map object, or a name the caller did
+    not find in _CODES) for inputs of ``d`` features in ``dt`` (as ``_features`` gives them); None for a
+    callable, a map that does not fit
+    ``d``, or q or k with strides that are not whole elements where the map reads rows by element
+    strides (the checked path then copies them, or says what is wrong)."""
+    try:
+        fmap = as_map(feature_map)
+        if not isinstance(fmap, FeatureMap):
+            return None
+        code, dk = fmap.kernel_code(), fmap.out_dim(d)
+        if code < mapfns.FIRST:
+            return code, _NO_GATES[dt], 0, dk
+        if any(st % dt.itemsize for st in q.strides + k.strides):
+            return None
+        return code, fmap.params(d, dt), mapfns.address(dt, code), dk
+    except (TypeError, ValueError):
+        return None
+
+
 def _fast_log_decay(decay, lead):
     """A decay's log per sequence (float64, (BH,), read-only) for the short path: a float in (0, 1] or a
     float array of values in (0, 1] shaped like the last of the leading dims ``lead`` (RetNet's one per
@@ -176,11 +196,12 @@ def _fast_log_decay(decay, lead):
     return found
 
 
-def _fast_gates(dt, shape, decay, gate):
+def _fast_gates(dt, shape, dk, decay, gate):
     """(kind, gates, log decay) as the causal kernel takes them (gates_mod.prepare's, the gates not yet
-    in the kernels' 4-D split) for the short path with q of ``shape`` and dtype ``dt``: a decay as
-    ``_fast_log_decay`` takes it, a gate of dtype ``dt`` shaped (..., N) or (..., N, D) with strides of
-    whole elements; None for anything else (the checked path then takes the call or says why)."""
+    in the kernels' 4-D split) for the short path with q of ``shape`` and dtype ``dt`` and D' = ``dk``
+    features: a decay as ``_fast_log_decay`` takes it, a gate of dtype ``dt`` shaped (..., N) or (..., N,
+    D') with strides of whole elements; None for anything else (the checked path then takes the call or
+    says why)."""
     lead = shape[:-2]
     kind, gates, log_decay = gates_mod.NONE, _NO_GATES[dt], _ZERO_DECAY
     if decay is not None:
@@ -193,7 +214,7 @@ def _fast_gates(dt, shape, decay, gate):
             return None
         if gate.shape == shape[:-1]:
             kind = gates_mod.SCALAR
-        elif gate.shape == shape:  # (the named maps keep D' = D)
+        elif gate.shape == shape[:-1] + (dk,):
             kind = gates_mod.VECTOR
         else:
             return None
@@ -203,18 +224,18 @@ def _fast_gates(dt, shape, decay, gate):
     return kind, gates, log_decay
 
 
-def _gates_as_prepared(dt, shape, decay, gate):
+def _gates_as_prepared(dt, shape, dk, decay, gate):
     """(kind, gates, log decay) as gates_mod.prepare gives them to the vjp's backward, for a decay and a
     gate that the short path took; gates None for a decay alone (the backward reads them with a gate only)."""
-    kind, _, log_decay = _fast_gates(dt, shape, decay, gate)
+    kind, _, log_decay = _fast_gates(dt, shape, dk, decay, gate)
     return kind, gate, None if decay is None else log_decay
 
 
 def _fast(causal, q, k, v, feature_map, eps, normalize, keep=False, return_state=False, initial_state=None,
           into=None, scale=None, decay=None, gate=None, lengths=None, query_lengths=None):
     """The common call with a minimum of Python around the kernel: NumPy arrays of one float dtype,
-    C-contiguous or views of up to 4 dims with unit-stride rows (a fused projection's heads), a feature
-    map by name and, each optional, a State of C-contiguous arrays to start from, the final state to
+    C-contiguous or views of up to 4 dims with unit-stride rows (a fused projection's heads), a built-in
+    feature map (by name or as a map object: ``_fast_map``) and, each optional, a State of C-contiguous arrays to start from, the final state to
     return, an ``out=`` array ``into`` of the same kinds apart from every input, a float ``scale``,
     integer ``lengths`` (non-causal: the keys', and ``query_lengths``) and, causal, a decay and a gate as
     ``_fast_gates`` takes them. None for anything else, which
@@ -224,41 +245,46 @@ def _fast(causal, q, k, v, feature_map, eps, normalize, keep=False, return_state
     ``return_state``)."""
     dt = q.dtype
     if (type(k) is not _ndarray or type(v) is not _ndarray or dt not in _FLOATS or k.dtype != dt
-            or v.dtype != dt or type(feature_map) is not str or type(eps) is not float
+            or v.dtype != dt or type(eps) is not float
             or not (normalize is True or normalize is False) or not 0.0 <= eps < _INF
             or not (scale is None or (type(scale) is float and 0.0 < scale < _INF))):
         return None
     shape = q.shape
     if len(shape) < 2 or k.shape != shape or v.shape[:-1] != shape[:-1] or q.size == 0 or v.shape[-1] == 0:
         return None
-    code = _CODES.get(feature_map)
-    if code is None:
-        return None
     n, d, dv = shape[-2], shape[-1], v.shape[-1]
+    code = _CODES.get(feature_map) if type(feature_map) is str else None  # (elu, relu, identity: D' = D)
+    if code is not None:
+        fp, address, dk = _NO_GATES[dt], 0, d
+    else:
+        found = _fast_map(feature_map, dt, d, q, k)
+        if found is None:
+            return None
+        code, fp, address, dk = found
     if initial_state is not None:
-        initial = _fast_state(initial_state, dt, shape[:-2], d, dv, causal)
+        initial = _fast_state(initial_state, dt, shape[:-2], dk, dv, causal)
         if initial is None:
             return None
     gates = lens = qlens = None
-    if decay is not None or gate is not None:
-        if not causal:
-            return None
-        gates = _fast_gates(dt, shape, decay, gate)
-        if gates is None:
-            return None
-    if into is not None and (type(into) is not _ndarray or into.dtype != dt or into.shape != shape[:-1] + (dv,)
-                             or not into.flags.writeable or into.strides[-1] != dt.itemsize
-                             or _overlaps(into, (q, k, v) + (() if initial_state is None else initial_state)
-                                          + (() if gate is None else (gate,)))):
-        return None
-    if lengths is not None or query_lengths is not None:  # (new arrays: in no one's memory)
-        try:
+    if decay is not None or gate is not None or lengths is not None or query_lengths is not None:
+        if decay is not None or gate is not None:
+            if not causal:
+                return None
+            gates = _fast_gates(dt, shape, dk, decay, gate)
+            if gates is None:
+                return None
+        try:  # (lengths: new arrays, in no one's memory)
             if lengths is not None:
                 lens = checks.check_lengths(lengths, shape[:-2], n, "N" if causal else "Nk")
             if query_lengths is not None:
                 qlens = checks.check_lengths(query_lengths, shape[:-2], n, "N", "query_lengths")
         except (TypeError, ValueError):  # (the checked path says why, after what it checks first)
             return None
+    if into is not None and (type(into) is not _ndarray or into.dtype != dt or into.shape != shape[:-1] + (dv,)
+                             or not into.flags.writeable or into.strides[-1] != dt.itemsize
+                             or _overlaps(into, (q, k, v) + (() if initial_state is None else initial_state)
+                                          + (() if gate is None else (gate,)))):
+        return None
     if (q.flags.c_contiguous and k.flags.c_contiguous and v.flags.c_contiguous
             and (into is None or into.flags.c_contiguous)):
         layout = "C"
@@ -269,9 +295,9 @@ def _fast(causal, q, k, v, feature_map, eps, normalize, keep=False, return_state
         layout = "A"
     else:
         return None
-    found = _constants.get((causal, dt, shape, dv, num_threads(), layout))
+    found = _constants.get((causal, dt, shape, dv, num_threads(), layout, dk))
     if found is None:
-        found = _fast_plan(causal, dt, shape, dv, num_threads(), layout)
+        found = _fast_plan(causal, dt, shape, dv, num_threads(), layout, dk)
     chunk, frac, nthreads, pooled, kernel, no_gates, one, two_runs = found[:8]
     if into is not None:
         out = into
@@ -293,7 +319,7 @@ def _fast(causal, q, k, v, feature_map, eps, normalize, keep=False, return_state
     if initial_state is not None:
         S0, Z0 = initial
     if return_state:
-        S, Z = _final_state_arrays(bh, d, dv, dt)
+        S, Z = _final_state_arrays(bh, dk, dv, dt)
     if causal:
         status = _NO_STATUS
         den = states = None
@@ -301,7 +327,7 @@ def _fast(causal, q, k, v, feature_map, eps, normalize, keep=False, return_state
             if normalize:
                 den = np.zeros(shape[:-1], dt)
                 den4 = den.reshape(q4.shape[:3])
-            states = workspace.take(shape[:-2] + (-(-n // chunk), dv + 1, d), dt)  # (the caller releases it)
+            states = workspace.take(shape[:-2] + (-(-n // chunk), dv + 1, dk), dt)  # (the caller releases it)
             states4 = states.reshape(q4.shape[:2] + states.shape[-3:])
         g4, ld = no_gates, _ZERO_DECAY
         if gates is not None:  # the gated kernel, a status for a bad gate value
@@ -309,15 +335,15 @@ def _fast(causal, q, k, v, feature_map, eps, normalize, keep=False, return_state
             kernel, status = chunked.causal_forward.get(dt, (layout, kind)), np.zeros(3, np.int64)
             if len(shape) != 4 and kind != gates_mod.CONSTANT:  # the inputs' (1, BH) split
                 g4 = g4.reshape((1, bh) + g4.shape[len(shape) - 2:])
-        args = (q4, k4, v4, code, no_gates, 0, dt.type(eps), normalize, one if scale is None else dt.type(scale),
+        args = (q4, k4, v4, code, fp, address, dt.type(eps), normalize, one if scale is None else dt.type(scale),
                 lens, chunk, frac, S0, Z0, o4, S, Z, g4, ld, status, den4, states4)
     else:
-        args = (q4, k4, v4, code, no_gates, 0, dt.type(eps), normalize, one if scale is None else dt.type(scale),
+        args = (q4, k4, v4, code, fp, address, dt.type(eps), normalize, one if scale is None else dt.type(scale),
                 lens, qlens, chunk, frac, S0, Z0, o4, S, Z)
-    _launch(kernel, nthreads, args, _parts(True, bh, frac, d, dv, causal) if two_runs else None)
+    _launch(kernel, nthreads, args, _parts(True, bh, frac, dk, dv, causal) if two_runs else None)
     if gates is not None:
         gates_mod.raise_bad_gate(status, shape[:-2])
-    state = State(S.reshape(shape[:-2] + (d, dv)), Z.reshape(shape[:-2] + (d,))) if return_state else None
+    state = State(S.reshape(shape[:-2] + (dk, dv)), Z.reshape(shape[:-2] + (dk,))) if return_state else None
     if keep:
         return (out, state), (den, states, chunk)
     return (out, state) if return_state else out
@@ -416,9 +442,9 @@ def _fast_over_state(q, state, feature_map, eps, normalize):
     if code is None:  # (the named maps keep D' = D)
         return None
     dv = S0.shape[-1]
-    found = _constants.get((False, dt, shape, dv, num_threads(), "C"))
+    found = _constants.get((False, dt, shape, dv, num_threads(), "C", shape[-1]))
     if found is None:
-        found = _fast_plan(False, dt, shape, dv, num_threads(), "C")
+        found = _fast_plan(False, dt, shape, dv, num_threads(), "C", shape[-1])
     chunk, frac, nthreads, pooled, kernel, no_gates, one = found[:7]
     out = workspace.empty(shape[:-1] + (dv,), dt) if pooled else np.empty(shape[:-1] + (dv,), dt)
     n, d = shape[-2], shape[-1]

@@ -178,7 +178,7 @@ def causal_linear_attention_vjp(q, k, v, *, feature_map="elu", eps=1e-6, normali
             (out, final), kept = fast
             fmap, code = _map_and_code(feature_map)
             lead, n = q.shape[:-2], q.shape[-2]
-            kind, gates, log_decay = _gates_as_prepared(q.dtype, q.shape, decay, gate)
+            kind, gates, log_decay = _gates_as_prepared(q.dtype, q.shape, q.shape[-1], decay, gate)
             lens = None if lengths is None else checks.check_lengths(lengths, lead, n).reshape(lead)  # (as _fast's)
             vjp = _backward(q, k, v, fmap, code, lead, q.shape[-1], q.dtype, normalize, 1.0 if scale is None else scale,
                             initial_state, return_state, lens, decay, gate, kind, gates, log_decay, out, final, kept)
