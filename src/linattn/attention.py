@@ -97,13 +97,14 @@ def _parts(two_runs, bh, frac, dk, dv, causal):
     return np.empty((bh, len(frac) - 1, dk, dv + (2 if causal else 1))) if two_runs else None
 
 
-def _fast_plan(causal, dt, shape, dv, threads, layout, dk):
+def _fast_plan(causal, dt, shape, dv, threads, layout, dk, kind=0):
     """Everything a plain call of ``shape`` (q's) passes besides its own arrays, one lookup per call
     (each part was a lookup of its own: ~1.5 us of a tiny call): ``plan``'s (chunk, frac, nthreads) for
     ``threads``, whether the result comes from the workspace pool, the kernel (for arrays of ``layout``:
     "C" or "A"), no gates, scale 1 and, the full lengths (non-causal: the keys', the queries'), (S0, Z0,
-    S_out, Z_out) with no rows and, causal, the "keep no denominators / chunk states" arrays; ``dk``: D'."""
-    key = (causal, dt, shape, dv, threads, layout, dk)
+    S_out, Z_out) with no rows and, causal, the "keep no denominators / chunk states" arrays; ``dk``: D',
+    ``kind``: the gates' (the causal kernel's variant: a gated call's first use compiles no other)."""
+    key = (causal, dt, shape, dv, threads, layout, dk, kind)
     found = _constants.get(key)
     if found is None:
         n, d = shape[-2], dk
@@ -112,7 +113,7 @@ def _fast_plan(causal, dt, shape, dv, threads, layout, dk):
         pooled = bh * n * dv * dt.itemsize >= workspace.POOL_MIN_BYTES  # (workspace.empty's own test: ~1 us)
         no_gates, one = _PLAIN[dt]
         if causal:
-            kernel = chunked.causal_forward.get(dt, (layout, 0))
+            kernel = chunked.causal_forward.get(dt, (layout, kind))
             extra = (_full_lengths(bh, n),) + _no_state(dt, d, dv) + (_NO_DEN[dt], _NO_STATES[dt])
         else:
             kernel = chunked.noncausal_forward.get(dt, layout)
@@ -152,9 +153,8 @@ def _fast_state(state, dt, lead, d, dv, causal):
 def _fast_map(feature_map, dt, d, q, k):
     """(kernel code, parameters, address, D') of a built-in map (a map object, or a name the caller did
     not find in _CODES) for inputs of ``d`` features in ``dt`` (as ``_features`` gives them); None for a
-    callable, a map that does not fit
-    ``d``, or q or k with strides that are not whole elements where the map reads rows by element
-    strides (the checked path then copies them, or says what is wrong)."""
+    callable, a map that does not fit ``d``, or q or k with strides that are not whole elements where the
+    map reads rows by element strides (the checked path then copies them, or says what is wrong)."""
     try:
         fmap = as_map(feature_map)
         if not isinstance(fmap, FeatureMap):
@@ -235,11 +235,11 @@ def _fast(causal, q, k, v, feature_map, eps, normalize, keep=False, return_state
           into=None, scale=None, decay=None, gate=None, lengths=None, query_lengths=None):
     """The common call with a minimum of Python around the kernel: NumPy arrays of one float dtype,
     C-contiguous or views of up to 4 dims with unit-stride rows (a fused projection's heads), a built-in
-    feature map (by name or as a map object: ``_fast_map``) and, each optional, a State of C-contiguous arrays to start from, the final state to
-    return, an ``out=`` array ``into`` of the same kinds apart from every input, a float ``scale``,
-    integer ``lengths`` (non-causal: the keys', and ``query_lengths``) and, causal, a decay and a gate as
-    ``_fast_gates`` takes them. None for anything else, which
-    then takes the checked path (the same kernels; it says what is wrong). Returns ``out`` (``into``
+    feature map (by name or as a map object: ``_fast_map``) and, each optional, a State of C-contiguous
+    arrays to start from, the final state to return, an ``out=`` array ``into`` of the same kinds apart
+    from every input, a float ``scale``, integer ``lengths`` (non-causal: the keys', and
+    ``query_lengths``) and, causal, a decay and a gate as ``_fast_gates`` takes them. None for anything
+    else, which then takes the checked path (the same kernels; it says what is wrong). Returns ``out`` (``into``
     when given), or ``(out, State)`` with ``return_state``; with ``keep`` (causal only): ``((out, state),
     kept)`` as causal_with_denominators returns them for the backward pass (state None unless
     ``return_state``)."""
@@ -295,9 +295,10 @@ def _fast(causal, q, k, v, feature_map, eps, normalize, keep=False, return_state
         layout = "A"
     else:
         return None
-    found = _constants.get((causal, dt, shape, dv, num_threads(), layout, dk))
+    kind = 0 if gates is None else gates[0]
+    found = _constants.get((causal, dt, shape, dv, num_threads(), layout, dk, kind))
     if found is None:
-        found = _fast_plan(causal, dt, shape, dv, num_threads(), layout, dk)
+        found = _fast_plan(causal, dt, shape, dv, num_threads(), layout, dk, kind)
     chunk, frac, nthreads, pooled, kernel, no_gates, one, two_runs = found[:8]
     if into is not None:
         out = into
@@ -330,9 +331,9 @@ def _fast(causal, q, k, v, feature_map, eps, normalize, keep=False, return_state
             states = workspace.take(shape[:-2] + (-(-n // chunk), dv + 1, dk), dt)  # (the caller releases it)
             states4 = states.reshape(q4.shape[:2] + states.shape[-3:])
         g4, ld = no_gates, _ZERO_DECAY
-        if gates is not None:  # the gated kernel, a status for a bad gate value
-            kind, g4, ld = gates
-            kernel, status = chunked.causal_forward.get(dt, (layout, kind)), np.zeros(3, np.int64)
+        if gates is not None:  # (the gated kernel:) the gates, a status for a bad gate value
+            _, g4, ld = gates
+            status = np.zeros(3, np.int64)
             if len(shape) != 4 and kind != gates_mod.CONSTANT:  # the inputs' (1, BH) split
                 g4 = g4.reshape((1, bh) + g4.shape[len(shape) - 2:])
         args = (q4, k4, v4, code, fp, address, dt.type(eps), normalize, one if scale is None else dt.type(scale),
@@ -442,7 +443,7 @@ def _fast_over_state(q, state, feature_map, eps, normalize):
     if code is None:  # (the named maps keep D' = D)
         return None
     dv = S0.shape[-1]
-    found = _constants.get((False, dt, shape, dv, num_threads(), "C", shape[-1]))
+    found = _constants.get((False, dt, shape, dv, num_threads(), "C", shape[-1], 0))
     if found is None:
         found = _fast_plan(False, dt, shape, dv, num_threads(), "C", shape[-1])
     chunk, frac, nthreads, pooled, kernel, no_gates, one = found[:7]
