@@ -159,14 +159,12 @@ def _fast_map(feature_map, dt, d, q, k):
         fmap = as_map(feature_map)
         if not isinstance(fmap, FeatureMap):
             return None
-        code, dk = fmap.kernel_code(), fmap.out_dim(d)
-        if code < mapfns.FIRST:
-            return code, _NO_GATES[dt], 0, dk
-        if any(st % dt.itemsize for st in q.strides + k.strides):
-            return None
-        return code, fmap.params(d, dt), mapfns.address(dt, code), dk
+        found = _map_args(fmap, d, dt)
     except (TypeError, ValueError):
         return None
+    if found[0] >= mapfns.FIRST and any(st % dt.itemsize for st in q.strides + k.strides):
+        return None
+    return found
 
 
 def _fast_log_decay(decay, lead):
@@ -466,13 +464,19 @@ def _features(q, k, feature_map, lead, n, comp):
         q = checks.check_mapped(fmap(q), "q", lead, n).astype(comp, copy=False)
         k = checks.check_mapped(fmap(k), "k", lead, k.shape[-2], q.shape[-1]).astype(comp, copy=False)
         return q, k, (IDENTITY, _NO_GATES[comp], 0), q.shape[-1]
-    d, code = q.shape[-1], fmap.kernel_code()
-    dk = fmap.out_dim(d)
+    code, fp, address, dk = _map_args(fmap, q.shape[-1], comp)
+    if code >= mapfns.FIRST:  # map_rows reads rows by element strides
+        q, k = (x if all(s % x.itemsize == 0 for s in x.strides) else np.ascontiguousarray(x) for x in (q, k))
+    return q, k, (code, fp, address), dk
+
+
+def _map_args(fmap, d, dt):
+    """(kernel code, parameters, address, D') of a FeatureMap for inputs of ``d`` features in ``dt``: the
+    elementwise maps the kernels apply inline have no parameters and no C function."""
+    code, dk = fmap.kernel_code(), fmap.out_dim(d)
     if code < mapfns.FIRST:
-        return q, k, (code, _NO_GATES[comp], 0), dk
-    # map_rows reads rows by element strides
-    q, k = (x if all(s % x.itemsize == 0 for s in x.strides) else np.ascontiguousarray(x) for x in (q, k))
-    return q, k, (code, fmap.params(d, comp), mapfns.address(comp, code)), dk
+        return code, _NO_GATES[dt], 0, dk
+    return code, fmap.params(d, dt), mapfns.address(dt, code), dk
 
 
 def _flat(x, bh, tail):
