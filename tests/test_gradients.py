@@ -160,6 +160,37 @@ def test_gates_and_decay_against_finite_differences(rng, option):
         assert np.max(np.abs(got - want)) <= 1e-6 * np.max(np.abs(want)) + 1e-8, (key, rel_err(got, want))
 
 
+@pytest.mark.parametrize("dtype", [np.float32, np.float64])
+@pytest.mark.parametrize("option", ["decay", "decay per head", "gate, decay, lengths, state",
+                                    "per-dimension gate, decay, lengths, state, relu, scale", "reset"])
+def test_gate_gradients_without_a_final_state_gradient(rng, dtype, option):
+    """With no final state's gradient (return_state=False; the forward then keeps no final state), the
+    gates' and the decay's gradients are those of a zero one, bit for bit, on the short path (C arrays, a
+    map by name) and the checked one (the map as an object); the decay's gradient has the decay's shape."""
+    lead, n, d, dv = (2,), 37, 3, 2
+    q, k, v, state = _inputs(rng, lead, n, d, dv)
+    opts = dict(GATED, decay=lambda rng, lead, n: dict(decay=0.9),
+                **{"decay per head": lambda rng, lead, n: dict(decay=np.array([0.5, 0.99]))})
+    kw = _resolve(opts[option](rng, lead, n), state, lead, n)
+    q, k, v = (x.astype(dtype) for x in (q, k, v))
+    kw = {key: (x.astype(dtype) if key == "gate" else x) for key, x in kw.items()}
+    if "initial_state" in kw:
+        kw["initial_state"] = linattn.State(*(x.astype(dtype) for x in kw["initial_state"]))
+    W = rng.standard_normal(lead + (n, dv)).astype(dtype)
+    fm = kw.pop("feature_map", "elu")
+    for fmap in (fm, linattn.feature_maps.as_map(fm)):
+        _, vjp = linattn.causal_linear_attention_vjp(q, k, v, feature_map=fmap, **kw)
+        _, st, vjp_s = linattn.causal_linear_attention_vjp(q, k, v, feature_map=fmap, return_state=True, **kw)
+        got, want = vjp(W), vjp_s(W, linattn.State(np.zeros_like(st.S), np.zeros_like(st.Z)))
+        assert len(got) == len(want) == 3 + ("initial_state" in kw) + ("gate" in kw) + ("decay" in kw)
+        for a, b in zip(got, want):
+            for x, y in zip(*((z.S, z.Z) if isinstance(z, linattn.State) else (z,) for z in (a, b))):
+                np.testing.assert_array_equal(x, y)
+        if "decay" in kw:
+            assert got[-1].shape == np.shape(kw["decay"]) and got[-1].dtype == np.float64
+            assert np.all(got[-1] != 0)
+
+
 def test_map_gradients_ignore_padding_past_lengths(rng):
     """NaN in q, k, v past a sequence's length changes no gradient, the maps' parameters' included (they
     were NaN for Hedgehog and Performer: phi of the padding entered their sums)."""

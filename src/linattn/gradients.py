@@ -103,18 +103,23 @@ def _gate_gradients(rq, rk, lens_all, dS, dZ, final, gate, vector, decay, log_de
     gate per key dimension (float64; not written past a length).
 
     With lam_t the log factor of position t (of dimension j) and R_end = <dS_end, S_end> + <dZ_end,
-    Z_end> (of row j), d lam_t = sum_{i >= t} terms_i + R_end (the identity flash-linear-attention
-    uses for its gates' gradients, with Z as one more value column): cpu/gate_sums.py's running sums."""
+    Z_end> (of row j; 0 where dS is None: no final state's gradient), d lam_t = sum_{i >= t} terms_i +
+    R_end (the identity flash-linear-attention uses for its gates' gradients, with Z as one more value
+    column): cpu/gate_sums.py's running sums."""
     bh, n, width = rq.shape
-    rows = (dS.astype(np.float64) * final.S).sum(-1) + dZ.astype(np.float64) * final.Z  # (..., D')
-    rows = np.ascontiguousarray(rows if vector else rows.sum(-1, keepdims=True)).reshape(bh, width)
-    dlam = workspace.empty(lead + (n,) + ((width,) if vector else ()), comp)
+    if dS is None:  # no final state's gradient: R = 0
+        rows = np.zeros((bh, width))
+    else:
+        rows = (dS.astype(np.float64) * final.S).sum(-1) + dZ.astype(np.float64) * final.Z  # (..., D')
+        rows = np.ascontiguousarray(rows if vector else rows.sum(-1, keepdims=True)).reshape(bh, width)
+    shape = lead + (n,) + ((width,) if vector else ())
+    dlam = np.empty(shape, comp) if gate is None else workspace.empty(shape, comp)  # (a decay alone: scratch)
     totals = np.zeros(bh)
     if bh and n:
         gate_sums.reverse_sums.get(comp, "C")(rq, rk, rows, lens_all, dlam.reshape(bh, n, width), totals)
     out = [] if gate is None else [dlam]
     if decay is not None:  # d log decay / decay
-        out.append(_decay_gradient(totals.reshape(lead) / np.exp(log_decay.reshape(lead)), decay))
+        out.append(_decay_gradient(totals / np.exp(log_decay), decay, lead))
     return out
 
 
@@ -128,9 +133,12 @@ def _final_state_gradient(dstate, return_state, lead, d, dv, comp):
     return _check_grad(dS, "dstate.S", lead + (d, dv), comp), _check_grad(dZ, "dstate.Z", lead + (d,), comp)
 
 
-def _decay_gradient(per_seq, decay):
-    """The gradient of a decay of decay's shape, broadcast to the leading dims, from the gradient of
-    each sequence's decay (``per_seq``, the leading dims' shape)."""
+def _decay_gradient(per_seq, decay, lead):
+    """The gradient of a decay of decay's shape, broadcast to the leading dims ``lead``, from the gradient
+    of each sequence's decay (``per_seq``, flat)."""
+    if decay.ndim == 0:  # (one decay for every sequence)
+        return np.asarray(per_seq.sum())
+    per_seq = per_seq.reshape(lead)
     extra = per_seq.ndim - decay.ndim
     per_seq = per_seq.sum(tuple(range(extra))) if extra > 0 else per_seq
     axes = tuple(i for i, s in enumerate(decay.shape) if s == 1 and per_seq.shape[i] != 1)
@@ -170,10 +178,10 @@ def causal_linear_attention_vjp(q, k, v, *, feature_map="elu", eps=1e-6, normali
     """
     if (type(q) is np.ndarray and type(feature_map) is str and feature_map in _CODES
             and (return_state is False or return_state is True)):
-        # (None unless the common call: attention._fast; the gates' gradients read the final state)
-        fast = _fast(True, q, k, v, feature_map, eps, normalize, True,
-                     return_state or decay is not None or gate is not None, initial_state, None, scale, decay, gate,
-                     lengths)
+        # (None unless the common call: attention._fast; the gates' gradients read the final state only with
+        # the final state's gradient, which needs return_state)
+        fast = _fast(True, q, k, v, feature_map, eps, normalize, True, return_state, initial_state, None, scale, decay,
+                     gate, lengths)
         if fast is not None:  # float arrays of one dtype (C-contiguous, or 4-D head views): out in their dtype
             (out, final), kept = fast
             fmap, code = _map_and_code(feature_map)
@@ -217,27 +225,24 @@ def _backward(q, k, v, fmap, code, lead, d, out_dt, normalize, s, initial_state,
     if den is None:  # (not read without normalisation)
         den = np.zeros(lead + (n,), comp)
     valid = None if lens is None else (np.arange(n) < lens[..., None])[..., None]
-    # the log factor of every position (..., N, 1), or of every position and key dimension (..., N, D'),
-    # decay folded in, 0 past a length
+    # the kernel's log factors as the forward kernel takes them: the gates (per position, or per position and
+    # key dimension; with a decay alone, zeros: a view of one value) and the decay's log per sequence (float64,
+    # added to them in the kernel)
     vector = kind == gates_mod.VECTOR
     width = d if vector else 1
     lam = None
-    if kind != gates_mod.NONE and gate is not None and log_decay is None and valid is None:
+    if gate is not None:
         lam = gates.reshape(lead + (n, width))  # (checked by the forward kernel, which read them)
-    elif kind != gates_mod.NONE:
-        lam = np.zeros(lead + (n, 1)) if gate is None else gates.astype(np.float64).reshape(lead + (n, width))
-        if log_decay is not None:
-            lam = lam + log_decay.reshape(lead + (1, 1))
         if valid is not None:  # (past a length: anything, the forward did not read it)
-            lam = np.where(valid, lam, 0.0)
-        lam = lam.astype(comp)
-
+            lam = np.where(valid, lam, comp.type(0))
+    elif kind != gates_mod.NONE:
+        lam = np.ndarray(lead + (n, 1), comp, np.zeros(1, comp), 0, (0,) * (len(lead) + 2))  # (np.broadcast_to: 3 us)
     bh = math.prod(lead)
     lens_all = _full_lengths(bh, n) if lens is None else np.ascontiguousarray(lens.reshape(bh), np.int64)
     gated = kind != gates_mod.NONE
     # what every call shares, made once (B1 H1 N16: vjp(dout) 24 -> 18.5 us)
     no_grad = _no_state(comp, d, dv)[:2]  # no final state's gradient (read-only arrays with no rows)
-    zero_decay = np.zeros(bh)
+    ld = np.zeros(bh) if log_decay is None else np.ascontiguousarray(log_decay, np.float64).reshape(bh)
     # the inputs as the kernel reads them, when they and every dout are C-contiguous (else per call);
     # (B, H, N, X) as they are (the kernel's (G1, G2, N, X), as the forward's short path passes them)
     c_inputs = None
@@ -275,7 +280,7 @@ def _backward(q, k, v, fmap, code, lead, d, out_dt, normalize, s, initial_state,
             lam4 = (lam.reshape(g12 + (n,) + ((d,) if vector else ())) if gated else np.empty(0, comp))
             _run(kernel, nthreads, (q4, k4, v4, g4, o4, den.reshape(g12 + (n,)), IDENTITY if code is None else code,
                                     normalize, comp.type(s), lens_all, chunk, frac,
-                                    states.reshape(g12 + states.shape[-3:]), has_state, H0, Z0, lam4, zero_decay,
+                                    states.reshape(g12 + states.shape[-3:]), has_state, H0, Z0, lam4, ld,
                                     dq.reshape(g12 + (n, d)), dk.reshape(g12 + (n, d)), dvv.reshape(g12 + (n, dv)),
                                     H_out, Z_out, rq, rk, status),
                  _parts(two_runs, bh, frac, d, dv, True))
@@ -283,9 +288,7 @@ def _backward(q, k, v, fmap, code, lead, d, out_dt, normalize, s, initial_state,
             H_out[...], Z_out[...] = (H0, Z0) if len(H0) else (0, 0)
         extra = []
         if gated:
-            if dS is None:
-                dS, dZ = np.zeros(lead + (d, dv), comp), np.zeros(lead + (d,), comp)
-            extra = _gate_gradients(rq, rk, lens_all, dS, dZ, final, gate, vector, decay_arr, log_decay, lead, comp)
+            extra = _gate_gradients(rq, rk, lens_all, dS, dZ, final, gate, vector, decay_arr, ld, lead, comp)
         dmap = None
         if code is None:  # dq, dk: the gradients of phi(q), phi(k) so far
             # (padding past a length may hold NaN, which a map's vjp would spread: into the parameters'

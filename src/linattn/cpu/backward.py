@@ -327,22 +327,21 @@ def _causal_backward(q, k, v, g, out, den, fm, normalize, s, lengths, chunk, fra
                      dq, dk, dv, H_out, Z_out, rq, rk, status, phase, parts, counter):
     """Gradients of causal linear attention for every head (see the module docstring).
 
-    q, k: (G1, G2, N, D); v, g, out: (G1, G2, N, Dv); den: (G1, G2, N), the forward's denominators;
-    all with unit stride along their last axis. ``fm``: cpu/elementwise.py's map code; ``s``: the
-    scale of phi(q). ``states`` (G1, G2, chunks, Dv + 1, D): the forward's state [S | Z]^T at the
-    start of every chunk of ``chunk`` positions (the first one zero unless ``has_s0``). H0, Z0: the
-    final state's gradient dS (heads, D, Dv) and dZ (heads, D), or arrays with no rows for zero.
-    ``gates``: the log factor of each position (G1, G2, N) or of each position and key dimension (G1,
-    G2, N, D), zero past its head's length, or an empty 1-D array; ld: zeros per head. Out: dq, dk, dv
-    (zero past ``lengths``), H_out, Z_out (heads, D, Dv), (heads, D): the initial state's gradient
-    (unless they have no rows), rq, rk (heads, N, 1), or (heads, N, D) per key dimension, in float64
-    with gates (else (1, 0, 1)). Run by threaded.ThreadedKernel: each thread takes items (head,
-    segment) from ``counter``. Segments start as the forward kernel's do (cpu/chunked.py), mirrored:
-    after their prefix (the adjoint updates of the chunks after them; ``parts`` with no rows, ``phase``
-    1), or in two runs with ``parts`` (heads, nseg, D, Dv + 2): phase 0, the last segment in time runs
-    whole from H0, Z0 and leaves its adjoint before it in parts[head, 0], while each other segment but
-    the first in time sums its own chunks' adjoint updates from zero; phase 1, each but the last in
-    time starts from the parts after it.
+    q, k: (G1, G2, N, D); v, g, out: (G1, G2, N, Dv); den: (G1, G2, N), the forward's denominators; all with
+    unit stride along their last axis. ``fm``: cpu/elementwise.py's map code; ``s``: the scale of phi(q).
+    ``states`` (G1, G2, chunks, Dv + 1, D): the forward's state [S | Z]^T at the start of every chunk of
+    ``chunk`` positions (the first one zero unless ``has_s0``). H0, Z0: the final state's gradient dS (heads, D,
+    Dv) and dZ (heads, D), or arrays with no rows for zero. ``gates``: the log factor of each position (G1, G2,
+    N) or of each position and key dimension (G1, G2, N, D), zero past its head's length, or an empty 1-D array;
+    ld: a log decay per head (float64, added to each position's log factor as the forward kernel adds it). Out:
+    dq, dk, dv (zero past ``lengths``), H_out, Z_out (heads, D, Dv), (heads, D): the initial state's gradient
+    (unless they have no rows), rq, rk (heads, N, 1), or (heads, N, D) per key dimension, in float64 with gates
+    (else (1, 0, 1)). Run by threaded.ThreadedKernel: each thread takes items (head, segment) from ``counter``.
+    Segments start as the forward kernel's do (cpu/chunked.py), mirrored: after their prefix (the adjoint
+    updates of the chunks after them; ``parts`` with no rows, ``phase`` 1), or in two runs with ``parts``
+    (heads, nseg, D, Dv + 2): phase 0, the last segment in time runs whole from H0, Z0 and leaves its adjoint
+    before it in parts[head, 0], while each other segment but the first in time sums its own chunks' adjoint
+    updates from zero; phase 1, each but the last in time starts from the parts after it.
     """
     g2, n, d = q.shape[1], q.shape[2], q.shape[3]
     e, dt = v.shape[3] + 1, dq.dtype
