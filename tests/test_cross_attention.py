@@ -507,3 +507,47 @@ def test_one_query_over_state(rng, lead, dtype):
             assert_close(out, linattn.linear_attention(q, initial_state=state, scale=1.0, **kw), dtype)  # (general)
     with pytest.raises(ValueError, match=r"initial_state.S: expected shape"):  # (a state that does not fit)
         linattn.linear_attention(np.zeros(lead + (1, 4), dtype), initial_state=linattn.State.zeros(lead, 5, 3, dtype))
+
+
+@pytest.mark.parametrize("dtype", [np.float32, np.float64])
+@pytest.mark.parametrize("lead, n, nk, d, dv, kw", [
+    ((2, 4), 16, 16, 64, 64, {}),
+    ((), 1, 1, 1, 3, {}),
+    ((3,), 7, 13, 24, 40, dict(feature_map="relu", scale=0.3)),
+    ((2,), 20, 5, 32, 16, dict(lengths=np.array([5, 2]), query_lengths=np.array([20, 9]))),
+    ((2,), 9, 9, 16, 16, dict(normalize=False, eps=0.0, feature_map="identity")),
+    ((2,), 8, 6, 8, 8, dict(feature_map=linattn.feature_maps.DPFP())),
+])
+def test_few_positions_from_their_scores(rng, dtype, lead, n, nk, d, dv, kw):
+    """Heads of few queries and keys for their features (N Nk (D' + Dv) < (N + Nk) D' Dv, each within a
+    chunk) take their outputs from the scores phi(Q) phi(K)^T times V: the reference's, the same bits
+    whether the state is returned (it is then summed too) or not, and close to the state's form (from a
+    zero initial state, which takes that form; the state applied to the queries): odd sizes, D = 1,
+    another number of keys, padded keys and queries (NaN past their lengths), maps with D' != D, and
+    strided views."""
+    q, k, v = _cross(rng, lead, n, nk, 2 * d, dv, dtype)
+    q, k = q[..., ::2], k[..., ::-2]  # (views: every other column, one of them backwards)
+    kw = dict(kw)
+    lengths, qlengths = kw.get("lengths"), kw.get("query_lengths")
+    if lengths is not None:
+        k, v, q = k.copy(), v.copy(), q.copy()
+        for h in range(lead[0]):
+            k[h, lengths[h]:], v[h, lengths[h]:], q[h, qlengths[h]:] = np.nan, np.nan, np.nan
+    out = linattn.linear_attention(q, k, v, **kw)
+    out_s, st = linattn.linear_attention(q, k, v, return_state=True, **kw)
+    np.testing.assert_array_equal(out, out_s)
+    fmap = linattn.feature_maps.as_map(kw.get("feature_map", "elu"))
+    dk = fmap.out_dim(d)
+    ref_kw = {key: x for key, x in kw.items() if key not in ("lengths", "query_lengths")}
+    want = np.zeros(lead + (n, dv))
+    for h in np.ndindex(lead):
+        L, M = (nk, n) if lengths is None else (lengths[h], qlengths[h])
+        want[h][:M] = reference.masked(q[h][:M], k[h][:L], v[h][:L], causal=False, **ref_kw)
+        kf = fmap(k[h][:L].astype(np.float64))
+        assert_close(st.S[h], kf.T @ v[h][:L].astype(np.float64), dtype)
+    assert out.shape == lead + (n, dv) and out.dtype == dtype
+    assert_close(out, want, dtype)
+    zero = linattn.State.zeros(lead, dk, dv, dtype)
+    assert_close(linattn.linear_attention(q, k, v, initial_state=zero, **kw), want, dtype)  # (the state's form)
+    over_state = linattn.linear_attention(q, initial_state=st, **{key: x for key, x in kw.items() if key != "lengths"})
+    assert_close(over_state, want, dtype)

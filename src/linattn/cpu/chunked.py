@@ -33,7 +33,7 @@ from .gating import (chunk_gates, gate_buffers, gate_key_columns, gate_key_rows,
                      gate_queries, gate_scores, gate_state_factors, touch_gates)
 from .mapfns import load_features, map_state, mapped_dim
 from .schedule import take
-from .smallgemm import small_gemm, small_gemm_stacked, small_gemm_tn
+from .smallgemm import noinline, small_gemm, small_gemm_stacked, small_gemm_tn
 from .threaded import ThreadedKernel
 from .views import as_contiguous, keep_alive, prefetch_rows_for_writing, touch_rows, unowned
 from .vector import store_fence, stream_copy, transpose_padded, transpose_rows
@@ -605,16 +605,46 @@ def _noncausal_state(k, v, mp, chunk, Kf, V, S, Z, parts, S0, Z0, h):
 
 
 @njit(helper=True)
-def _noncausal_segment(q, k, v, out, mp, eps, normalize, scale, chunk, c0, c1, QA, Kf, V, S, Zb, RF, parts, S0, Z0,
-                       h, S_out, Z_out, first):
+def _scores_first(n, nk, d_, dv, chunk, parts, S0):
+    """Whether a head's outputs come from its scores phi(Q) phi(K)^T times V rather than from its state
+    phi(K)^T V (_scores_product): its n queries and nk keys (one or more) fit a chunk each, there is no
+    initial state and no segments' parts, and the scores take fewer multiply-adds (N Nk (D' + Dv))
+    than the state and the queries' products with it ((N + Nk) D' Dv): a few queries and keys of many
+    features (B1 H8 N16 D64: a quarter of them)."""
+    return (parts.shape[0] == 0 and S0.shape[0] == 0 and 0 < nk <= chunk and n <= chunk
+            and n * nk * (d_ + dv) < (n + nk) * d_ * dv)
+
+
+@njit(helper=True)
+def _scores_product(q, k, v, out, mp, eps, normalize, scale, QA, Kf, KT, A, Zb, RF):
+    """out[:n] = each query's outputs from the scores A = phi(Q) phi(K)^T (n queries and nk keys, views
+    (n, X), (nk, X), each at most a chunk; phi(Q) into QA, phi(K) into Kf, its transpose into KT, A into A)
+    as A V, normalised by phi(q_t).Z, Z = the keys' sum (into Zb): _noncausal_segment's form for a head of
+    few positions (_scores_first)."""
+    noinline()  # (compiled once, not again where it is called: the non-causal kernel's first call +1-2 s)
+    n, nk, d_ = q.shape[0], k.shape[0], Kf.shape[1]
+    load_features(q, 0, n, mp, QA)
+    for a in range(d_):
+        Zb[a] = 0
+    _load_kt(k, 0, nk, mp, Kf, KT, Zb)
+    small_gemm(QA[:n], KT[:, :nk], A[:n, :nk], False, -1, -1)
+    factors = _row_factors(0, n, QA, Zb, d_, eps, normalize, scale, QA[0, :0], RF)
+    small_gemm_stacked(A[:n, :nk], v[:nk], v[:0], out[:n], factors, -1, -1)
+
+
+@njit(helper=True)
+def _noncausal_segment(q, k, v, out, mp, eps, normalize, scale, chunk, c0, c1, QA, Kf, KT, A, V, S, Zb, RF, parts,
+                       S0, Z0, h, S_out, Z_out, first):
     """Outputs of chunks [c0, c1) of one head's queries (views (N, X); k and v (Nk, X)), from the state of
     the whole head (_noncausal_state; with no keys and no parts, S0[h] and Z0[h] themselves: a decoder
     reading its encoder's state), which the head's ``first`` segment writes to S_out[h], Z_out[h] when
-    they have rows."""
+    they have rows; or, for few queries and keys (_scores_first, whether the state is written or not),
+    from their scores."""
     n, d_ = q.shape[0], Kf.shape[1]
     dv = v.shape[1]
     direct = parts.shape[0] == 0 and k.shape[0] == 0 and S0.shape[0] > 0  # (no buffers: ~25 ns an allocation)
-    if not direct:
+    scores = _scores_first(n, k.shape[0], d_, dv, chunk, parts, S0)
+    if not direct and (first and S_out.shape[0] > 0 or not scores):
         _noncausal_state(k, v, mp, chunk, Kf, V, S, Zb, parts, S0, Z0, h)
     Sh = S0[h] if direct else S
     Z = Z0[h] if direct else Zb
@@ -623,6 +653,10 @@ def _noncausal_segment(q, k, v, out, mp, eps, normalize, scale, chunk, c0, c1, Q
             for e in range(dv):
                 S_out[h, a, e] = Sh[a, e]
             Z_out[h, a] = Z[a]
+    if scores:
+        if c0 < c1:
+            _scores_product(q, k, v, out, mp, eps, normalize, scale, QA, Kf, KT, A, Zb, RF)
+        return
     for ci in range(c0, c1):
         i0 = ci * chunk
         c = min(chunk, n - i0)
@@ -658,8 +692,8 @@ def _noncausal_forward(q, k, v, fm, fp, fa, eps, normalize, scale, lengths, qlen
     # (see _causal_forward)
     q, k, v, out, parts, S0, Z0, S_out, Z_out = unowned((q, k, v, out, parts, S0, Z0, S_out, Z_out))
     owners = (empty((chunk, d_), dt), empty((chunk, d_), dt), empty((chunk, dv), dt),
-              empty((d_, dv), dt), empty(d_, dt), empty(chunk, dt))
-    QA, Kf, V, S, Zb, RF = unowned(owners)
+              empty((d_, dv), dt), empty(d_, dt), empty(chunk, dt), empty((d_, chunk), dt), empty((chunk, chunk), dt))
+    QA, Kf, V, S, Zb, RF, KT, A = unowned(owners)  # (KT, A: phi(K)^T and the scores, _scores_product)
     item = take(counter)
     while item < items:
         h, s, c0, c1 = _segment(item, nseg, frac, nchunks)
@@ -679,8 +713,8 @@ def _noncausal_forward(q, k, v, fm, fp, fa, eps, normalize, scale, lengths, qlen
         c0, c1 = min(c0, qc), min(c1, qc)
         if c0 < c1 or (s == 0 and S_out.shape[0] > 0):
             _noncausal_segment(q[h1, h2][:qlength], kh, vh, out[h1, h2], mp, eps, normalize, scale, chunk, c0, c1,
-                               QA, Kf, V, S, Zb, RF, parts[h] if parts.shape[0] > 0 else parts[0, :0], S0, Z0, h, S_out,
-                               Z_out, s == 0)
+                               QA, Kf, KT, A, V, S, Zb, RF, parts[h] if parts.shape[0] > 0 else parts[0, :0], S0, Z0,
+                               h, S_out, Z_out, s == 0)
         if s == nseg - 1 and qlength < n:
             out[h1, h2][qlength:] = 0
         item = take(counter)
