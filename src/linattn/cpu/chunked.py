@@ -623,12 +623,13 @@ def _scores_product(q, k, v, out, mp, eps, normalize, scale, QA, Kf, KT, A, Zb, 
     few positions (_scores_first)."""
     noinline()  # (compiled once, not again where it is called: the non-causal kernel's first call +1-2 s)
     n, nk, d_ = q.shape[0], k.shape[0], Kf.shape[1]
-    load_features(q, 0, n, mp, QA)
+    i0 = int(0)  # bool()/int(): run-time values, not literals (see _jit)
+    load_features(q, i0, n, mp, QA)
     for a in range(d_):
         Zb[a] = 0
-    _load_kt(k, 0, nk, mp, Kf, KT, Zb)
+    _load_kt(k, i0, nk, mp, Kf, KT, Zb)
     small_gemm(QA[:n], KT[:, :nk], A[:n, :nk], False, -1, -1)
-    factors = _row_factors(0, n, QA, Zb, d_, eps, normalize, scale, QA[0, :0], RF)
+    factors = _row_factors(i0, n, QA, Zb, d_, eps, normalize, scale, QA[0, :0], RF)
     small_gemm_stacked(A[:n, :nk], v[:nk], v[:0], out[:n], factors, -1, -1)
 
 
