@@ -135,6 +135,23 @@ class TinyOptions:
     track_over_plain.unit = "x"
 
 
+class TinyNoncausal:
+    """A non-causal call of few positions for its features (B1 H8 N16 D64) over the causal call of the same
+    shape: its outputs from the scores phi(Q) phi(K)^T V, a quarter of the state's multiply-adds (before
+    stop 54, from the state: 1.5x the causal call)."""
+
+    def setup(self):
+        self.q, self.k, self.v = inputs((1, 8, 16, 64))
+        linattn.linear_attention(self.q, self.k, self.v)
+        linattn.causal_linear_attention(self.q, self.k, self.v)
+
+    def track_over_causal(self):
+        return interleaved_ratio(lambda: linattn.linear_attention(self.q, self.k, self.v),
+                                 lambda: linattn.causal_linear_attention(self.q, self.k, self.v), rounds=15, inner=30)
+
+    track_over_causal.unit = "x causal"
+
+
 class RoofRatios:
     """Non-causal forward (its two products do exactly the roof's FLOPs; target <= 1.5 in float32,
     <= 2 in float64) and causal float64 (target <= 3) over a same-FLOP GEMM of their dtype."""
