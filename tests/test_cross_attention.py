@@ -551,3 +551,41 @@ def test_few_positions_from_their_scores(rng, dtype, lead, n, nk, d, dv, kw):
     assert_close(linattn.linear_attention(q, k, v, initial_state=zero, **kw), want, dtype)  # (the state's form)
     over_state = linattn.linear_attention(q, initial_state=st, **{key: x for key, x in kw.items() if key != "lengths"})
     assert_close(over_state, want, dtype)
+
+
+@pytest.mark.parametrize("dtype", [np.float32, np.float64])
+@pytest.mark.parametrize("lead, n, nk, d, dv, kw", [
+    ((2, 4), 16, 16, 64, 64, {}),
+    ((), 1, 1, 1, 3, dict(eps=1e-2)),
+    ((3,), 7, 13, 24, 40, dict(feature_map="relu", scale=0.3)),
+    ((2,), 20, 5, 32, 16, dict(lengths=np.array([5, 2]), query_lengths=np.array([20, 9]))),
+    ((2,), 9, 9, 16, 16, dict(normalize=False, feature_map="relu")),
+])
+def test_few_positions_gradients_from_their_scores(rng, dtype, lead, n, nk, d, dv, kw):
+    """The vjp of heads of few queries and keys (chunked.few_positions) from their scores: the formulas'
+    gradients in float64 (0 past the lengths, NaN there in the inputs), and those of the sums' form (a
+    zero initial state takes it), for views and a strided dout."""
+    q, k, v = _cross(rng, lead, n, nk, 2 * d, dv, dtype)
+    q, k = q[..., ::2], k[..., ::-2]
+    g = rng.standard_normal(lead + (n, 2 * dv)).astype(dtype)[..., ::2]
+    kw = dict(kw)
+    lengths, qlengths = kw.get("lengths"), kw.get("query_lengths")
+    if lengths is not None:
+        k, v, q = k.copy(), v.copy(), q.copy()
+        for h in range(lead[0]):
+            k[h, lengths[h]:], v[h, lengths[h]:], q[h, qlengths[h]:] = np.nan, np.nan, np.nan
+    _, vjp = linattn.linear_attention_vjp(q, k, v, **kw)
+    got = vjp(g)
+    zero = linattn.State.zeros(lead, d, dv, dtype)
+    sums = linattn.linear_attention_vjp(q, k, v, initial_state=zero, **kw)[1](g)[:3]
+    full = dict(dict(feature_map="elu", scale=1.0, eps=1e-6, normalize=True), **kw)
+    tol = 2e-5 if dtype == np.float32 else 1e-11
+    for h in np.ndindex(lead):
+        L, M = (nk, n) if lengths is None else (lengths[h], qlengths[h])
+        want = _noncausal_reference_grads(q[h][:M], k[h][:L], v[h][:L], g[h][:M], full["feature_map"], full["scale"],
+                                          full["eps"], full["normalize"])
+        for x, s, w, m in zip(got, sums, want, (M, L, L)):
+            assert x.dtype == dtype and x.shape == lead + ((n if x is got[0] else nk), w.shape[-1])
+            assert np.abs(x[h][:m] - w).max() <= tol * max(np.abs(w).max(), 1.0)
+            assert np.abs(x[h][:m] - s[h][:m]).max() <= tol * max(np.abs(w).max(), 1.0)
+            assert not np.any(x[h][m:])

@@ -605,14 +605,13 @@ def _noncausal_state(k, v, mp, chunk, Kf, V, S, Z, parts, S0, Z0, h):
 
 
 @njit(helper=True)
-def _scores_first(n, nk, d_, dv, chunk, parts, S0):
-    """Whether a head's outputs come from its scores phi(Q) phi(K)^T times V rather than from its state
-    phi(K)^T V (_scores_product): its n queries and nk keys (one or more) fit a chunk each, there is no
-    initial state and no segments' parts, and the scores take fewer multiply-adds (N Nk (D' + Dv))
-    than the state and the queries' products with it ((N + Nk) D' Dv): a few queries and keys of many
-    features (B1 H8 N16 D64: a quarter of them)."""
-    return (parts.shape[0] == 0 and S0.shape[0] == 0 and 0 < nk <= chunk and n <= chunk
-            and n * nk * (d_ + dv) < (n + nk) * d_ * dv)
+def few_positions(n, nk, d_, dv, chunk):
+    """Whether a non-causal head of n queries and nk keys (one or more) is better served by its scores
+    phi(Q) phi(K)^T (n x nk) than by its state phi(K)^T V (D' x Dv): both fit a chunk, and the products
+    with the scores take fewer multiply-adds (n nk (D' + Dv): the forward's two) than those with the state
+    ((n + nk) D' Dv): a few queries and keys of many features (B1 H8 N16 D64: a quarter of them). The
+    forward (_scores_product) and the backward (noncausal_grad) decide by it."""
+    return 0 < nk <= chunk and n <= chunk and n * nk * (d_ + dv) < (n + nk) * d_ * dv
 
 
 @njit(helper=True)
@@ -620,7 +619,7 @@ def _scores_product(q, k, v, out, mp, eps, normalize, scale, QA, Kf, Zb, RF):
     """out[:n] = each query's outputs from the scores A = phi(Q) phi(K)^T (n queries and nk keys, views
     (n, X), (nk, X), each at most a chunk; phi(Q) into QA, phi(K) into Kf) as A V, normalised by
     phi(q_t).Z, Z = the keys' sum (into Zb): _noncausal_segment's form for a head of few positions
-    (_scores_first). Its own buffers for phi(K)^T and A: made in the kernel's buffers, they cost every
+    (few_positions). Its own buffers for phi(K)^T and A: made in the kernel's buffers, they cost every
     call 0.1 us (B1 H1 N16 D16: 2%)."""
     noinline()  # (compiled once, not again where it is called: the non-causal kernel's first call +1-2 s)
     n, nk, d_ = q.shape[0], k.shape[0], Kf.shape[1]
@@ -641,12 +640,12 @@ def _noncausal_segment(q, k, v, out, mp, eps, normalize, scale, chunk, c0, c1, Q
     """Outputs of chunks [c0, c1) of one head's queries (views (N, X); k and v (Nk, X)), from the state of
     the whole head (_noncausal_state; with no keys and no parts, S0[h] and Z0[h] themselves: a decoder
     reading its encoder's state), which the head's ``first`` segment writes to S_out[h], Z_out[h] when
-    they have rows; or, for few queries and keys (_scores_first, whether the state is written or not),
-    from their scores."""
+    they have rows; or, for few queries and keys (few_positions; no initial state, no parts), from their
+    scores, whether the state is written or not."""
     n, d_ = q.shape[0], Kf.shape[1]
     dv = v.shape[1]
     direct = parts.shape[0] == 0 and k.shape[0] == 0 and S0.shape[0] > 0  # (no buffers: ~25 ns an allocation)
-    scores = _scores_first(n, k.shape[0], d_, dv, chunk, parts, S0)
+    scores = parts.shape[0] == 0 and S0.shape[0] == 0 and few_positions(n, k.shape[0], d_, dv, chunk)
     if not direct and (first and S_out.shape[0] > 0 or not scores):
         _noncausal_state(k, v, mp, chunk, Kf, V, S, Zb, parts, S0, Z0, h)
     Sh = S0[h] if direct else S

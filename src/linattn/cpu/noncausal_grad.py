@@ -19,7 +19,8 @@ kernel runs three times: each segment's item sums its own chunks' part of [S | Z
 Z) its part of G, then writes its rows from the sums of the parts. phi and phi' are elu + 1, relu or
 identity (other maps: their features are the inputs, their ``vjp`` is applied after). q, k, v, dout
 and out are read twice (k, v and q, dout, out for the sums, all five for the rows), dq, dk, dv written
-once; no array of the inputs' size is made.
+once; no array of the inputs' size is made. A head of few queries and keys for its features (the
+forward's chunked.few_positions) takes its rows from its scores instead of the sums (_scores_backward).
 """
 import numpy as np
 from numba import types
@@ -27,11 +28,12 @@ from numba import types
 from .._jit import array, njit
 from .backward import _load_adjoints, _load_values, _scale_columns, _times_derivative
 from .buffers import empty
-from .chunked import FOLD_EVERY, _rows_to_touch, _segment, _state_buffers, folded_after, zero_unless_summed
+from .chunked import (FOLD_EVERY, _rows_to_touch, _segment, _state_buffers, few_positions, folded_after,
+                      zero_unless_summed)
 from .elementwise import load_rows
 from .runtime import kernel_section
 from .schedule import take
-from .smallgemm import small_gemm, small_gemm_tn
+from .smallgemm import noinline, small_gemm, small_gemm_tn
 from .threaded import ThreadedKernel
 from .vector import transpose_rows
 from .views import keep_alive, touch_rows, unowned
@@ -80,6 +82,35 @@ def _sum_chunks(which, q, k, v, g, out, fm, s, eps, normalize, chunk, c0, c1, KF
             small_gemm_tn(QS[:c], AB[:c], P, beta)
         has_acc = folded_after(ci, c0, c1, sbuf, has_acc)
     zero_unless_summed(has_acc, sbuf)
+
+
+@njit(helper=True)
+def _scores_backward(q, k, v, g, out, fm, s, eps, normalize, KF, V1, QS, AB, DEN, R, Z, sums, one, no_r, dq, dk, dv):
+    """dq, dk, dv of one head of few queries and keys (chunked.few_positions: views (nq, X), (nk, X), each at
+    most a chunk, nq > 0) from their scores instead of the sums: with A = qs phi(K)^T and M = ab v1^T
+    (nq x nk; M[t, s] = ab_t . v1_s), ab [S | Z]^T = M phi(K), v1 G^T = M^T qs and phi(K) G[:, :Dv] = A^T a,
+    three products of nq nk (D' or Dv) against the sums' five of (nq or nk) D' (Dv + 1) (B1 H8 N16 D64:
+    a quarter of the multiply-adds). Z (the keys' sum, for the denominators) into ``Z``; ``sums``: a sink
+    of at least Dv + 1 values."""
+    noinline()  # (compiled once, not again where it is called)
+    nq, nk, d, e = q.shape[0], k.shape[0], KF.shape[1], V1.shape[1]
+    dt = KF.dtype
+    i0 = int(0)  # bool()/int(): run-time values, not literals (see _jit)
+    KT, VT, A, M = empty((d, nk), dt), empty((e, nk), dt), empty((nq, nk), dt), empty((nq, nk), dt)
+    load_rows(k, i0, nk, fm, KF)
+    _load_values(v, i0, nk, V1)
+    for a in range(d):
+        Z[a] = 0
+    transpose_rows(KF, KT, Z, nk)
+    transpose_rows(V1, VT, sums, nk)
+    _queries_and_adjoints(q, g, out, i0, nq, fm, s, eps, normalize, Z, QS, AB, DEN)
+    small_gemm(QS[:nq], KT, A, False, -1, -1)  # A = qs phi(K)^T
+    small_gemm(AB[:nq], VT, M, False, -1, -1)  # M = ab v1^T
+    small_gemm(M, KF[:nk], R[:nq], False, -1, -1)  # ab [S | Z]^T
+    _times_derivative(R, QS, nq, fm, s, dq, i0, no_r, bool(False))
+    small_gemm_tn(M, QS[:nq], R[:nk], 0)  # v1 G^T
+    _times_derivative(R, KF, nk, fm, one, dk, i0, no_r, bool(False))
+    small_gemm_tn(A, AB[:nq, :e - 1], dv[:nk], 0)  # phi(K) G[:, :Dv]
 
 
 @njit(helper=True)
@@ -145,6 +176,15 @@ def _noncausal_backward(q, k, v, g, out, fm, s, eps, normalize, lengths, qlength
         k0, k1, c0, c1 = min(k0, kc), min(k1, kc), min(c0, qc), min(c1, qc)
         h1, h2 = h // g2, h % g2
         qh, kh, vh, gh, oh = q[h1, h2][:nq], k[h1, h2][:nk], v[h1, h2][:nk], g[h1, h2][:nq], out[h1, h2][:nq]
+        if phase == 3 and nq > 0 and few_positions(nq, nk, d, e - 1, chunk):  # (one segment a head)
+            dqh, dkh, dvh = dq[h1, h2], dk[h1, h2], dv[h1, h2]
+            dqh[nq:] = 0
+            dkh[nk:] = 0
+            dvh[nk:] = 0
+            _scores_backward(qh, kh, vh, gh, oh, fm, s, eps, normalize, KF, V1, QS, AB, DEN, R, Z, sums, one, no_r,
+                             dqh, dkh, dvh)
+            item = take(counter)
+            continue
         for which in range(2):  # [S | Z] of the whole head, then G (from its Z)
             if phase == 3:
                 _sum_chunks(which, qh, kh, vh, gh, oh, fm, s, eps, normalize, chunk, int(0),
