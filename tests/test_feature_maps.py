@@ -344,8 +344,8 @@ def test_maps_take_the_short_path(rng, monkeypatch, name, dtype):
     """Every built-in map, as an object and (elementwise ones) by name, takes the plain call's short path
     (the checked path, patched to fail, is not reached), with D' its own: the same bits as the checked
     path (``device="cpu"``), alone and with an initial state, the final state, a gate per key dimension
-    (D' columns), a decay, lengths and ``out=``, causal and not; the same map on q or k with strides that
-    are not whole elements goes to the checked path, which copies them."""
+    (D' columns), a decay, lengths and ``out=``, causal and not, and queries over a state alone; the same
+    map on q or k with strides that are not whole elements goes to the checked path, which copies them."""
     from linattn import attention
 
     lead, n, d, dv = (2, 3), 70, 4, 5
@@ -374,6 +374,14 @@ def test_maps_take_the_short_path(rng, monkeypatch, name, dtype):
                 buf = np.full(want.shape, np.nan, dtype)
                 assert fn(q, k, v, feature_map=fmap, out=buf, **kw) is buf
                 np.testing.assert_array_equal(buf, want)
+    # queries over a state alone (k, v None: a decoder over its encoder's keys; one query a sequence takes the
+    # step kernel instead: test_cross_attention.test_one_query_over_state)
+    want = linattn.linear_attention(q, initial_state=st, feature_map=mp, normalize=name in POSITIVE, device="cpu")
+    with monkeypatch.context() as m:
+        m.setattr(attention, "_prepare", lambda *a, **kw: pytest.fail("the general path"))
+        for fmap in fmaps:
+            out = linattn.linear_attention(q, initial_state=st, feature_map=fmap, normalize=name in POSITIVE)
+            np.testing.assert_array_equal(out, want)
     isz = q.itemsize  # rows of adjacent elements, d * isz + 1 bytes apart
     raw = np.zeros(6 * n * (d * isz + 1), np.uint8)
     odd = np.ndarray(q.shape, dtype, raw, 0, (3 * n * (d * isz + 1), n * (d * isz + 1), d * isz + 1, isz))

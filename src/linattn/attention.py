@@ -418,9 +418,9 @@ def _few_positions(q, k, v, state, feature_map, eps, normalize, return_state, de
 def _fast_over_state(q, state, feature_map, eps, normalize):
     """linear_attention's short path for queries over a state alone (k and v None: a decoder reading its
     encoder's keys): NumPy q and state of one float dtype, nothing else; one query a sequence (a decoding
-    step), a built-in map, through the step kernel reading the state (decoding.read_state); more, a named
-    map, C-contiguous arrays (the state writable), through the non-causal kernel. None for anything else
-    (the checked path)."""
+    step), a built-in map, through the step kernel reading the state (decoding.read_state); more, a built-in
+    map (by name or as an object: _fast_map), C-contiguous arrays (the state writable), through the
+    non-causal kernel. None for anything else (the checked path)."""
     dt = q.dtype
     if (type(state) is not State or dt not in _FLOATS or type(eps) is not float
             or not (normalize is True or normalize is False) or not 0.0 <= eps < _INF):
@@ -433,24 +433,30 @@ def _fast_over_state(q, state, feature_map, eps, normalize):
     if shape[-2] == 1:
         out = read_state(q[..., 0, :], S0, Z0, feature_map, eps, normalize)
         return None if out is None else out.reshape(shape[:-1] + (S0.shape[-1],))
-    if (type(feature_map) is not str or S0.shape[:-1] != shape[:-2] + (shape[-1],) or Z0.shape != S0.shape[:-1]
-            or not (q.flags.c_contiguous and S0.flags.c_contiguous and Z0.flags.c_contiguous and S0.flags.writeable
-                    and Z0.flags.writeable)):
+    if not (q.flags.c_contiguous and S0.flags.c_contiguous and Z0.flags.c_contiguous and S0.flags.writeable
+            and Z0.flags.writeable):
         return None
-    code = _CODES.get(feature_map)
-    if code is None:  # (the named maps keep D' = D)
+    n, d = shape[-2], shape[-1]
+    code = _CODES.get(feature_map) if type(feature_map) is str else None  # (elu, relu, identity: D' = D)
+    if code is not None:
+        fp, address, dk = _NO_GATES[dt], 0, d
+    else:
+        found = _fast_map(feature_map, dt, d, q, q)
+        if found is None:
+            return None
+        code, fp, address, dk = found
+    if S0.shape[:-1] != shape[:-2] + (dk,) or Z0.shape != S0.shape[:-1]:
         return None
     dv = S0.shape[-1]
-    found = _constants.get((False, dt, shape, dv, num_threads(), "C", shape[-1], 0))
+    found = _constants.get((False, dt, shape, dv, num_threads(), "C", dk, 0))
     if found is None:
-        found = _fast_plan(False, dt, shape, dv, num_threads(), "C", shape[-1])
+        found = _fast_plan(False, dt, shape, dv, num_threads(), "C", dk)
     chunk, frac, nthreads, pooled, kernel, no_gates, one = found[:7]
     out = workspace.empty(shape[:-1] + (dv,), dt) if pooled else np.empty(shape[:-1] + (dv,), dt)
-    n, d = shape[-2], shape[-1]
     bh = q.size // (n * d)
     q4, o4 = (q, out) if len(shape) == 4 else (q.reshape(1, bh, n, d), out.reshape(1, bh, n, dv))
-    args = (q4, q4[:, :, :0], o4[:, :, :0], code, no_gates, 0, dt.type(eps), normalize, one, _full_lengths(bh, 0),
-            found[9], chunk, frac, S0.reshape(bh, d, dv), Z0.reshape(bh, d), o4) + found[12:]
+    args = (q4, q4[:, :, :0], o4[:, :, :0], code, fp, address, dt.type(eps), normalize, one, _full_lengths(bh, 0),
+            found[9], chunk, frac, S0.reshape(bh, dk, dv), Z0.reshape(bh, dk), o4) + found[12:]
     _launch(kernel, nthreads, args, None)  # (no keys: each segment reads the state itself)
     return out
 
