@@ -492,12 +492,18 @@ def test_views_and_layouts(rng):
 
 @pytest.mark.parametrize("dtype", [np.float32, np.float64])
 def test_fast_and_checked_paths_agree(rng, monkeypatch, dtype):
-    """The common call (C-contiguous arrays, a map the kernel differentiates by name; a scale, lengths, a
-    decay, gates, an initial state) takes a short path that skips the checks; the same call with the map
-    as an object takes the checked one: the same kernels, the same bits, for a C-contiguous dout
-    (prepared once per vjp) and a strided one (laid out per call)."""
-    from linattn import checks
+    """The common call (C-contiguous arrays, a built-in map by name or as an object; a scale, lengths, a
+    decay, gates, an initial state) takes a short path that skips the checks; the same call with that
+    path patched out takes the checked one: the same kernels, the same bits, for a C-contiguous dout
+    (prepared once per vjp) and a strided one (laid out per call); maps the backward kernel does not
+    differentiate (phi and its vjp in NumPy) too."""
+    from linattn import checks, gradients
+    fm = linattn.feature_maps
     cases = [((), 1, 1, 1, {}), ((3,), 65, 7, 5, {}), ((2, 2), 200, 4, 6, dict(feature_map="relu")),
+             ((2,), 30, 4, 3, dict(feature_map=fm.as_map("elu"), scale=0.5)),
+             ((2,), 30, 4, 3, dict(feature_map="squared_relu", decay=0.9, lengths=np.array([30, 11]))),
+             ((2, 2), 33, 3, 4, dict(feature_map=fm.Taylor(), gate="position", initial_state=True)),
+             ((2,), 20, 4, 2, dict(feature_map=fm.DPFP(), gate="dimension")),
              ((2,), 63, 5, 3, dict(feature_map="identity", normalize=False, eps=0.0)),
              ((2, 3), 100, 3, 4, dict(return_state=True)),
              ((2, 3), 70, 5, 4, dict(scale=0.5, lengths=np.array([70, 33]), decay=np.array([0.5, 0.9, 0.99]))),
@@ -506,13 +512,15 @@ def test_fast_and_checked_paths_agree(rng, monkeypatch, dtype):
     for lead, n, d, dv, kw in cases:
         q, k, v = (rng.standard_normal(lead + (n, x)).astype(dtype) * 0.5 for x in (d, d, dv))
         dout = rng.standard_normal(lead + (n, 2 * dv)).astype(dtype)[..., ::2]
+        dk = fm.as_map(kw.get("feature_map", "elu")).out_dim(d)
         if "gate" in kw:
-            kw["gate"] = -rng.random(lead + (n,) + ((d,) if kw["gate"] == "dimension" else ())).astype(dtype)
+            kw["gate"] = -rng.random(lead + (n,) + ((dk,) if kw["gate"] == "dimension" else ())).astype(dtype)
         if "initial_state" in kw:
-            kw["initial_state"] = linattn.State(rng.random(lead + (d, dv)).astype(dtype),
-                                                rng.random(lead + (d,)).astype(dtype))
-        as_object = linattn.feature_maps.as_map(kw.get("feature_map", "elu"))
-        first_c = linattn.causal_linear_attention_vjp(q, k, v, **dict(kw, feature_map=as_object))
+            kw["initial_state"] = linattn.State(rng.random(lead + (dk, dv)).astype(dtype),
+                                                rng.random(lead + (dk,)).astype(dtype))
+        with monkeypatch.context() as m:  # the checked path
+            m.setattr(gradients, "_fast", lambda *a, **kw: None)
+            first_c = linattn.causal_linear_attention_vjp(q, k, v, **kw)
         with monkeypatch.context() as m:  # the short path checks nothing more
             m.setattr(checks, "check_qkv", None)
             first = linattn.causal_linear_attention_vjp(q, k, v, **kw)
@@ -540,18 +548,30 @@ def test_fast_and_checked_paths_agree(rng, monkeypatch, dtype):
 
 @pytest.mark.parametrize("dtype", [np.float32, np.float64])
 def test_noncausal_fast_and_checked_paths_agree(rng, monkeypatch, dtype):
-    """linear_attention_vjp's common call (a map by name; a scale, the keys' and the queries' lengths, the
-    returned state and its gradient) takes the short path (check_qkv not reached); the map as an object
-    takes the checked one: the same bits."""
-    from linattn import checks
+    """linear_attention_vjp's common call (a built-in map by name or as an object; a scale, the keys' and
+    the queries' lengths, the returned state and its gradient) takes the short path (check_qkv not
+    reached); with that path patched out, the checked one: the same bits, maps the kernel does not
+    differentiate (phi and its vjp in NumPy, NaN past the lengths) and their parameters' gradients too."""
+    from linattn import checks, gradients
+    fm = linattn.feature_maps
     for lead, n, d, dv, kw in (((2, 3), 70, 5, 4, dict(scale=0.5, lengths=np.array([70, 33]))),
                                ((3,), 65, 4, 4, dict(query_lengths=np.array([1, 0, 65]), return_state=True)),
                                ((2,), 40, 3, 5, dict(feature_map="relu", lengths=np.array([40, 2]),
-                                                     query_lengths=np.array([3, 40]), return_state=True))):
+                                                     query_lengths=np.array([3, 40]), return_state=True)),
+                               ((2,), 30, 4, 3, dict(feature_map=fm.as_map("relu"), scale=0.5)),
+                               ((2,), 30, 4, 3, dict(feature_map=fm.Taylor(), lengths=np.array([30, 7]),
+                                                     query_lengths=np.array([12, 30]))),
+                               ((2, 2), 20, 4, 3, dict(feature_map=fm.Hedgehog(rng.standard_normal((4, 3)),
+                                                                               rng.standard_normal(3)),
+                                                       return_state=True))):
         q, k, v = (rng.standard_normal(lead + (n, x)).astype(dtype) * 0.5 for x in (d, d, dv))
+        for name, ls in (("lengths", k), ("query_lengths", q)):  # (padding: never read)
+            for h, length in enumerate(kw.get(name, ())):
+                ls[h, length:] = np.nan
         dout = rng.standard_normal(lead + (n, dv)).astype(dtype)
-        first_c = linattn.linear_attention_vjp(
-            q, k, v, **dict(kw, feature_map=linattn.feature_maps.as_map(kw.get("feature_map", "elu"))))
+        with monkeypatch.context() as m:  # the checked path
+            m.setattr(gradients, "_fast", lambda *a, **kw: None)
+            first_c = linattn.linear_attention_vjp(q, k, v, **kw)
         with monkeypatch.context() as m:  # the short path checks nothing more
             m.setattr(checks, "check_qkv", None)
             first = linattn.linear_attention_vjp(q, k, v, **kw)
@@ -563,10 +583,13 @@ def test_noncausal_fast_and_checked_paths_agree(rng, monkeypatch, dtype):
                 np.testing.assert_array_equal(x, y)
             dstate = (linattn.State(*(rng.standard_normal(x.shape).astype(dtype) for x in first[1])),)
         got, want = first[-1](dout, *dstate), first_c[-1](dout, *dstate)
-        assert len(got) == len(want) == 3
-        for x, y in zip(got, want):
-            assert x.dtype == dtype
+        params = getattr(kw.get("feature_map"), "param_names", ())
+        assert len(got) == len(want) == 3 + bool(params)
+        for x, y in zip(got[:3], want[:3]):
+            assert x.dtype == dtype and not np.isnan(x).any()
             np.testing.assert_array_equal(x, y)
+        for name in params:
+            np.testing.assert_array_equal(got[3][name], want[3][name])
 
 
 def _maps(rng, d):

@@ -7,7 +7,7 @@ import numpy as np
 import pytest
 
 import linattn
-from linattn import attention, reference
+from linattn import attention, gradients, reference
 from linattn.cpu import chunked
 from linattn.cpu.runtime import chunk_size
 
@@ -60,16 +60,18 @@ def test_head_views_take_the_short_path(rng, dtype, causal, monkeypatch):
     """A plain call on a fused projection's head views (4-D, unit-stride rows) runs the strided kernel
     from the short path (the checked path, patched to fail, is not reached), with and without the
     state, with ``out=`` (heads of a buffer, or C-contiguous), and for the vjp: the same results bit for
-    bit as the checked path (reached with ``device="cpu"``, the vjp's with the map as an object) and, within
-    float rounding, as the float64 reference; views of other shapes, and an ``out`` in an input's
-    memory, take the checked path."""
+    bit as the checked path (reached with ``device="cpu"``, the vjps' with their short path patched out)
+    and, within float rounding, as the float64 reference; views of other shapes, and an ``out`` in an
+    input's memory, take the checked path."""
     _, (q, k, v) = _fused_qkv(rng, 2, 70, 3, 8, dtype)
     fn = linattn.causal_linear_attention if causal else linattn.linear_attention
     vjp_fn = linattn.causal_linear_attention_vjp if causal else linattn.linear_attention_vjp
     want, want_state = fn(q, k, v, device="cpu", return_state=True)
     assert_close(want, reference.masked(q, k, v, causal=causal), dtype)
     dout = rng.standard_normal(want.shape).astype(dtype)
-    want_grads = vjp_fn(q, k, v, feature_map=linattn.feature_maps.as_map("elu"))[1](dout)
+    with monkeypatch.context() as m:  # (the vjps' checked path)
+        m.setattr(gradients, "_fast", lambda *a, **kw: None)
+        want_grads = vjp_fn(q, k, v)[1](dout)
     three = tuple(x.reshape(1, *x.shape) for x in (q, k, v))  # (5-D views: not the short path's)
     with monkeypatch.context() as m:
         m.setattr(attention, "_prepare", lambda *a, **kw: pytest.fail("the general path"))

@@ -176,19 +176,18 @@ def causal_linear_attention_vjp(q, k, v, *, feature_map="elu", eps=1e-6, normali
     >>> dq.shape, dk.shape, dv.shape
     ((2, 50, 8), (2, 50, 8), (2, 50, 8))
     """
-    if (type(q) is np.ndarray and type(feature_map) is str and feature_map in _CODES
-            and (return_state is False or return_state is True)):
-        # (None unless the common call: attention._fast; the gates' gradients read the final state only with
-        # the final state's gradient, which needs return_state)
+    if type(q) is np.ndarray and (return_state is False or return_state is True):
+        # (None unless the common call: attention._fast, which takes every built-in map; the gates' gradients
+        # read the final state only with the final state's gradient, which needs return_state)
         fast = _fast(True, q, k, v, feature_map, eps, normalize, True, return_state, initial_state, None, scale, decay,
                      gate, lengths)
         if fast is not None:  # float arrays of one dtype (C-contiguous, or 4-D head views): out in their dtype
             (out, final), kept = fast
-            fmap, code = _map_and_code(feature_map)
-            lead, n = q.shape[:-2], q.shape[-2]
-            kind, gates, log_decay = _gates_as_prepared(q.dtype, q.shape, q.shape[-1], decay, gate)
+            fmap, code = _map_and_code(feature_map)  # (code None: phi and its vjp in the closure, D' = dk)
+            lead, n, dk = q.shape[:-2], q.shape[-2], fmap.out_dim(q.shape[-1])
+            kind, gates, log_decay = _gates_as_prepared(q.dtype, q.shape, dk, decay, gate)
             lens = None if lengths is None else checks.check_lengths(lengths, lead, n).reshape(lead)  # (as _fast's)
-            vjp = _backward(q, k, v, fmap, code, lead, q.shape[-1], q.dtype, normalize, 1.0 if scale is None else scale,
+            vjp = _backward(q, k, v, fmap, code, lead, dk, q.dtype, normalize, 1.0 if scale is None else scale,
                             initial_state, return_state, lens, decay, gate, kind, gates, log_decay, out, final, kept)
             workspace.release_with(vjp, kept[1])
             return (out, final, vjp) if return_state else (out, vjp)
@@ -328,9 +327,8 @@ def linear_attention_vjp(q, k=None, v=None, *, feature_map="elu", eps=1e-6, norm
     fmap, code = _map_and_code(feature_map)
     out = state = None
     keyless = k is None and v is None
-    if (type(q) is np.ndarray and type(feature_map) is str and code is not None and initial_state is None
-            and (return_state is False or return_state is True)):
-        # (None unless the common call: attention._fast)
+    if type(q) is np.ndarray and initial_state is None and (return_state is False or return_state is True):
+        # (None unless the common call: attention._fast, which takes every built-in map)
         res = _fast(False, q, k, v, feature_map, eps, normalize, False, return_state, None, None, scale,
                     lengths=lengths, query_lengths=query_lengths)
         if res is not None:
@@ -340,7 +338,8 @@ def linear_attention_vjp(q, k=None, v=None, *, feature_map="elu", eps=1e-6, norm
         s = 1.0 if scale is None else scale
         lens, qlens = (None if ls is None else checks.check_lengths(ls, lead, n, what, name)  # (as _fast's)
                        for ls, what, name in ((lengths, "Nk", "lengths"), (query_lengths, "N", "query_lengths")))
-        valid = qvalid = None  # (read for the maps the kernel does not know only)
+        valid, qvalid = (None if ls is None or code is not None else (np.arange(n) < ls.reshape(lead + (1,)))[..., None]
+                         for ls in (lens, qlens))  # (read for the maps the kernel does not know only)
     else:
         k, v = _keys_from_state(q, k, v, initial_state, "cpu")
         q, k, v, lead, n, _, dv, comp, out_dt = checks.check_qkv(q, k, v, cross=True)
