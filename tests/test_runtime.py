@@ -222,3 +222,28 @@ def test_sixteen_threads_split_heads_as_planned():
     assert plans == [["1", "16", "17", "True"], ["2", "16", "9", "True"]], res.stdout  # (segments a head)
     errors = [float(line.split()[2]) for line in res.stdout.splitlines() if line.startswith("err")]
     assert len(errors) == 2 * (4 + 5) and max(errors) < 2e-5, res.stdout  # (out, dq, dk, dv; and dgate)
+
+
+@pytest.mark.parametrize("threads", [2, 16])
+def test_plan_threads_for_small_calls(monkeypatch, threads):
+    """runtime.plan's threads for small calls: a second thread from SECOND_THREAD_WORK multiply-adds of
+    chunk products with two heads or more (SECOND_THREAD_WORK_ONE_HEAD for one head cut into segments),
+    every thread beyond it from MIN_WORK_PER_THREAD each; the calling thread alone below."""
+    from linattn.cpu import runtime
+
+    monkeypatch.setattr(runtime, "num_threads", lambda: threads)
+    monkeypatch.setattr(runtime, "_plans", {})
+
+    def work(bh, n, d):
+        return bh * n * (d + runtime.chunk_size(n)) * d
+
+    assert work(8, 16, 64) >= runtime.SECOND_THREAD_WORK * 2 and work(8, 16, 64) < runtime.MIN_WORK_PER_THREAD
+    assert runtime.plan(8, 16, 64, 64)[2] == 2  # (B1 H8 N16 D64: 24 -> 19-21 us on two threads)
+    assert runtime.plan(2, 16, 64, 64)[2] == 1  # (two heads of N16 D64: 12 us on two, 10.5 on one)
+    assert work(1, 64, 64) < 2 * runtime.SECOND_THREAD_WORK_ONE_HEAD <= work(1, 256, 64)
+    assert runtime.plan(1, 64, 64, 64)[2] == 1  # (one head of N64: 22.5 us in two segments, 19 whole)
+    assert runtime.plan(1, 256, 64, 64)[2] == 2
+    big = runtime.plan(8, 2048, 64, 64)[2]
+    assert big == min(threads, work(8, 2048, 64) // runtime.MIN_WORK_PER_THREAD)
+    mid = runtime.plan(8, 128, 64, 64)  # (more than two threads only from MIN_WORK_PER_THREAD each)
+    assert mid[2] == max(2, min(threads, work(8, 128, 64) // runtime.MIN_WORK_PER_THREAD))

@@ -11,8 +11,18 @@ import numpy as np
 from . import blas_pool
 
 #: Multiply-adds of chunk products (about N * (D' + chunk) * Dv per head) below which one more thread
-#: does not pay for waking it (tens of microseconds): the work per thread is at least this much.
+#: does not pay for waking it (tens of microseconds): the work per thread is at least this much, beyond
+#: the second thread (SECOND_THREAD_WORK).
 MIN_WORK_PER_THREAD = 1 << 21
+
+#: The same for the second thread, measured on the 2-core Zen 4 VM at stop 54 (MIN_WORK_PER_THREAD dates
+#: from when waking the pool took 50-90 us there): with two heads or more, from 2**17 a second thread pays
+#: (B1 H8 N16 D64 24 -> 19-21 us, B1 H8 N64 D64 112 -> 63, B4 H8 N16 D16 40 -> 28, the backward kernels
+#: alike; two heads of N16 D64 took 12 us against 10.5 at 2**16); one head cut into segments from 2**18
+#: (N256 D64 72 -> 51; at 2**17 one of N64 took 22.5 against 19 whole). The threads beyond the second keep
+#: MIN_WORK_PER_THREAD (not measured again: no many-core machine).
+SECOND_THREAD_WORK = 1 << 17
+SECOND_THREAD_WORK_ONE_HEAD = 1 << 18
 
 #: Fixed cost of a kernel's second run, in multiply-adds as MIN_WORK_PER_THREAD (the threads woken
 #: again, and each waiting for the slowest at the end of the first): measured 10-15 us, one head of
@@ -109,7 +119,9 @@ def plan(bh, n, dk, dv, causal=True, two_runs=True, prefix=None, work=1.0):
     if found is not None:
         return found
     chunk = chunk_size(n)
-    threads = max(1, min(threads, bh * n * (dk + chunk) * dv // MIN_WORK_PER_THREAD))
+    total = bh * n * (dk + chunk) * dv
+    second = total // (SECOND_THREAD_WORK if bh > 1 else SECOND_THREAD_WORK_ONE_HEAD)
+    threads = max(1, min(threads, max(min(2, second), total // MIN_WORK_PER_THREAD)))
     nchunks = -(-n // chunk)
     a = prefix_cost(dk, dv) if prefix is None else prefix
     again = RUN_COST / max(1, work * n * (dk + chunk) * dv)  # (a second run, in units of one head's work)
