@@ -332,8 +332,9 @@ def test_causal_call_of_few_positions_from_a_state(rng, lead, n, dtype, monkeypa
 
 
 def test_more_positions_from_a_state_take_the_chunkwise_kernel(rng, monkeypatch):
-    """Past FEW_POSITIONS positions, or where the chunkwise kernel would run on several threads, a call
-    from a state takes the chunkwise kernel (step's is slower there), through the short path."""
+    """Past FEW_POSITIONS positions, or where the chunkwise kernel has the work of several threads at
+    MIN_WORK_PER_THREAD each, a call from a state takes the chunkwise kernel (step's is slower there),
+    through the short path."""
     steps = []
     monkeypatch.setattr(attention, "step_fast", lambda *a: steps.append(1) or decoding.step_fast(*a))
     state = linattn.State.zeros((2,), 4, 3)
@@ -344,8 +345,8 @@ def test_more_positions_from_a_state_take_the_chunkwise_kernel(rng, monkeypatch)
     linattn.causal_linear_attention(q, q, v, initial_state=state)
     assert len(steps) == 2
     want = linattn.causal_linear_attention(q, q, v, initial_state=tuple(state))  # (the checked path)
-    real = attention.plan
-    monkeypatch.setattr(attention, "plan", lambda *a, **k: real(*a, **k)[:2] + (2,) + real(*a, **k)[3:])  # (2 threads)
+    monkeypatch.setattr(attention, "MIN_WORK_PER_THREAD", 1)  # (as much work as two threads need)
+    monkeypatch.setattr(attention, "num_threads", lambda: 2)
     monkeypatch.setattr(attention, "_prepare", lambda *a, **k: pytest.fail("the checked path"))  # (the short one)
     steps.clear()
     np.testing.assert_array_equal(linattn.causal_linear_attention(q, q, v, initial_state=state), want)

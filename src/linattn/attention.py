@@ -9,7 +9,7 @@ from . import gates as gates_mod
 from . import workspace
 from ._reshape import view_as
 from .cpu import chunked, half
-from .cpu.runtime import kernel_section, num_threads, plan
+from .cpu.runtime import MIN_WORK_PER_THREAD, chunk_work, kernel_section, num_threads, plan
 from .cpu.views import unit_rows
 from .cpu import mapfns
 from .cpu.elementwise import IDENTITY
@@ -391,8 +391,9 @@ def _few_positions(q, k, v, state, feature_map, eps, normalize, return_state, de
     if type(S0) is not _ndarray or type(Z0) is not _ndarray:
         return None
     n, d, dv = q.shape[-2], q.shape[-1], v.shape[-1]
-    if n > 1 and d and plan(q.size // (n * d), n, d, dv)[2] > 1:  # the chunkwise kernel on threads: faster
-        return None
+    if n > 1 and d and num_threads() > 1 and chunk_work(q.size // (n * d), n, d, dv) >= 2 * MIN_WORK_PER_THREAD:
+        return None  # (the chunkwise kernel on threads, with this much work: faster; with less, on two threads
+        # too, the steps: B8 H8 N2 D64 68 us against 126, docs/performance.md stop 54)
     new = State(S0.copy(), Z0.copy())
     if n == 1:  # (the step's own result: no views of one, ~0.3 us of a 6 us call)
         g = None if gate is None else gate[..., 0, :] if per_dim else gate[..., 0]

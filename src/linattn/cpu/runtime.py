@@ -15,12 +15,13 @@ from . import blas_pool
 #: the second thread (SECOND_THREAD_WORK).
 MIN_WORK_PER_THREAD = 1 << 21
 
-#: The same for the second thread, measured on the 2-core Zen 4 VM at stop 54 (MIN_WORK_PER_THREAD dates
-#: from when waking the pool took 50-90 us there): with two heads or more, from 2**17 a second thread pays
-#: (B1 H8 N16 D64 24 -> 19-21 us, B1 H8 N64 D64 112 -> 63, B4 H8 N16 D16 40 -> 28, the backward kernels
-#: alike; two heads of N16 D64 took 12 us against 10.5 at 2**16); one head cut into segments from 2**18
-#: (N256 D64 72 -> 51; at 2**17 one of N64 took 22.5 against 19 whole). The threads beyond the second keep
-#: MIN_WORK_PER_THREAD (not measured again: no many-core machine).
+#: The same for the second thread, measured on the 2-core Zen 4 VM at stop 54 (MIN_WORK_PER_THREAD came
+#: with the work-item kernels, when waking the pool took 50-90 us there): with two heads or more, from
+#: 2**17 a second thread pays (B1 H8 N16 D64 24 -> 19-21 us, B1 H8 N64 D64 112 -> 63, B4 H8 N16 D16 40 ->
+#: 28, the backward kernels alike; two heads of N16 D64 took 12 us against 10.5 at 2**16); one head cut
+#: into segments from 2**18 (N256 D64 72 -> 51; at 2**17 one of N64 took 22.5 against 19 whole). The
+#: threads beyond the second keep MIN_WORK_PER_THREAD (not measured again: no many-core machine); so does
+#: the choice of the chunkwise kernel over step's for a few positions from a state (attention).
 SECOND_THREAD_WORK = 1 << 17
 SECOND_THREAD_WORK_ONE_HEAD = 1 << 18
 
@@ -97,6 +98,12 @@ def _segment_fractions(nseg, prefix, cost=PREFIX_COST, whole_first=False):
     return np.concatenate([[0.0], np.cumsum(w) / w.sum()])
 
 
+def chunk_work(bh, n, dk, dv):
+    """Multiply-adds of chunk products of bh heads of n positions (about bh N (D' + chunk) Dv), the unit of
+    the thresholds above."""
+    return bh * n * (dk + chunk_size(n)) * dv
+
+
 def plan(bh, n, dk, dv, causal=True, two_runs=True, prefix=None, work=1.0):
     """(chunk, frac, nthreads, two_runs): chunk size, segment fractions, number of threads and whether
     the kernel runs twice, minimising the estimated time (heads are split into segments only when there
@@ -119,7 +126,7 @@ def plan(bh, n, dk, dv, causal=True, two_runs=True, prefix=None, work=1.0):
     if found is not None:
         return found
     chunk = chunk_size(n)
-    total = bh * n * (dk + chunk) * dv
+    total = chunk_work(bh, n, dk, dv)
     second = total // (SECOND_THREAD_WORK if bh > 1 else SECOND_THREAD_WORK_ONE_HEAD)
     threads = max(1, min(threads, max(min(2, second), total // MIN_WORK_PER_THREAD)))
     nchunks = -(-n // chunk)
