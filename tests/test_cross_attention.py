@@ -509,6 +509,19 @@ def test_one_query_over_state(rng, lead, dtype):
         linattn.linear_attention(np.zeros(lead + (1, 4), dtype), initial_state=linattn.State.zeros(lead, 5, 3, dtype))
 
 
+def _few_inputs(rng, lead, n, nk, d, dv, dtype, kw):
+    """q, k (views: every other column, k's backwards), v of heads of few positions, NaN past the
+    lengths in ``kw`` (keys' and queries'), and those lengths (None for none)."""
+    q, k, v = _cross(rng, lead, n, nk, 2 * d, dv, dtype)
+    q, k = q[..., ::2], k[..., ::-2]
+    lengths, qlengths = kw.get("lengths"), kw.get("query_lengths")
+    if lengths is not None:
+        k, v, q = k.copy(), v.copy(), q.copy()
+        for h in range(lead[0]):
+            k[h, lengths[h]:], v[h, lengths[h]:], q[h, qlengths[h]:] = np.nan, np.nan, np.nan
+    return q, k, v, lengths, qlengths
+
+
 @pytest.mark.parametrize("dtype", [np.float32, np.float64])
 @pytest.mark.parametrize("lead, n, nk, d, dv, kw", [
     ((2, 4), 16, 16, 64, 64, {}),
@@ -525,14 +538,7 @@ def test_few_positions_from_their_scores(rng, dtype, lead, n, nk, d, dv, kw):
     zero initial state, which takes that form; the state applied to the queries): odd sizes, D = 1,
     another number of keys, padded keys and queries (NaN past their lengths), maps with D' != D, and
     strided views."""
-    q, k, v = _cross(rng, lead, n, nk, 2 * d, dv, dtype)
-    q, k = q[..., ::2], k[..., ::-2]  # (views: every other column, one of them backwards)
-    kw = dict(kw)
-    lengths, qlengths = kw.get("lengths"), kw.get("query_lengths")
-    if lengths is not None:
-        k, v, q = k.copy(), v.copy(), q.copy()
-        for h in range(lead[0]):
-            k[h, lengths[h]:], v[h, lengths[h]:], q[h, qlengths[h]:] = np.nan, np.nan, np.nan
+    q, k, v, lengths, qlengths = _few_inputs(rng, lead, n, nk, d, dv, dtype, kw)
     out = linattn.linear_attention(q, k, v, **kw)
     out_s, st = linattn.linear_attention(q, k, v, return_state=True, **kw)
     np.testing.assert_array_equal(out, out_s)
@@ -565,15 +571,8 @@ def test_few_positions_gradients_from_their_scores(rng, dtype, lead, n, nk, d, d
     """The vjp of heads of few queries and keys (chunked.few_positions) from their scores: the formulas'
     gradients in float64 (0 past the lengths, NaN there in the inputs), and those of the sums' form (a
     zero initial state takes it), for views and a strided dout."""
-    q, k, v = _cross(rng, lead, n, nk, 2 * d, dv, dtype)
-    q, k = q[..., ::2], k[..., ::-2]
+    q, k, v, lengths, qlengths = _few_inputs(rng, lead, n, nk, d, dv, dtype, kw)
     g = rng.standard_normal(lead + (n, 2 * dv)).astype(dtype)[..., ::2]
-    kw = dict(kw)
-    lengths, qlengths = kw.get("lengths"), kw.get("query_lengths")
-    if lengths is not None:
-        k, v, q = k.copy(), v.copy(), q.copy()
-        for h in range(lead[0]):
-            k[h, lengths[h]:], v[h, lengths[h]:], q[h, qlengths[h]:] = np.nan, np.nan, np.nan
     _, vjp = linattn.linear_attention_vjp(q, k, v, **kw)
     got = vjp(g)
     zero = linattn.State.zeros(lead, d, dv, dtype)

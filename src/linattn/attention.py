@@ -151,10 +151,13 @@ def _fast_state(state, dt, lead, d, dv, causal):
 
 
 def _fast_map(feature_map, dt, d, q, k):
-    """(kernel code, parameters, address, D') of a built-in map (a map object, or a name the caller did
-    not find in _CODES) for inputs of ``d`` features in ``dt`` (as ``_features`` gives them); None for a
-    callable, a map that does not fit ``d``, or q or k with strides that are not whole elements where the
-    map reads rows by element strides (the checked path then copies them, or says what is wrong)."""
+    """(kernel code, parameters, address, D') of a built-in map (by name or as a map object) for inputs of
+    ``d`` features in ``dt`` (as ``_features`` gives them); None for a callable, a map that does not fit
+    ``d``, or q or k with strides that are not whole elements where the map reads rows by element strides
+    (the checked path then copies them, or says what is wrong)."""
+    code = _CODES.get(feature_map) if type(feature_map) is str else None  # (elu, relu, identity: D' = D)
+    if code is not None:
+        return code, _NO_GATES[dt], 0, d
     try:
         fmap = as_map(feature_map)
         if not isinstance(fmap, FeatureMap):
@@ -251,14 +254,10 @@ def _fast(causal, q, k, v, feature_map, eps, normalize, keep=False, return_state
     if len(shape) < 2 or k.shape != shape or v.shape[:-1] != shape[:-1] or q.size == 0 or v.shape[-1] == 0:
         return None
     n, d, dv = shape[-2], shape[-1], v.shape[-1]
-    code = _CODES.get(feature_map) if type(feature_map) is str else None  # (elu, relu, identity: D' = D)
-    if code is not None:
-        fp, address, dk = _NO_GATES[dt], 0, d
-    else:
-        found = _fast_map(feature_map, dt, d, q, k)
-        if found is None:
-            return None
-        code, fp, address, dk = found
+    found = _fast_map(feature_map, dt, d, q, k)
+    if found is None:
+        return None
+    code, fp, address, dk = found
     if initial_state is not None:
         initial = _fast_state(initial_state, dt, shape[:-2], dk, dv, causal)
         if initial is None:
@@ -438,14 +437,10 @@ def _fast_over_state(q, state, feature_map, eps, normalize):
             and Z0.flags.writeable):
         return None
     n, d = shape[-2], shape[-1]
-    code = _CODES.get(feature_map) if type(feature_map) is str else None  # (elu, relu, identity: D' = D)
-    if code is not None:
-        fp, address, dk = _NO_GATES[dt], 0, d
-    else:
-        found = _fast_map(feature_map, dt, d, q, q)
-        if found is None:
-            return None
-        code, fp, address, dk = found
+    found = _fast_map(feature_map, dt, d, q, q)
+    if found is None:
+        return None
+    code, fp, address, dk = found
     if S0.shape[:-1] != shape[:-2] + (dk,) or Z0.shape != S0.shape[:-1]:
         return None
     dv = S0.shape[-1]
