@@ -14,7 +14,11 @@ Every part runs in fresh processes, each with its own environment:
    linattn's pool (the default) over the same with OpenBLAS's own threads
    (``LINATTN_SHARE_BLAS_THREADS=0``), processes alternating: sharing the pool must leave NumPy as fast;
 4. the causal forward (B1 H8 N2048) right after the model's QKV projection over the same call alone, in
-   turn (target: at most 1.15x).
+   turn (target: at most 1.15x);
+5. small and mid calls (forward and the vjp's backward) with the threads ``runtime.plan`` gives them
+   against one thread and against every thread (its thresholds, measured on two cores only, set aside in
+   the process): a call whose plan is slower than either says which threshold (``runtime``'s
+   SECOND_THREAD_WORK, SECOND_THREAD_WORK_ONE_HEAD, MIN_WORK_PER_THREAD) does not suit this machine.
 """
 import json
 import os
@@ -32,6 +36,10 @@ MATMULS = [(8, 64, 64), (64, 64, 192)] if QUICK else [
     (1, 512, 1536), (8, 512, 1536), (8, 512, 2048), (8, 2048, 512), (512, 512, 1536), (2048, 512, 1536),
     (2048, 512, 2048), (2048, 2048, 512)]
 SHAPE_AFTER_MATMUL = (1, 2, 128, 16) if QUICK else (1, 8, 2048, 64)
+#: (B, H, N, D) of the small and mid calls of part 5.
+SMALL_CALLS = [(1, 4, 16, 16), (1, 1, 64, 16)] if QUICK else [
+    (1, 2, 16, 64), (1, 8, 16, 64), (4, 8, 16, 16), (1, 8, 64, 64), (1, 1, 64, 64), (1, 1, 256, 64),
+    (1, 8, 256, 64), (4, 8, 128, 64)]
 PAIRS = 1 if QUICK else 3  # alternating processes, each way
 ROUNDS = 3 if QUICK else 25
 
@@ -103,6 +111,37 @@ def after_matmul_worker():
     print(json.dumps({"after_ms": 1e3 * float(np.median(after)), "alone_ms": 1e3 * float(np.median(alone))}))
 
 
+def threads_worker():
+    """Prints, for each of SMALL_CALLS, the best time of the causal forward and of its vjp's backward with
+    the plan's threads, on one thread and on every thread (the thresholds set aside), and the plan's
+    thread count."""
+    import linattn
+    from linattn import attention
+    from linattn.cpu import runtime
+
+    rng = np.random.default_rng(0)
+    names = ("SECOND_THREAD_WORK", "SECOND_THREAD_WORK_ONE_HEAD", "MIN_WORK_PER_THREAD")
+    planned = {name: getattr(runtime, name) for name in names}
+    times = {}
+    for b, h, n, d in SMALL_CALLS:
+        q, k, v = (rng.standard_normal((b, h, n, d)).astype(np.float32) * 0.5 for _ in range(3))
+        row = {}
+        for label, value in (("plan", None), ("one", 1 << 60), ("all", 1)):
+            for name in names:
+                setattr(runtime, name, planned[name] if value is None else value)
+            runtime._plans.clear()  # (the plans kept for the thresholds before)
+            attention._constants.clear()
+            if value is None:
+                row["threads"] = runtime.plan(b * h, n, d, d)[2]
+            out, vjp = linattn.causal_linear_attention_vjp(q, k, v)
+            row[label] = [_best_per_call(lambda: linattn.causal_linear_attention(q, k, v), 0.02 if QUICK else 0.2),
+                          _best_per_call(lambda: vjp(out), 0.02 if QUICK else 0.2)]
+        times[f"B{b} H{h} N{n} D{d}"] = row
+    for name in names:
+        setattr(runtime, name, planned[name])
+    print(json.dumps(times))
+
+
 def main():
     print(_run(["-m", "linattn", "info"]).rstrip(), flush=True)
 
@@ -140,11 +179,28 @@ def main():
         r = json.loads(_run([__file__, "--worker", "after", *sys.argv[1:]]).strip().splitlines()[-1])
         print(f"  {r['after_ms']:.3f} ms after, {r['alone_ms']:.3f} ms alone: {r['after_ms'] / r['alone_ms']:.2f}x",
               flush=True)
+
+    print("\n5. small and mid calls, forward / backward, us: the plan's threads, one thread, every thread "
+          "(two processes)", flush=True)
+    runs = [json.loads(_run([__file__, "--worker", "threads", *sys.argv[1:]]).strip().splitlines()[-1])
+            for _ in range(2)]
+    slower = []
+    for case in runs[0]:
+        rows = [r[case] for r in runs]
+        cols = [" / ".join(f"{min(r[label][i] for r in rows) * 1e6:.1f}" for i in range(2)) for label in
+                ("plan", "one", "all")]
+        print(f"  {case:18s} plan ({rows[0]['threads']} threads) {cols[0]}; one {cols[1]}; all {cols[2]}", flush=True)
+        for i in range(2):
+            best_plan = min(r["plan"][i] for r in rows)
+            if best_plan > 1.1 * min(min(r[label][i] for r in rows) for label in ("one", "all")):
+                slower.append(f"{case} {('forward', 'backward')[i]}")
+    print(f"  the plan more than 10% slower than one or every thread: {', '.join(slower) or 'none'}", flush=True)
     print("\ndone")
 
 
 if __name__ == "__main__":
     if "--worker" in sys.argv:
-        {"matmul": matmul_worker, "after": after_matmul_worker}[sys.argv[sys.argv.index("--worker") + 1]]()
+        {"matmul": matmul_worker, "after": after_matmul_worker,
+         "threads": threads_worker}[sys.argv[sys.argv.index("--worker") + 1]]()
     else:
         main()

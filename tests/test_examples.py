@@ -32,7 +32,7 @@ def test_example_runs(script, args, tmp_path):
 
 
 def test_machine_check_quick(tmp_path):
-    """examples/machine_check.py's four parts run (small sizes) and print their figures."""
+    """examples/machine_check.py's five parts run (small sizes) and print their figures."""
     res = subprocess.run([sys.executable, str(EXAMPLES / "machine_check.py"), "--quick"], capture_output=True,
                          text=True, cwd=tmp_path, timeout=600)
     assert res.returncode == 0, res.stdout + res.stderr
@@ -43,6 +43,9 @@ def test_machine_check_quick(tmp_path):
     assert "issue 10's <= 2.5 in every run: (quick sizes: none)" in out, out
     assert "8x64x64" in out and "64x64x192" in out and "us own: ratios" in out, out
     assert "ms alone:" in out, out
+    small = [line for line in out.splitlines() if line.startswith(("  B1 H4 N16 D16 ", "  B1 H1 N64 D16 "))]
+    assert len(small) == 2 and all("plan (" in line and "; one " in line and "; all " in line for line in small), out
+    assert "the plan more than 10% slower than one or every thread: " in out, out
 
 
 def test_gpu_check_without_gpu_and_in_simulator(tmp_path):
