@@ -490,6 +490,19 @@ def test_views_and_layouts(rng):
         np.testing.assert_array_equal(got, want)
 
 
+def _short_and_checked(monkeypatch, vjp_fn, q, k, v, kw):
+    """vjp_fn's results on its short path (which checks nothing more: check_qkv, patched out, is not
+    reached) and on its checked path (the short one patched out)."""
+    from linattn import checks, gradients
+    with monkeypatch.context() as m:
+        m.setattr(checks, "check_qkv", None)
+        first = vjp_fn(q, k, v, **kw)
+    with monkeypatch.context() as m:
+        m.setattr(gradients, "_fast", lambda *a, **kw: None)
+        first_c = vjp_fn(q, k, v, **kw)
+    return first, first_c
+
+
 @pytest.mark.parametrize("dtype", [np.float32, np.float64])
 def test_fast_and_checked_paths_agree(rng, monkeypatch, dtype):
     """The common call (C-contiguous arrays, a built-in map by name or as an object; a scale, lengths, a
@@ -497,7 +510,6 @@ def test_fast_and_checked_paths_agree(rng, monkeypatch, dtype):
     path patched out takes the checked one: the same kernels, the same bits, for a C-contiguous dout
     (prepared once per vjp) and a strided one (laid out per call); maps the backward kernel does not
     differentiate (phi and its vjp in NumPy) too."""
-    from linattn import checks, gradients
     fm = linattn.feature_maps
     cases = [((), 1, 1, 1, {}), ((3,), 65, 7, 5, {}), ((2, 2), 200, 4, 6, dict(feature_map="relu")),
              ((2,), 30, 4, 3, dict(feature_map=fm.as_map("elu"), scale=0.5)),
@@ -518,12 +530,7 @@ def test_fast_and_checked_paths_agree(rng, monkeypatch, dtype):
         if "initial_state" in kw:
             kw["initial_state"] = linattn.State(rng.random(lead + (dk, dv)).astype(dtype),
                                                 rng.random(lead + (dk,)).astype(dtype))
-        with monkeypatch.context() as m:  # the checked path
-            m.setattr(gradients, "_fast", lambda *a, **kw: None)
-            first_c = linattn.causal_linear_attention_vjp(q, k, v, **kw)
-        with monkeypatch.context() as m:  # the short path checks nothing more
-            m.setattr(checks, "check_qkv", None)
-            first = linattn.causal_linear_attention_vjp(q, k, v, **kw)
+        first, first_c = _short_and_checked(monkeypatch, linattn.causal_linear_attention_vjp, q, k, v, kw)
         assert len(first) == len(first_c) == (3 if kw.get("return_state") else 2)
         vjp, vjp_c = first[-1], first_c[-1]
         assert first[0].dtype == dtype
@@ -552,7 +559,6 @@ def test_noncausal_fast_and_checked_paths_agree(rng, monkeypatch, dtype):
     the queries' lengths, the returned state and its gradient) takes the short path (check_qkv not
     reached); with that path patched out, the checked one: the same bits, maps the kernel does not
     differentiate (phi and its vjp in NumPy, NaN past the lengths) and their parameters' gradients too."""
-    from linattn import checks, gradients
     fm = linattn.feature_maps
     for lead, n, d, dv, kw in (((2, 3), 70, 5, 4, dict(scale=0.5, lengths=np.array([70, 33]))),
                                ((3,), 65, 4, 4, dict(query_lengths=np.array([1, 0, 65]), return_state=True)),
@@ -569,12 +575,7 @@ def test_noncausal_fast_and_checked_paths_agree(rng, monkeypatch, dtype):
             for h, length in enumerate(kw.get(name, ())):
                 ls[h, length:] = np.nan
         dout = rng.standard_normal(lead + (n, dv)).astype(dtype)
-        with monkeypatch.context() as m:  # the checked path
-            m.setattr(gradients, "_fast", lambda *a, **kw: None)
-            first_c = linattn.linear_attention_vjp(q, k, v, **kw)
-        with monkeypatch.context() as m:  # the short path checks nothing more
-            m.setattr(checks, "check_qkv", None)
-            first = linattn.linear_attention_vjp(q, k, v, **kw)
+        first, first_c = _short_and_checked(monkeypatch, linattn.linear_attention_vjp, q, k, v, kw)
         assert len(first) == len(first_c) == (3 if kw.get("return_state") else 2)
         np.testing.assert_array_equal(first[0], first_c[0])
         dstate = ()
