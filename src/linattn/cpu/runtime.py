@@ -131,7 +131,7 @@ def plan(bh, n, dk, dv, causal=True, two_runs=True, prefix=None, work=1.0):
     threads = max(1, min(threads, max(min(2, second), total // MIN_WORK_PER_THREAD)))
     nchunks = -(-n // chunk)
     a = prefix_cost(dk, dv) if prefix is None else prefix
-    again = RUN_COST / max(1, work * n * (dk + chunk) * dv)  # (a second run, in units of one head's work)
+    again = RUN_COST / max(1, work * chunk_work(1, n, dk, dv))  # (a second run, in units of one head's work)
     best, best_nseg, with_prefix = None, 1, causal
     for nseg in range(1, min(8 * threads, nchunks - int(causal)) + 1):  # (nseg: items a head and run)
         rounds = -(-bh * nseg // threads)
