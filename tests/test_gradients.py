@@ -674,8 +674,10 @@ def _pairs_vjp_numpy(u, g, table):
 def test_pair_map_vjp_against_numpy(rng, dtype):
     """cpu/pair_grad's compiled vjp of the pair maps (transposed blocks of 32 rows, threads taking 256)
     against the gathers written out: every table (Taylor, ReBased, DPFP with nu = 3; diagonal pairs
-    included), rows around the block sizes, strided and reversed gradients."""
-    from linattn.cpu.pair_grad import pairs_vjp
+    included), rows around the block sizes, strided and reversed gradients; DPFP's and Taylor's u formed
+    from x in the kernel."""
+    from linattn.cpu import pair_grad
+    pairs_vjp = pair_grad.pairs_vjp
     fm = linattn.feature_maps
     cases = [(fm.Taylor(), 5, 6), (fm.Taylor(), 1, 2), (fm.ReBased(np.ones(4), np.zeros(4)), 4, 4), (fm.DPFP(3), 3, 6)]
     for fmap, d, nu in cases:
@@ -698,8 +700,19 @@ def test_pair_map_vjp_against_numpy(rng, dtype):
         g = rng.standard_normal((70, 2 * d * nu)).astype(dtype)
         du = _pairs_vjp_numpy(np.concatenate([np.maximum(x, 0), np.maximum(-x, 0)], -1), g, table)
         want = (du[:, :d] * (x > 0) - du[:, d:] * (x < 0)) * 0.7
-        got = pairs_vjp(x, g, table, dpfp=True, scale=0.7)
+        got = pairs_vjp(x, g, table, pair_grad.DPFP, 0.7)
         assert got.dtype == dtype and rel_err(got, want) < (1e-6 if dtype == np.float32 else 1e-14)
+    # Taylor's: u = [s x, 1] formed in the kernel, dx = s du[:D]
+    for d, rows in ((1, 5), (4, 33), (7, 300)):
+        table = fm.Taylor()._family_params(d)
+        x = rng.standard_normal((rows, d)).astype(dtype)
+        g = rng.standard_normal((rows, fm.Taylor().out_dim(d))).astype(dtype)
+        du = _pairs_vjp_numpy(np.concatenate([0.7 * x.astype(np.float64), np.ones((rows, 1))], -1), g, table)
+        got = pairs_vjp(x, g, table, pair_grad.TAYLOR, 0.7)
+        assert got.dtype == dtype and got.shape == x.shape
+        assert rel_err(got, 0.7 * du[:, :d]) < (1e-6 if dtype == np.float32 else 1e-14)
+    empty = (np.ones((0, 3), dtype), np.ones((0, 10), dtype), fm.Taylor()._family_params(3), pair_grad.TAYLOR)
+    assert pairs_vjp(*empty).shape == (0, 3)
     # inf in a block's first value spreads to its own row only
     fmap, d, nu = cases[0]
     table = fmap._family_params(d)

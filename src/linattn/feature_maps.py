@@ -122,6 +122,11 @@ class FeatureMap:
         """The family's parameters after (input scale, D') in the kernels' parameter vector."""
         return np.zeros(0)
 
+    def _family_table(self, d, skip=0):
+        """_family_params(d)[skip:] in float64 from the parameters' cache (a vjp's tables: building them
+        again took 40-50 us a call for Taylor at D = 16)."""
+        return self.params(d, np.float64)[mapfns.HEAD + skip:]
+
     def scaled(self, s):
         """The same map applied to ``s * x``: phi(s x) (s > 0; scales compose)."""
         s = _real(s, "scale", positive=True)
@@ -315,10 +320,8 @@ class Taylor(FeatureMap):
         return 1 + d + d * (d + 1) // 2
 
     def vjp(self, x, dphi, y=None):
-        u, dphi, _ = self._prepared(x, dphi, need_y=False)
-        u1 = np.concatenate([u, np.ones(u.shape[:-1] + (1,), u.dtype)], -1)
-        du = pair_grad.pairs_vjp(u1, dphi, self._family_params(u.shape[-1]))
-        return du[..., :-1] * u.dtype.type(self.input_scale)
+        x, dphi = self._checked(x, dphi)  # (u = [s x, 1] formed in the kernel)
+        return pair_grad.pairs_vjp(x, dphi, self._family_table(x.shape[-1]), pair_grad.TAYLOR, self.input_scale)
 
     def _family_params(self, d):
         # u = [x, 1]: the constant 1 = u_d u_d, x_a / d**(1/4) = u_a u_d / d**(1/4), then the products
@@ -365,7 +368,7 @@ class ReBased(FeatureMap):
         dt, d = dphi.dtype, xs.shape[-1]
         gamma = self.gamma.astype(dt)
         u, n, r = norm_grad.norm(xs, gamma, self.beta.astype(dt), self.eps)
-        du = pair_grad.pairs_vjp(u, dphi, self._family_params(d)[1 + 2 * d:])
+        du = pair_grad.pairs_vjp(u, dphi, self._family_table(d, 1 + 2 * d))
         dx, dgamma, dbeta = norm_grad.norm_vjp(n, r, du, gamma, self.input_scale)
         return dx, {"gamma": dgamma, "beta": dbeta}
 
@@ -417,7 +420,7 @@ class DPFP(FeatureMap):
 
     def vjp(self, x, dphi, y=None):
         xs, dphi, _ = self._prepared(x, dphi, need_y=False)
-        return pair_grad.pairs_vjp(xs, dphi, self._family_params(xs.shape[-1]), dpfp=True, scale=self.input_scale)
+        return pair_grad.pairs_vjp(xs, dphi, self._family_table(xs.shape[-1]), pair_grad.DPFP, self.input_scale)
 
     def _args(self):
         return f"nu={self.nu}"
