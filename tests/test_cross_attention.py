@@ -10,6 +10,7 @@ import linattn
 from linattn import reference
 from linattn.cpu import chunked, noncausal_grad, runtime
 from linattn.cpu.elementwise import ELU
+from linattn.cpu.map_grad import kernel_map
 
 from conftest import assert_close, cancellation, random_options
 from test_gradients import _noncausal_reference_grads, _numeric
@@ -103,8 +104,9 @@ def test_kernel_segments(rng, frac, n, nk):
     for h, M in enumerate(qlengths):
         q[h, M:], g[h, M:], out[h, M:] = np.nan, np.nan, np.nan
     grads = [np.full_like(x, np.nan) for x in (q, k, v)]
-    noncausal_grad.backward(2, q[None], k[None], v[None], g[None], out[None], ELU, np.float32(1), np.float32(1e-6),
-                            True, np.full(3, nk), qlengths, chunk, frac, *(x[None] for x in grads))
+    noncausal_grad.backward(2, q[None], k[None], v[None], g[None], out[None], kernel_map(ELU, None, q.dtype),
+                            np.float32(1), np.float32(1e-6), True, np.full(3, nk), qlengths, chunk, frac,
+                            *(x[None] for x in grads))
     for h, M in enumerate(qlengths):
         want = _noncausal_reference_grads(q[h, :M], k[h], v[h], g[h, :M], "elu", 1.0, 1e-6, True)
         assert (grads[0][h, M:] == 0).all()

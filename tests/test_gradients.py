@@ -9,6 +9,7 @@ import pytest
 import linattn
 from linattn.cpu import noncausal_grad, runtime
 from linattn.cpu.elementwise import ELU
+from linattn.cpu.map_grad import kernel_map
 
 from conftest import assert_close, rel_err
 
@@ -314,9 +315,9 @@ def test_noncausal_backward_kernel_segments(rng, frac):
     q, k, v, g = ((rng.standard_normal((1, 3, n, w)) * 0.5).astype(np.float32) for w in (d, d, dv, dv))
     out = linattn.linear_attention(q, k, v)
     dq, dk, dv_ = np.full_like(q, np.nan), np.full_like(k, np.nan), np.full_like(v, np.nan)
-    noncausal_grad.backward(min(2, runtime.num_threads()), q, k, v, g, out, ELU, np.float32(1), np.float32(1e-6), True,
-                            np.full(3, n), np.full(3, n), runtime.chunk_size(n), np.asarray(frac, np.float64), dq, dk,
-                            dv_)
+    noncausal_grad.backward(min(2, runtime.num_threads()), q, k, v, g, out, kernel_map(ELU, None, q.dtype),
+                            np.float32(1), np.float32(1e-6), True, np.full(3, n), np.full(3, n), runtime.chunk_size(n),
+                            np.asarray(frac, np.float64), dq, dk, dv_)
     want = _noncausal_reference_grads(q, k, v, g, "elu", 1.0, 1e-6, True)
     for got, w in zip((dq, dk, dv_), want):
         assert np.abs(got - w).max() <= 2e-5 * np.abs(w).max()
@@ -603,6 +604,83 @@ def _maps(rng, d):
             fm.T2R(rng.standard_normal((d, 6)), rng.standard_normal(6))])
 
 
+def _flat(grads):
+    """The arrays of a vjp's result, a state's gradient (S, Z) as two."""
+    return [x for g in grads for x in (g if isinstance(g, tuple) else (g,))]
+
+
+class _Outside:
+    """A built-in map as a plain callable with its own vjp: the vjps apply it before the kernels and its
+    vjp after them (the path the elementwise maps took before the kernels differentiated them)."""
+
+    def __init__(self, fmap):
+        self.fmap = fmap
+
+    def __call__(self, x):
+        return self.fmap(x)
+
+    def vjp(self, x, dphi):
+        return self.fmap.vjp(x, dphi)
+
+
+@pytest.mark.parametrize("dtype", [np.float32, np.float64])
+def test_elementwise_maps_in_the_backward_kernels(rng, dtype):
+    """The backward kernels apply the elementwise maps and their derivatives themselves (mapfns's and
+    map_grad's C functions): the same bits as the map applied before the kernel and its vjp after, causal
+    (lengths with NaN padding, gates per position and per key dimension, a decay, an initial state, a head
+    long enough to be cut into segments) and non-causal (heads of few positions from their scores, longer
+    ones from the sums, right-padded queries and keys)."""
+    from linattn import gradients
+    fm = linattn.feature_maps
+    maps = [fm.Elementwise(name) for name in ("squared_relu", "gelu", "silu", "sigmoid", "softplus")] + \
+        [fm.Elementwise("elu").scaled(0.5), fm.Elementwise("relu").scaled(2.0), fm.Elementwise("identity").scaled(0.3),
+         fm.Elementwise("gelu").scaled(0.7)]
+    for fmap in maps:
+        assert gradients._map_and_code(fmap)[1] == fmap.kernel_code()
+    assert gradients._map_and_code(_Outside(maps[0]))[1] is None
+    # the non-causal kernel computes phi twice: maps with an exp or erf on many values are computed outside it
+    few, many = np.ones((1, 2, 16, 8)), np.ones((1, 8, 2048, 8))
+    for fmap in maps:
+        code = fmap.kernel_code()
+        assert gradients._noncausal_code(code, few, few) == code
+        costly = fmap.name in ("gelu", "silu", "sigmoid", "softplus")
+        assert gradients._noncausal_code(code, many, many) == (None if costly else code)
+    causal_cases = [((2,), 70, 3, 2, dict(lengths=np.array([70, 33]))),
+                    ((2, 2), 40, 4, 3, dict(gate="position", decay=0.9, initial_state=True)),
+                    ((2,), 50, 5, 1, dict(gate="dimension", lengths=np.array([17, 50]))),
+                    ((1,), 3000, 2, 2, dict(scale=0.5)), ((1,), 1, 1, 1, {})]
+    for i, (lead, n, d, dv, kw) in enumerate(causal_cases):
+        q, k, v, state = _inputs(rng, lead, n, d, dv)
+        kw = dict(kw)
+        if kw.pop("initial_state", False):
+            kw["initial_state"] = linattn.State(*(x.astype(dtype) for x in state))
+        if "gate" in kw:
+            kw["gate"] = -rng.random(lead + (n,) + ((d,) if kw["gate"] == "dimension" else ()))
+        if "lengths" in kw:
+            for x in (q, k, v):
+                x[-1 if kw["lengths"][-1] < n else 0, kw["lengths"].min():] = np.nan
+        args = [x.astype(dtype) for x in (q, k, v)]
+        W = rng.standard_normal(lead + (n, dv)).astype(dtype)
+        for fmap in ([maps[i % len(maps)]] if n > 1000 else maps):  # (the long head: one map)
+            got = linattn.causal_linear_attention_vjp(*args, feature_map=fmap, **kw)
+            want = linattn.causal_linear_attention_vjp(*args, feature_map=_Outside(fmap), **kw)
+            np.testing.assert_array_equal(got[0], want[0])
+            for a, b in zip(*(_flat(vjp(W)) for vjp in (got[1], want[1]))):
+                np.testing.assert_array_equal(a, b, err_msg=f"{fmap!r} {kw}")
+    padded = dict(lengths=np.array([150, 40]), query_lengths=np.array([200, 7]))
+    noncausal_cases = [((2, 3), 9, 9, 4, 3, {}), ((2,), 200, 150, 3, 2, padded), ((1,), 5, 5, 2, 2, dict(scale=0.5))]
+    for lead, n, nk, d, dv, kw in noncausal_cases:
+        q = (rng.standard_normal(lead + (n, d)) * 0.5).astype(dtype)
+        k, v = ((rng.standard_normal(lead + (nk, x)) * 0.5).astype(dtype) for x in (d, dv))
+        W = rng.standard_normal(lead + (n, dv)).astype(dtype)
+        for fmap in maps:
+            got = linattn.linear_attention_vjp(q, k, v, feature_map=fmap, **kw)
+            want = linattn.linear_attention_vjp(q, k, v, feature_map=_Outside(fmap), **kw)
+            np.testing.assert_array_equal(got[0], want[0])
+            for a, b in zip(got[1](W), want[1](W)):
+                np.testing.assert_array_equal(a, b, err_msg=f"{fmap!r} {kw}")
+
+
 def test_feature_map_vjps(rng):
     """Each map's vjp against central differences of the map itself (float64), and in float32."""
     d = 5
@@ -832,8 +910,8 @@ def test_feature_map_vjp_bad_input(rng):
 
 @pytest.mark.parametrize("causal", [True, False])
 def test_every_map_through_attention(rng, causal):
-    """Gradients with each feature map (the elementwise ones by their vjp when scaled, the others
-    through phi applied before the kernel) along random directions, causal over several chunks with
+    """Gradients with each feature map (the elementwise ones in the backward kernels, the others through
+    phi applied before the kernel and their vjp after) along random directions, causal over several chunks with
     lengths, and non-causal; a callable with its own vjp too; the parameters of the maps that have
     them."""
     lead, n, d, dv = (2,), 70 if causal else 9, 3, 2

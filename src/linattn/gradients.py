@@ -17,8 +17,9 @@ the start of every chunk) and the cpu/backward.py kernel, which does all three i
 backwards in time, chunk by chunk, from those states (no O(N^2) memory; the adjoint in float64
 accumulators), applying phi' as it writes: dq = dQ_f phi'(q), dk = dK_f phi'(k). Non-causal: the
 same sums over all positions, G and H then constant: the cpu/noncausal_grad.py kernel sums [S | Z]
-and [G | H] over each head, then writes the three gradients row by row (phi and phi' of elu + 1, relu
-and identity inside it; other maps' features are its inputs, their ``vjp`` applied after).
+and [G | H] over each head, then writes the three gradients row by row. Both kernels apply phi and phi'
+of the elementwise maps themselves (cpu/map_grad.py); other maps' features are their inputs, the maps'
+``vjp`` applied after.
 
 With decay and gates (log factor lam_t of the state before t, per position or per position and key
 dimension), the kernel decays the adjoint as the forward decays the state, and d lam_t = sum_{i >= t}
@@ -35,30 +36,50 @@ from . import gates as gates_mod
 from . import workspace
 from .attention import (_fast, _full_lengths, _gates_as_prepared, _keys_from_state, _no_state, _parts, _run,
                         _seq4, causal_with_denominators, linear_attention)
-from .cpu import backward, gate_sums, half, noncausal_grad
-from .cpu.elementwise import ELU, IDENTITY, RELU
+from .cpu import backward, gate_sums, half, mapfns, noncausal_grad
+from .cpu.elementwise import IDENTITY
+from .cpu.map_grad import kernel_map
 from .cpu.runtime import BACKWARD_PREFIX_COST, BACKWARD_WORK, plan
 from .cpu.views import unit_rows
-from .feature_maps import FeatureMap, as_map
+from .feature_maps import Elementwise, FeatureMap, as_map
 from .state import State
 
 
-#: The maps the backward kernel differentiates itself (unscaled), by their codes there.
-_CODES = {"elu": ELU, "relu": RELU, "identity": IDENTITY}
 _NO_R = np.empty((1, 0, 1))  # no gates: the backward kernel's per-position terms, none (it writes nothing there)
 
 
 def _map_and_code(feature_map):
-    """(the map, its code in the backward kernel, or None: then phi is applied before the kernel and
-    the map's ``vjp`` after it). A callable needs a ``vjp(x, dphi)`` of its own."""
+    """(the map, its code in the backward kernels, or None: then phi is applied before the kernel and
+    the map's ``vjp`` after it). The kernels differentiate the elementwise maps (with any input scale);
+    a callable needs a ``vjp(x, dphi)`` of its own."""
     fmap = as_map(feature_map)
     if isinstance(fmap, FeatureMap):
-        name = getattr(fmap, "name", None)
-        return fmap, (_CODES[name] if name in _CODES and fmap.input_scale == 1.0 else None)
+        return fmap, (fmap.kernel_code() if isinstance(fmap, Elementwise) else None)
     if not callable(getattr(fmap, "vjp", None)):
         raise TypeError(f"feature_map: a callable is differentiated only with its own derivative, a method or "
                         f"attribute vjp(x, dphi) returning the gradient of x from that of phi(x); got {feature_map!r}")
     return fmap, None
+
+
+def _kernel_map(fmap, code, d, comp):
+    """The backward kernels' map arguments (map_grad.kernel_map) for the map of ``_map_and_code`` on inputs of
+    ``d`` features: its own, or IDENTITY over features computed before the kernel."""
+    if code is None:
+        return kernel_map(IDENTITY, None, comp)
+    return kernel_map(code, fmap.params(d, comp), comp)
+
+
+#: The elementwise maps whose phi costs more than a pass over memory (an exp or erf per value), and the
+#: values of q and k from which the non-causal vjp computes them before its kernel: the kernel computes
+#: phi twice (for the sums, then for the rows), which at B1 H8 N2048 D64 cost 5% more than the passes
+#: before and after it (gelu, silu); in tiny calls the passes' Python costs more (40 against 75 us).
+_RECOMPUTED, _RECOMPUTE_ABOVE = (mapfns.GELU, mapfns.SILU, mapfns.SIGMOID, mapfns.SOFTPLUS), 1 << 17
+
+
+def _noncausal_code(code, q, k):
+    """The map's code in the non-causal backward kernel for these queries and keys (_map_and_code's, or None
+    for a costly map on many values: see _RECOMPUTED)."""
+    return None if code in _RECOMPUTED and q.size + k.size > _RECOMPUTE_ABOVE else code
 
 
 def _mapped(fmap, x, comp):
@@ -159,12 +180,12 @@ def causal_linear_attention_vjp(q, k, v, *, feature_map="elu", eps=1e-6, normali
     machine), see the README's performance section. ``vjp`` reads q, k, v and the gate when it is
     called, not copies made by the forward: do not overwrite their arrays in between.
 
-    Every feature map of :mod:`linattn.feature_maps` is differentiated: "elu", "relu" and "identity"
-    inside the backward kernel, the others through their ``vjp`` (phi(q), phi(k) are then computed
-    in full, (..., N, D') each); a map with parameters (the learned and random-feature maps) adds, last,
-    a dict of their gradients by name (``FeatureMap.param_names``: "weight" and "bias", "gamma" and
-    "beta", "omega"). A callable map needs a ``vjp(x, dphi)`` attribute returning the gradient of x (a
-    TypeError otherwise).
+    Every feature map of :mod:`linattn.feature_maps` is differentiated: the elementwise ones (by name or
+    as ``Elementwise`` objects) inside the backward kernel, the others through their ``vjp`` (phi(q),
+    phi(k) are then computed in full, (..., N, D') each); a map with parameters (the learned and
+    random-feature maps) adds, last, a dict of their gradients by name (``FeatureMap.param_names``:
+    "weight" and "bias", "gamma" and "beta", "omega"). A callable map needs a ``vjp(x, dphi)`` attribute
+    returning the gradient of x (a TypeError otherwise).
 
     Examples
     --------
@@ -242,6 +263,7 @@ def _backward(q, k, v, fmap, code, lead, d, out_dt, normalize, s, initial_state,
     # what every call shares, made once (B1 H1 N16: vjp(dout) 24 -> 18.5 us)
     no_grad = _no_state(comp, d, dv)[:2]  # no final state's gradient (read-only arrays with no rows)
     ld = np.zeros(bh) if log_decay is None else np.ascontiguousarray(log_decay, np.float64).reshape(bh)
+    kmap = _kernel_map(fmap, code, d, comp)
     # the inputs as the kernel reads them, when they and every dout are C-contiguous (else per call);
     # (B, H, N, X) as they are (the kernel's (G1, G2, N, X), as the forward's short path passes them)
     c_inputs = None
@@ -277,11 +299,10 @@ def _backward(q, k, v, fmap, code, lead, d, out_dt, normalize, s, initial_state,
             nthreads = min(nthreads, bh * (len(frac) - 1))
             kernel = backward.causal_backward.get(comp, 2 if vector else int(gated))
             lam4 = (lam.reshape(g12 + (n,) + ((d,) if vector else ())) if gated else np.empty(0, comp))
-            _run(kernel, nthreads, (q4, k4, v4, g4, o4, den.reshape(g12 + (n,)), IDENTITY if code is None else code,
-                                    normalize, comp.type(s), lens_all, chunk, frac,
-                                    states.reshape(g12 + states.shape[-3:]), has_state, H0, Z0, lam4, ld,
-                                    dq.reshape(g12 + (n, d)), dk.reshape(g12 + (n, d)), dvv.reshape(g12 + (n, dv)),
-                                    H_out, Z_out, rq, rk, status),
+            _run(kernel, nthreads, (q4, k4, v4, g4, o4, den.reshape(g12 + (n,)), *kmap, normalize, comp.type(s),
+                                    lens_all, chunk, frac, states.reshape(g12 + states.shape[-3:]), has_state, H0, Z0,
+                                    lam4, ld, dq.reshape(g12 + (n, d)), dk.reshape(g12 + (n, d)),
+                                    dvv.reshape(g12 + (n, dv)), H_out, Z_out, rq, rk, status),
                  _parts(two_runs, bh, frac, d, dv, True))
         elif has_state:
             H_out[...], Z_out[...] = (H0, Z0) if len(H0) else (0, 0)
@@ -338,11 +359,13 @@ def linear_attention_vjp(q, k=None, v=None, *, feature_map="elu", eps=1e-6, norm
         s = 1.0 if scale is None else scale
         lens, qlens = (None if ls is None else checks.check_lengths(ls, lead, n, what, name)  # (as _fast's)
                        for ls, what, name in ((lengths, "Nk", "lengths"), (query_lengths, "N", "query_lengths")))
+        code = _noncausal_code(code, q, k)
         valid, qvalid = (None if ls is None or code is not None else (np.arange(n) < ls.reshape(lead + (1,)))[..., None]
                          for ls in (lens, qlens))  # (read for the maps the kernel does not know only)
     else:
         k, v = _keys_from_state(q, k, v, initial_state, "cpu")
         q, k, v, lead, n, _, dv, comp, out_dt = checks.check_qkv(q, k, v, cross=True)
+        code = _noncausal_code(code, q, k)
         eps = checks.check_eps(eps)
         normalize = checks.check_flag(normalize, "normalize")
         return_state = checks.check_flag(return_state, "return_state")
@@ -363,11 +386,11 @@ def linear_attention_vjp(q, k=None, v=None, *, feature_map="elu", eps=1e-6, norm
         # the kernel computes phi and phi' of the maps it knows (code); other maps' features are its inputs
         # and their vjp is applied after it
         if code is not None:
-            src, fm = (q, k), code
+            src, fm = (q, k), _kernel_map(fmap, code, q.shape[-1], comp)
         else:  # (a map's vjp reads the queries and keys: padding as 0)
             qq, kk = (x if m is None else np.where(m, x, 0).astype(comp, copy=False)
                       for x, m in ((q, qvalid), (k, valid)))
-            src, fm = (_mapped(fmap, qq, comp), _mapped(fmap, kk, comp)), IDENTITY
+            src, fm = (_mapped(fmap, qq, comp), _mapped(fmap, kk, comp)), _kernel_map(fmap, None, 0, comp)
         dk_, nk = src[0].shape[-1], k.shape[-2]
         dS, dZ = _final_state_gradient(dstate, return_state, lead, dk_, dv, comp)
         dqf, dkf = workspace.take_views([lead + (n, dk_), lead + (nk, dk_)], comp)  # (pooled: no fresh pages)

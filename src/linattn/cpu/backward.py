@@ -35,10 +35,12 @@ from .._jit import OVERLOAD_OPTIONS, array, njit
 from .buffers import empty, zeros
 from .chunked import (_copy_row, _current, _init_state, _rows_to_touch, _segment, _state_buffers, _write_state,
                       pending_added, segment_parts, segment_role)
-from .elementwise import ELU, RELU, load_rows
+from .elementwise import ELU, RELU
 from .gating import (SUB, VECTOR, _kind, _stub, chunk_gates, gate_buffers, gate_key_rows, gate_log_sum, gate_pending,
                      gate_queries, gate_scores, gate_state_factors, masked_product, one_product, prepare_kernel,
                      touch_gates)
+from .map_grad import times_map_derivative
+from .mapfns import FIRST, load_features, map_state
 from .schedule import take
 from .smallgemm import small_gemm, small_gemm_tn, small_gemm_tn_lower
 from .threaded import ThreadedKernel
@@ -80,10 +82,12 @@ def _load_values(v, i0, c, V1):
 
 
 @njit(helper=True)
-def _times_derivative(R, Y, c, fm, s, dst, i0, r, has_r):
-    """dst[i0 + t] = R[t] times the derivative of s phi at x_t, from Y[t] = s phi(x_t) (s > 0; elu + 1:
-    min(Y, s), the exp below 0 times s; relu: s where Y > 0; identity: s), and when ``has_r`` r[i0 + t]
-    = Y[t] . R[t] (r: (N, 1)) or Y[t] * R[t] (r: (N, D), a gate per key dimension)."""
+def _times_derivative(R, Y, c, fm, s, dst, i0, r, has_r, src, mp, da, X):
+    """dst[i0 + t] = R[t] times the derivative of s phi at x_t = src[i0 + t], from Y[t] = s phi(x_t) (s > 0;
+    elu + 1: min(Y, s), the exp below 0 times s; relu: s where Y > 0; identity: s) or, for the maps of
+    codes from mapfns.FIRST (``mp``: mapfns.map_state's tuple), from x_t through map_grad's C function at
+    ``da`` (X: a (2 chunk, D) scratch; R is overwritten), and when ``has_r`` r[i0 + t] = Y[t] . R[t] (r:
+    (N, 1)) or Y[t] * R[t] (r: (N, D), a gate per key dimension)."""
     d = R.shape[1]
     zero = s - s
     for t in range(c):
@@ -97,6 +101,8 @@ def _times_derivative(R, Y, c, fm, s, dst, i0, r, has_r):
             rr = as_contiguous(r[i0 + t])
             for a in range(d):
                 rr[a] = np.float64(yt[a]) * np.float64(rt[a])
+        if fm >= FIRST:
+            continue  # (below, for the whole chunk)
         if fm == ELU:
             for a in range(d):
                 y = yt[a]
@@ -107,6 +113,13 @@ def _times_derivative(R, Y, c, fm, s, dst, i0, r, has_r):
         else:
             for a in range(d):
                 row[a] = s * rt[a]
+    if fm >= FIRST:
+        times_map_derivative(src, i0, c, mp, da, X, R, s)
+        out = X[X.shape[0] // 2:]
+        for t in range(c):
+            rt, row = out[t], as_contiguous(dst[i0 + t])
+            for a in range(d):
+                row[a] = rt[a]
 
 
 @njit(helper=True)
@@ -275,20 +288,22 @@ def _vector_intra_keys(M, QS, d, a, e, R, c, Qsc, TB, fac, tiny):
 
 
 @njit(helper=True)
-def _chunk(q, k, v, g, out, den, fm, normalize, s, one, i0, c, St, has_st, C, Cz, has_c, own, gates, dq, dk, dv, rq,
-           rk, has_r, QA, QA2, KT, KT2, V1, KF, KW, QE, R, CT, sums, G, Rg, F, X, W):
+def _chunk(q, k, v, g, out, den, mp, da, normalize, s, one, i0, c, St, has_st, C, Cz, has_c, own, gates, dq, dk, dv,
+           rq, rk, has_r, QA, QA2, KT, KT2, V1, KF, KW, QE, R, CT, sums, G, Rg, F, X, W, XB):
     """Positions [i0, i0 + c) of one head: dq, dk, dv when ``own`` (the adjoint after the chunk in C,
-    D x Dv, and Cz, D, when ``has_c``; the state before it in St, e x D, when ``has_st``). Leaves
+    D x Dv, and Cz, D, when ``has_c``; the state before it in St, e x D, when ``has_st``; the map ``mp``,
+    mapfns.map_state's tuple, its derivative's address ``da``, XB a (2 chunk, D) scratch for it). Leaves
     QA[:c, :e] = ab and, with gates, QE[:c] = ef qs (else QA2[:c, :D] = qs) for the adjoint's update."""
     e, d = KT.shape[0], KT2.shape[0]
     dvd, decayed = e - 1, gates.ndim > 1
     _load_adjoints(g, out, den, i0, c, normalize, QA)
-    load_rows(q, i0, c, fm, QA2)
+    fm = mp[0]
+    load_features(q, i0, c, mp, QA2)
     _scale_columns(QA2, c, d, s)
     if own:
         _load_values(v, i0, c, V1)
         transpose_padded(V1, KT, sums, c)
-        load_rows(k, i0, c, fm, KF)
+        load_features(k, i0, c, mp, KF)
         transpose_padded(KF, KT2, sums, c)
         adjoint_scores(gates, QA, KT, KF, e, c, G, Rg, F, X)  # M
         gate_scores(gates, QA2, KT2, KF, d, c, G, Rg, F, X)  # A
@@ -311,24 +326,26 @@ def _chunk(q, k, v, g, out, den, fm, normalize, s, one, i0, c, St, has_st, C, Cz
             if decayed:
                 gate_key_rows(gates, R, c, F, sums)
         intra_keys(gates, M, QA2, d, R, c, G, F, has_c, W)
-        _times_derivative(R, KF, c, fm, one, dk, i0, rk, has_r)
+        _times_derivative(R, KF, c, fm, one, dk, i0, rk, has_r, k, mp, da, XB)
         if has_st:  # dqf = ef (ab S^T) + M kf (decayed)
             small_gemm(QA[:c, :e], St, R[:c], False, -1, -1)
             gate_queries(gates, R, d, c, F)
         intra_queries(gates, M, KF, R, c, G, F, has_st, W)
-        _times_derivative(R, QA2, c, fm, s, dq, i0, rq, has_r)
+        _times_derivative(R, QA2, c, fm, s, dq, i0, rq, has_r, q, mp, da, XB)
     if decayed:
         for t in range(c):
             _copy_row(QA2[t, :d], QE[t])
         gate_queries(gates, QE, d, c, F)
 
 
-def _causal_backward(q, k, v, g, out, den, fm, normalize, s, lengths, chunk, frac, states, has_s0, H0, Z0, gates, ld,
-                     dq, dk, dv, H_out, Z_out, rq, rk, status, phase, parts, counter):
+def _causal_backward(q, k, v, g, out, den, fm, fp, fa, da, normalize, s, lengths, chunk, frac, states, has_s0, H0, Z0,
+                     gates, ld, dq, dk, dv, H_out, Z_out, rq, rk, status, phase, parts, counter):
     """Gradients of causal linear attention for every head (see the module docstring).
 
     q, k: (G1, G2, N, D); v, g, out: (G1, G2, N, Dv); den: (G1, G2, N), the forward's denominators; all with
-    unit stride along their last axis. ``fm``: cpu/elementwise.py's map code; ``s``: the scale of phi(q).
+    unit stride along their last axis. ``fm``, ``fp``, ``fa``, ``da``: the map (map_grad.kernel_map: its code,
+    parameters, the addresses of its C function and of its derivative's; codes 0-2 applied inline); ``s``: the
+    scale of phi(q).
     ``states`` (G1, G2, chunks, Dv + 1, D): the forward's state [S | Z]^T at the start of every chunk of
     ``chunk`` positions (the first one zero unless ``has_s0``). H0, Z0: the final state's gradient dS (heads, D,
     Dv) and dZ (heads, D), or arrays with no rows for zero. ``gates``: the log factor of each position (G1, G2,
@@ -348,6 +365,8 @@ def _causal_backward(q, k, v, g, out, den, fm, normalize, s, lengths, chunk, fra
     has_r = rq.shape[1] > 0
     decayed = bool(gates.ndim > 1)  # bool()/int(): run-time values, not literals (see _jit)
     one = np.ones(1, dt)[0]
+    mapper = map_state(fm, fp, fa, d, d, dt)
+    mp = unowned(mapper)  # (its parameters are shared by the threads: each view's atomic add contended)
     # views without reference counting (see chunked._causal_forward): the caller owns the arguments,
     # the buffers' owners are kept to the end
     q, k, v, g, out, den, gates = unowned((q, k, v, g, out, den, gates))
@@ -357,10 +376,12 @@ def _causal_backward(q, k, v, g, out, den, fm, normalize, s, lengths, chunk, fra
     H0, Z0, H_out, Z_out = unowned((H0, Z0, H_out, Z_out))
     owners = (empty((chunk, e + chunk), dt), empty((chunk, d + chunk), dt), empty((e, chunk), dt),
               empty((d, chunk), dt), empty((chunk, e), dt), empty((chunk, d), dt), empty((chunk, d), dt),
-              empty((chunk, d), dt), empty((chunk, d), dt), empty((d, e - 1), dt), empty((e, d), dt))
+              empty((chunk, d), dt), empty((chunk, d), dt), empty((d, e - 1), dt), empty((e, d), dt),
+              empty((2 * chunk if fm >= FIRST else 0, d), dt))
     # [ab | M], [qs | A], v1^T, kf^T, v1, kf, kf times the factors at the chunk's end, qs times those from
-    # its start, R, the adjoint's value columns C (its Z: the state helpers' Z) and C transposed
-    QA, QA2, KT, KT2, V1, KF, KW, QE, R, C, CT = unowned(owners)
+    # its start, R, the adjoint's value columns C (its Z: the state helpers' Z) and C transposed, the rows of
+    # q or k for a map's derivative and its result
+    QA, QA2, KT, KT2, V1, KF, KW, QE, R, C, CT, XB = unowned(owners)
     sums = zeros(max(d, e), dt)
     gbuf = gate_buffers(gates, chunk, dt)
     wbuf = (empty((chunk, d), dt), empty((chunk, d), dt), empty(d, dt))  # per key dimension: scratch
@@ -420,8 +441,9 @@ def _causal_backward(q, k, v, g, out, den, fm, normalize, s, lengths, chunk, fra
             has_st = ci > 0 or has_s0
             has_c = has_acc or has_p
             own = ci < c1 and not sums_only
-            _chunk(qh, kh, vh, gh, oh, denh, fm, normalize, s, one, i0, c, kept[ci], has_st, C, Z, has_c, own, gates,
-                   dqh, dkh, dvh, rq[r], rk[r], has_r, QA, QA2, KT, KT2, V1, KF, KW, QE, R, CT, sums, G, Rg, F, X, W)
+            _chunk(qh, kh, vh, gh, oh, denh, mp, da, normalize, s, one, i0, c, kept[ci], has_st, C, Z, has_c, own,
+                   gates, dqh, dkh, dvh, rq[r], rk[r], has_r, QA, QA2, KT, KT2, V1, KF, KW, QE, R, CT, sums, G, Rg, F,
+                   X, W, XB)
             if ci == c0 and not (summing or (last and H_out.shape[0] > 0)):
                 break  # no one reads the adjoint before the segment's first chunk
             beta = gate_pending(gates, P, Pz, lam, c, G, Rg, F, has_p)
@@ -450,13 +472,14 @@ def _causal_backward(q, k, v, g, out, den, fm, normalize, s, lengths, chunk, fra
                 _write_state(acc, accz, B, P, Pz, h, H_out, Z_out, has_acc, acc_in_b, has_p, lam, decayed)
         keep_alive(sbuf)
         item = take(counter)
-    keep_alive((owners, gbuf, wbuf))
+    keep_alive((owners, gbuf, wbuf, mapper))
 
 
 def _signature(dt, kind):
     seq, i64, f64 = array(dt, 4, "A", readonly=True), types.int64, types.float64
     gate_t = array(dt, {0: 1, 1: 3, 2: 4}[kind], "A" if kind else "C", readonly=True)
-    return types.void(seq, seq, seq, seq, seq, array(dt, 3, "A", readonly=True), i64, types.boolean, dt,
+    return types.void(seq, seq, seq, seq, seq, array(dt, 3, "A", readonly=True), i64, array(dt, 1, readonly=True), i64,
+                      i64, types.boolean, dt,
                       array(i64, 1, readonly=True), i64, array(f64, 1, readonly=True),
                       array(dt, 5, "A", readonly=True), types.boolean, array(dt, 3, readonly=True),
                       array(dt, 2, readonly=True), gate_t, array(f64, 1, readonly=True),

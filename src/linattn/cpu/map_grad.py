@@ -6,14 +6,24 @@ identity alike): elu+1: 1 for u > 0, else e^u; relu: [u > 0]; identity: 1; squar
 gelu: Phi(u) + u exp(-u^2 / 2) / sqrt(2 pi); silu: sig(u) (1 + u (1 - sig(u))); sigmoid:
 sig(u) (1 - sig(u)); softplus: sig(u). NaN in x gives NaN (relu's: 0, as [u > 0]). In NumPy this was
 6-10 passes over (..., N, D): 30-50 ms of a 45-60 ms backward at B1 H8 N2048 D64 float32.
+
+The backward kernels (cpu/backward.py, cpu/noncausal_grad.py) apply these maps and their derivatives
+themselves, chunk by chunk: phi through mapfns's C function, phi' through this module's (``derivative``,
+called by address as mapfns's maps are, so its code is compiled once, not into every kernel variant).
 """
-from numba import types
+import numba
+import numpy as np
+from llvmlite import ir
+from numba import carray, types
+from numba.extending import intrinsic
 
 from .._jit import array, njit
-from .elementwise import ELU, IDENTITY, RELU, exp_le0, relu
+from . import symbols
+from .elementwise import ELU, IDENTITY, RELU, exp_le0, load_rows, relu
 from .gating import like
-from .mapfns import (GELU, SCALED_ELU, SCALED_IDENTITY, SCALED_RELU, SIGMOID, SILU, SOFTPLUS, SQUARED_RELU,
-                     normal_cdf)
+from .mapfns import (FIRST, GELU, SCALED_ELU, SCALED_IDENTITY, SCALED_RELU, SIGMOID, SILU, SOFTPLUS, SQUARED_RELU,
+                     TAYLOR, address as map_address, normal_cdf)
+from .smallgemm import noinline
 from .runtime import kernel_section, threads_for
 from .schedule import take
 from .threaded import ThreadedKernel
@@ -110,3 +120,70 @@ def times_derivative(x, dphi, code, scale, out):
         with kernel_section(nthreads):
             elementwise_vjp.get(out.dtype, None)(nthreads, x2, g2, code, out.dtype.type(scale), out.reshape(-1, d))
     return out
+
+
+def _derivative_c(x, xrs, r, rrs, o, ors, c, d, code, s, t):
+    """The C function: o[i] = (t r[i]) * phi'(s x[i]) * s for c rows of d values (row strides xrs, rrs, ors;
+    r scaled by t in place; o apart from x and r, or the loop would not vectorise: LLVM's check of the
+    overlap sends it to the scalar loop, 2x the backward's time at B1 H8 N2048 D64 with gelu)."""
+    xm, rm, om = carray(x, (c, xrs)), carray(r, (c, rrs)), carray(o, (c, ors))
+    for i in range(c):
+        row = as_contiguous(rm[i, :d])
+        for a in range(d):
+            row[a] = t * row[a]
+        _row(as_contiguous(xm[i, :d]), row, code, s, as_contiguous(om[i, :d]))
+
+
+def _c_signature(dt):
+    ptr, i = types.CPointer(dt), types.intp
+    return types.void(ptr, i, ptr, i, ptr, i, i, i, i, dt, dt)
+
+
+_SYMBOLS = {dt: symbols.define(f"map_derivative_{dt}", _derivative_c, _c_signature(dt))
+            for dt in (types.float32, types.float64)}
+
+
+def kernel_map(code, fp, dtype):
+    """(code, fp, map address, derivative address): the backward kernels' map arguments for map ``code``
+    with parameters ``fp`` (FeatureMap.params; None for the codes the kernels apply inline); addresses 0
+    where they are not called."""
+    dtype = np.dtype(dtype)
+    if code < FIRST:
+        return code, np.array([1, 0], dtype), 0, 0
+    if code >= TAYLOR:
+        raise ValueError(f"the backward kernels differentiate the elementwise maps only, not map code {code}")
+    return code, fp, map_address(dtype, code), symbols.address(_SYMBOLS[numba.from_dtype(dtype)])
+
+
+@intrinsic
+def _call_derivative(typingctx, addr, xm, rm, om, c, code, s, t):
+    """Call the derivative's C function at ``addr`` for xm[:c], rm[:c], om[:c] (2-D, C-contiguous rows)."""
+    sig = types.void(addr, xm, rm, om, c, code, s, t)
+
+    def codegen(context, builder, sig, args):
+        dtype = sig.args[1].dtype
+        size = context.get_abi_sizeof(context.get_data_type(dtype))
+        intp = context.get_value_type(types.intp)
+        xa, ra, oa = (context.make_array(sig.args[j])(context, builder, args[j]) for j in (1, 2, 3))
+        xrs, rrs, ors = (builder.sdiv(builder.extract_value(a.strides, 0), ir.Constant(intp, size))
+                         for a in (xa, ra, oa))
+        values = [xa.data, xrs, ra.data, rrs, oa.data, ors, context.cast(builder, args[4], sig.args[4], types.intp),
+                  builder.extract_value(xa.shape, 1), context.cast(builder, args[5], sig.args[5], types.intp),
+                  context.cast(builder, args[6], sig.args[6], dtype),
+                  context.cast(builder, args[7], sig.args[7], dtype)]
+        symbols.emit_call_address(builder, context.cast(builder, args[0], sig.args[0], types.intp), values)
+        return context.get_dummy_value()
+
+    return sig, codegen
+
+
+@njit(helper=True)
+def times_map_derivative(src, i0, c, mp, da, XO, R, t):
+    """XO[chunk:][:c] = (t R[:c]) * phi'(s x) * s for the rows x = src[i0:i0 + c] (copied into XO[:chunk]) of
+    map ``mp`` (mapfns.map_state's tuple; s = its parameters' input scale), through the C function at ``da``
+    (XO: (2 chunk, D); R is scaled by t)."""
+    noinline()
+    if c > 0:
+        half = XO.shape[0] // 2
+        load_rows(src, i0, c, int(IDENTITY), XO[:half])  # (int(): a run-time value, not a literal: see _jit)
+        _call_derivative(da, XO[:half], R, XO[half:], c, mp[0], mp[1][0], t)

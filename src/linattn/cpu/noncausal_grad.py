@@ -30,7 +30,7 @@ from .backward import _load_adjoints, _load_values, _scale_columns, _times_deriv
 from .buffers import empty
 from .chunked import (FOLD_EVERY, _rows_to_touch, _segment, _state_buffers, few_positions, folded_after,
                       zero_unless_summed)
-from .elementwise import load_rows
+from .mapfns import FIRST, load_features, map_state
 from .runtime import kernel_section
 from .schedule import take
 from .smallgemm import noinline, small_gemm, small_gemm_tn
@@ -40,10 +40,10 @@ from .views import keep_alive, touch_rows, unowned
 
 
 @njit(helper=True)
-def _queries_and_adjoints(q, g, out, i0, c, fm, s, eps, normalize, Z, QS, AB, DEN):
+def _queries_and_adjoints(q, g, out, i0, c, mp, s, eps, normalize, Z, QS, AB, DEN):
     """QS[:c] = scale phi(q) and AB[:c] = [a, b] for positions [i0, i0 + c) of one head (Z: the state's
-    Z; DEN: scratch for the denominators)."""
-    load_rows(q, i0, c, fm, QS)
+    Z; DEN: scratch for the denominators; ``mp``: the map, mapfns.map_state's tuple)."""
+    load_features(q, i0, c, mp, QS)
     d = QS.shape[1]
     if normalize:
         for t in range(c):
@@ -57,7 +57,7 @@ def _queries_and_adjoints(q, g, out, i0, c, fm, s, eps, normalize, Z, QS, AB, DE
 
 
 @njit(helper=True)
-def _sum_chunks(which, q, k, v, g, out, fm, s, eps, normalize, chunk, c0, c1, KF, V1, QS, AB, DEN, Z, sbuf):
+def _sum_chunks(which, q, k, v, g, out, mp, s, eps, normalize, chunk, c0, c1, KF, V1, QS, AB, DEN, Z, sbuf):
     """The float64 accumulator of ``sbuf`` (_state_buffers' acc, D x e) = the sum over chunks [c0, c1) of
     one head of phi(K)^T [v, 1] (``which`` 0: [S | Z]) or (scale phi(Q))^T [a | b] (1: G, from Z); zero
     when there are no chunks."""
@@ -72,44 +72,46 @@ def _sum_chunks(which, q, k, v, g, out, fm, s, eps, normalize, chunk, c0, c1, KF
         if which == 0:
             for x in (k, v):
                 touch_rows(x, i0, t)
-            load_rows(k, i0, c, fm, KF)
+            load_features(k, i0, c, mp, KF)
             _load_values(v, i0, c, V1)
             small_gemm_tn(KF[:c], V1[:c], P, beta)
         else:
             for x in (q, g, out):
                 touch_rows(x, i0, t)
-            _queries_and_adjoints(q, g, out, i0, c, fm, s, eps, normalize, Z, QS, AB, DEN)
+            _queries_and_adjoints(q, g, out, i0, c, mp, s, eps, normalize, Z, QS, AB, DEN)
             small_gemm_tn(QS[:c], AB[:c], P, beta)
         has_acc = folded_after(ci, c0, c1, sbuf, has_acc)
     zero_unless_summed(has_acc, sbuf)
 
 
 @njit(helper=True)
-def _scores_backward(q, k, v, g, out, fm, s, eps, normalize, KF, V1, QS, AB, DEN, R, Z, sums, one, no_r, dq, dk, dv):
+def _scores_backward(q, k, v, g, out, mp, da, s, eps, normalize, KF, V1, QS, AB, DEN, R, Z, sums, one, no_r, XB, dq, dk,
+                     dv):
     """dq, dk, dv of one head of few queries and keys (chunked.few_positions: views (nq, X), (nk, X), each at
     most a chunk, nq > 0) from their scores instead of the sums: with A = qs phi(K)^T and M = ab v1^T
     (nq x nk; M[t, s] = ab_t . v1_s), ab [S | Z]^T = M phi(K), v1 G^T = M^T qs and phi(K) G[:, :Dv] = A^T a,
     three products of nq nk (D' or Dv) against the sums' five of (nq or nk) D' (Dv + 1) (B1 H8 N16 D64:
     a quarter of the multiply-adds). Z (the keys' sum, for the denominators) into ``Z``; ``sums``: a sink
-    of at least Dv + 1 values."""
+    of at least Dv + 1 values; ``mp``, ``da``, XB: the map, its derivative's address and scratch, as
+    backward._times_derivative takes them."""
     noinline()  # (compiled once, not again where it is called)
     nq, nk, d, e = q.shape[0], k.shape[0], KF.shape[1], V1.shape[1]
     dt = KF.dtype
     i0 = int(0)  # bool()/int(): run-time values, not literals (see _jit)
     KT, VT, A, M = empty((d, nk), dt), empty((e, nk), dt), empty((nq, nk), dt), empty((nq, nk), dt)
-    load_rows(k, i0, nk, fm, KF)
+    load_features(k, i0, nk, mp, KF)
     _load_values(v, i0, nk, V1)
     for a in range(d):
         Z[a] = 0
     transpose_rows(KF, KT, Z, nk)
     transpose_rows(V1, VT, sums, nk)
-    _queries_and_adjoints(q, g, out, i0, nq, fm, s, eps, normalize, Z, QS, AB, DEN)
+    _queries_and_adjoints(q, g, out, i0, nq, mp, s, eps, normalize, Z, QS, AB, DEN)
     small_gemm(QS[:nq], KT, A, False, -1, -1)  # A = qs phi(K)^T
     small_gemm(AB[:nq], VT, M, False, -1, -1)  # M = ab v1^T
     small_gemm(M, KF[:nk], R[:nq], False, -1, -1)  # ab [S | Z]^T
-    _times_derivative(R, QS, nq, fm, s, dq, i0, no_r, bool(False))
+    _times_derivative(R, QS, nq, mp[0], s, dq, i0, no_r, bool(False), q, mp, da, XB)
     small_gemm_tn(M, QS[:nq], R[:nk], 0)  # v1 G^T
-    _times_derivative(R, KF, nk, fm, one, dk, i0, no_r, bool(False))
+    _times_derivative(R, KF, nk, mp[0], one, dk, i0, no_r, bool(False), k, mp, da, XB)
     small_gemm_tn(A, AB[:nq, :e - 1], dv[:nk], 0)  # phi(K) G[:, :Dv]
 
 
@@ -135,15 +137,16 @@ def _copy_matrix(src, dst):
             row[e] = src[a, e]
 
 
-def _noncausal_backward(q, k, v, g, out, fm, s, eps, normalize, lengths, qlengths, chunk, frac, dq, dk, dv, phase,
-                        parts, counter):
+def _noncausal_backward(q, k, v, g, out, fm, fp, fa, da, s, eps, normalize, lengths, qlengths, chunk, frac, dq, dk, dv,
+                        phase, parts, counter):
     """Gradients of non-causal linear attention for every head (see the module docstring).
 
     q: (G1, G2, N, D), k: (G1, G2, Nk, D); v: (G1, G2, Nk, Dv), g (the output's gradient), out (the
     forward's result): (G1, G2, N, Dv); dq, dk, dv like q, k, v; every array with unit stride along its
     last axis. Only the first lengths[head] keys of a head are read (right-padded keys), and its first
-    qlengths[head] rows of q, g and out (right-padded queries); dk, dv and dq are 0 past them. ``fm``:
-    cpu/elementwise.py's map code (elu + 1, relu, identity), ``s``: the scale of phi(q). ``frac`` splits
+    qlengths[head] rows of q, g and out (right-padded queries); dk, dv and dq are 0 past them. ``fm``, ``fp``,
+    ``fa``, ``da``: the map (map_grad.kernel_map: its code, parameters, the addresses of its C function and
+    of its derivative's; codes 0-2 applied inline), ``s``: the scale of phi(q). ``frac`` splits
     each head's chunks into segments, one work item each. Run by threaded.ThreadedKernel: each thread
     takes items from ``counter``. ``phase`` 3: each item sums its head's [S | Z] and G itself, then
     writes its rows. With several segments a head the kernel runs three times instead: ``phase`` 0,
@@ -154,13 +157,17 @@ def _noncausal_backward(q, k, v, g, out, fm, s, eps, normalize, lengths, qlength
     g2, d = q.shape[1], q.shape[3]
     e, dt = v.shape[3] + 1, dq.dtype
     one = np.ones(1, dt)[0]
+    mapper = map_state(fm, fp, fa, d, d, dt)
+    mp = unowned(mapper)  # (its parameters are shared by the threads: each view's atomic add contended)
     q, k, v, g, out, dq, dk, dv, parts = unowned((q, k, v, g, out, dq, dk, dv, parts))  # (see chunked)
     owners = (empty((chunk, d), dt), empty((chunk, e), dt), empty((chunk, d), dt), empty((chunk, e), dt),
               empty((chunk, d), dt), empty(chunk, dt), empty((d, e), dt), empty((d, e), dt), empty(d, dt),
-              empty((e, d), dt), empty((e, d), dt), empty(max(d, e), dt), empty((1, 1), np.float64))
+              empty((e, d), dt), empty((e, d), dt), empty(max(d, e), dt), empty((1, 1), np.float64),
+              empty((2 * chunk if fm >= FIRST else 0, d), dt))
     # phi(K), [v, 1], scale phi(Q), [a | b], the products' rows, the denominators, [S | Z], G, Z, their
-    # transposes, a sink for transpose_rows' sums, no gate terms (for _times_derivative)
-    KF, V1, QS, AB, R, DEN, S, G, Z, ST, GT, sums, no_r = unowned(owners)
+    # transposes, a sink for transpose_rows' sums, no gate terms (for _times_derivative), the rows of q or k
+    # for a map's derivative and its result
+    KF, V1, QS, AB, R, DEN, S, G, Z, ST, GT, sums, no_r, XB = unowned(owners)
     sbuf = _state_buffers(d, e, dt)
     acc = sbuf[2]
     nseg = frac.shape[0] - 1
@@ -181,16 +188,16 @@ def _noncausal_backward(q, k, v, g, out, fm, s, eps, normalize, lengths, qlength
             dqh[nq:] = 0
             dkh[nk:] = 0
             dvh[nk:] = 0
-            _scores_backward(qh, kh, vh, gh, oh, fm, s, eps, normalize, KF, V1, QS, AB, DEN, R, Z, sums, one, no_r,
-                             dqh, dkh, dvh)
+            _scores_backward(qh, kh, vh, gh, oh, mp, da, s, eps, normalize, KF, V1, QS, AB, DEN, R, Z, sums, one,
+                             no_r, XB, dqh, dkh, dvh)
             item = take(counter)
             continue
         for which in range(2):  # [S | Z] of the whole head, then G (from its Z)
             if phase == 3:
-                _sum_chunks(which, qh, kh, vh, gh, oh, fm, s, eps, normalize, chunk, int(0),
+                _sum_chunks(which, qh, kh, vh, gh, oh, mp, s, eps, normalize, chunk, int(0),
                             kc if which == 0 else qc, KF, V1, QS, AB, DEN, Z, sbuf)
             elif phase == which:  # this segment's part of it, for the next run
-                _sum_chunks(which, qh, kh, vh, gh, oh, fm, s, eps, normalize, chunk, k0 if which == 0 else c0,
+                _sum_chunks(which, qh, kh, vh, gh, oh, mp, s, eps, normalize, chunk, k0 if which == 0 else c0,
                             k1 if which == 0 else c1, KF, V1, QS, AB, DEN, Z, sbuf)
                 _copy_matrix(acc, parts[which, h, sg])
                 break
@@ -217,9 +224,9 @@ def _noncausal_backward(q, k, v, g, out, fm, s, eps, normalize, lengths, qlength
             if t > 0:
                 for x in (qh, gh, oh):
                     touch_rows(x, i0, t)
-            _queries_and_adjoints(qh, gh, oh, i0, c, fm, s, eps, normalize, Z, QS, AB, DEN)
+            _queries_and_adjoints(qh, gh, oh, i0, c, mp, s, eps, normalize, Z, QS, AB, DEN)
             small_gemm(AB[:c], ST, R[:c], False, -1, -1)  # ab [S | Z]^T
-            _times_derivative(R, QS, c, fm, s, dqh, i0, no_r, bool(False))
+            _times_derivative(R, QS, c, fm, s, dqh, i0, no_r, bool(False), qh, mp, da, XB)
         for ci in range(k0, k1):  # dk, dv
             i0 = ci * chunk
             c = min(chunk, nk - i0)
@@ -227,18 +234,19 @@ def _noncausal_backward(q, k, v, g, out, fm, s, eps, normalize, lengths, qlength
             if t > 0:
                 for x in (kh, vh):
                     touch_rows(x, i0, t)
-            load_rows(kh, i0, c, fm, KF)
+            load_features(kh, i0, c, mp, KF)
             _load_values(vh, i0, c, V1)
             small_gemm(V1[:c], GT, R[:c], False, -1, -1)  # v1 G^T
-            _times_derivative(R, KF, c, fm, one, dkh, i0, no_r, bool(False))
+            _times_derivative(R, KF, c, fm, one, dkh, i0, no_r, bool(False), kh, mp, da, XB)
             small_gemm(KF[:c], G[:, :e - 1], dvh[i0:i0 + c], False, -1, -1)  # phi(k) G[:, :Dv]
         item = take(counter)
-    keep_alive((owners, sbuf))
+    keep_alive((owners, sbuf, mapper))
 
 
 def _signature(dt, variant):
     seq, i64 = array(dt, 4, "A", readonly=True), types.int64
-    return types.void(seq, seq, seq, seq, seq, i64, dt, dt, types.boolean, array(i64, 1, readonly=True),
+    return types.void(seq, seq, seq, seq, seq, i64, array(dt, 1, readonly=True), i64, i64, dt, dt, types.boolean,
+                      array(i64, 1, readonly=True),
                       array(i64, 1, readonly=True), i64,
                       array(types.float64, 1, readonly=True), array(dt, 4, "A"), array(dt, 4, "A"), array(dt, 4, "A"),
                       i64, array(types.float64, 5))
@@ -250,15 +258,16 @@ _NO_PARTS = np.zeros((2, 0, 1, 1, 1))  # the segments' partial sums, none
 
 def backward(nthreads, q, k, v, g, out, fm, s, eps, normalize, lengths, qlengths, chunk, frac, dq, dk, dv,
              base=None):
-    """Run the kernel (arguments as ``_noncausal_backward``'s, 4-D arrays of one float dtype) on
-    ``nthreads`` threads: once when every head is one segment, else three times (the segments' parts of
+    """Run the kernel (arguments as ``_noncausal_backward``'s, 4-D arrays of one float dtype; ``fm`` the map as
+    map_grad.kernel_map's tuple) on ``nthreads`` threads: once when every head is one segment, else three
+    times (the segments' parts of
     [S | Z], then of G, then the rows). ``base`` (2, heads, D, Dv + 1), float64: what [S | Z] and G
     start from (an initial state; the gradient of the state returned), one more part of each head's
     sums (the kernel then runs three times); G's sums are then returned, (heads, D, Dv + 1)."""
     kernel = noncausal_backward.get(dq.dtype, None)
-    args = (q, k, v, g, out, fm, s, eps, normalize, lengths, qlengths, chunk, frac, dq, dk, dv)
+    args = (q, k, v, g, out, *fm, s, eps, normalize, lengths, qlengths, chunk, frac, dq, dk, dv)
     if base is None and nthreads <= 1 and len(frac) == 2:  # the worker on this thread through its unchecked entry
-        # point (no type dispatch of its 19 arguments): they have the signature's types (dtype scalars, float64 frac)
+        # point (no type dispatch of its 22 arguments): they have the signature's types (dtype scalars, float64 frac)
         kernel.unchecked(*args, 3, _NO_PARTS, np.zeros(1, np.int64))
         return None
     with kernel_section(nthreads):
