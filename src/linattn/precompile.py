@@ -7,7 +7,7 @@ from .attention import causal_linear_attention, linear_attention
 from .checks import check_flag
 from .decoding import step
 from .feature_maps import FeatureMap, as_map
-from .gradients import causal_linear_attention_vjp, linear_attention_vjp
+from .gradients import _RECOMPUTED, causal_linear_attention_vjp, linear_attention_vjp
 from .state import State
 
 #: What ``precompile`` can compile, in its order.
@@ -78,6 +78,9 @@ def _jobs(dtype, functions, gates, gradients, feature_map):
         if gradients:
             jobs.append(("linear_attention_vjp and its vjp",
                          lambda: (lambda o, f: f(o))(*linear_attention_vjp(q, k, v, **fm))))
+            if fmap.kernel_code() in _RECOMPUTED:  # (on many values: phi before the kernel, its vjp after)
+                jobs.append(("the map and its vjp (linear_attention_vjp's on many values)",
+                             lambda: fmap.vjp(q, fmap(q))))
     if "step" in functions:
         batch = -(-_PARALLEL_STEP // (_HEADS * dk * _DV))
         qs, ks = _inputs((batch, _HEADS, d), dtype, 2)
