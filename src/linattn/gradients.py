@@ -64,8 +64,8 @@ def _map_and_code(feature_map):
 def _kernel_map(fmap, code, d, comp):
     """The backward kernels' map arguments (map_grad.kernel_map) for the map of ``_map_and_code`` on inputs of
     ``d`` features: its own, or IDENTITY over features computed before the kernel."""
-    if code is None:
-        return kernel_map(IDENTITY, None, comp)
+    if code is None or code < mapfns.FIRST:
+        return kernel_map(IDENTITY if code is None else code, None, comp)
     return kernel_map(code, fmap.params(d, comp), comp)
 
 
@@ -380,17 +380,18 @@ def linear_attention_vjp(q, k=None, v=None, *, feature_map="elu", eps=1e-6, norm
         # the keys and the queries past a length (padding: it may hold NaN), as masks (..., Nk or N, 1)
         valid, qvalid = (None if ls is None else (np.arange(m) < ls.reshape(lead + (1,)))[..., None]
                          for ls, m in ((lens, k.shape[-2]), (qlens, n)))
+    kmap = _kernel_map(fmap, code, q.shape[-1], comp)  # (the identity over phi computed before, for code None)
 
     def vjp(dout, dstate=None):
         g = _check_grad(dout, "dout", lead + (n, dv), comp)
         # the kernel computes phi and phi' of the maps it knows (code); other maps' features are its inputs
         # and their vjp is applied after it
         if code is not None:
-            src, fm = (q, k), _kernel_map(fmap, code, q.shape[-1], comp)
+            src, fm = (q, k), kmap
         else:  # (a map's vjp reads the queries and keys: padding as 0)
             qq, kk = (x if m is None else np.where(m, x, 0).astype(comp, copy=False)
                       for x, m in ((q, qvalid), (k, valid)))
-            src, fm = (_mapped(fmap, qq, comp), _mapped(fmap, kk, comp)), _kernel_map(fmap, None, 0, comp)
+            src, fm = (_mapped(fmap, qq, comp), _mapped(fmap, kk, comp)), kmap
         dk_, nk = src[0].shape[-1], k.shape[-2]
         dS, dZ = _final_state_gradient(dstate, return_state, lead, dk_, dv, comp)
         dqf, dkf = workspace.take_views([lead + (n, dk_), lead + (nk, dk_)], comp)  # (pooled: no fresh pages)

@@ -143,13 +143,19 @@ _SYMBOLS = {dt: symbols.define(f"map_derivative_{dt}", _derivative_c, _c_signatu
             for dt in (types.float32, types.float64)}
 
 
+_INLINE = {}  # (code, dtype) -> kernel_map's tuple, for the codes the kernels apply inline
+
+
 def kernel_map(code, fp, dtype):
     """(code, fp, map address, derivative address): the backward kernels' map arguments for map ``code``
     with parameters ``fp`` (FeatureMap.params; None for the codes the kernels apply inline); addresses 0
     where they are not called."""
     dtype = np.dtype(dtype)
     if code < FIRST:
-        return code, np.array([1, 0], dtype), 0, 0
+        inline = _INLINE.get((code, dtype))
+        if inline is None:
+            inline = _INLINE[code, dtype] = (code, np.array([1, 0], dtype), 0, 0)
+        return inline
     if code >= TAYLOR:
         raise ValueError(f"the backward kernels differentiate the elementwise maps only, not map code {code}")
     return code, fp, map_address(dtype, code), symbols.address(_SYMBOLS[numba.from_dtype(dtype)])
