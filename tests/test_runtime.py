@@ -224,6 +224,24 @@ def test_sixteen_threads_split_heads_as_planned():
     assert len(errors) == 2 * (4 + 5) and max(errors) < 2e-5, res.stdout  # (out, dq, dk, dv; and dgate)
 
 
+@pytest.mark.parametrize("threads", [1, 2, 16])
+def test_threads_for_a_second_thread_sooner(monkeypatch, threads):
+    """threads_for: one thread per ``per_thread`` units of work, at least one, at most num_threads(); with
+    ``second``, two from that much work."""
+    from linattn.cpu import projection_grad, runtime
+
+    monkeypatch.setattr(runtime, "num_threads", lambda: threads)
+    per, second = 1 << 21, 1 << 17
+    assert runtime.threads_for(0, per) == runtime.threads_for(1, per) == runtime.threads_for(per, per) == 1
+    assert runtime.threads_for(per + 1, per) == min(threads, 2)
+    assert runtime.threads_for(10 * per, per) == min(threads, 10)
+    assert runtime.threads_for(second - 1, per, second) == 1
+    assert runtime.threads_for(second, per, second) == runtime.threads_for(per, per, second) == min(threads, 2)
+    assert runtime.threads_for(5 * per, per, second) == min(threads, 5)
+    # the maps through a matrix: Hedgehog D16 m8 on 4096 rows (a training step's q of B8 H4 N128) on two
+    assert projection_grad.SECOND_THREAD_WORK <= 4096 * 16 * 8 < projection_grad.WORK_PER_THREAD
+
+
 @pytest.mark.parametrize("threads", [2, 16])
 def test_plan_threads_for_small_calls(monkeypatch, threads):
     """runtime.plan's threads for small calls: a second thread from SECOND_THREAD_WORK multiply-adds of

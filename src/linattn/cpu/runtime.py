@@ -206,10 +206,14 @@ def num_threads():
     return n if _cap is None or n <= _cap else _cap
 
 
-def threads_for(work, per_thread):
+def threads_for(work, per_thread, second=None):
     """Threads for a kernel of ``work`` units: one per ``per_thread`` of them (rounded up; waking a
-    thread costs more than less work), at least 1, at most num_threads()."""
-    return max(1, min(num_threads(), -(-work // per_thread)))
+    thread costs more than less work), at least 1, at most num_threads(); at least two from ``second``
+    units when given (the second thread wakes sooner than the others pay: see SECOND_THREAD_WORK)."""
+    wanted = -(-work // per_thread)
+    if second is not None and work >= second:
+        wanted = max(wanted, 2)
+    return max(1, min(num_threads(), wanted))
 
 
 def _read_cap():
