@@ -8,8 +8,9 @@ sig(u) (1 - sig(u)); softplus: sig(u). NaN in x gives NaN (relu's: 0, as [u > 0]
 6-10 passes over (..., N, D): 30-50 ms of a 45-60 ms backward at B1 H8 N2048 D64 float32.
 
 The backward kernels (cpu/backward.py, cpu/noncausal_grad.py) apply these maps and their derivatives
-themselves, chunk by chunk: phi through mapfns's C function, phi' through this module's (``derivative``,
-called by address as mapfns's maps are, so its code is compiled once, not into every kernel variant).
+themselves, chunk by chunk: phi through mapfns's C function, phi' through this module's
+(``times_map_derivative``: a C function called by address as mapfns's maps are, so its code is compiled
+once, not into every kernel variant).
 """
 import numba
 import numpy as np
@@ -23,9 +24,9 @@ from .elementwise import ELU, IDENTITY, RELU, exp_le0, load_rows, relu
 from .gating import like
 from .mapfns import (FIRST, GELU, SCALED_ELU, SCALED_IDENTITY, SCALED_RELU, SIGMOID, SILU, SOFTPLUS, SQUARED_RELU,
                      TAYLOR, address as map_address, normal_cdf)
-from .smallgemm import noinline
 from .runtime import kernel_section, threads_for
 from .schedule import take
+from .smallgemm import noinline
 from .threaded import ThreadedKernel
 from .vector import wide_vectors
 from .views import as_contiguous, unit_rows, unowned

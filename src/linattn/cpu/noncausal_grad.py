@@ -246,8 +246,7 @@ def _noncausal_backward(q, k, v, g, out, fm, fp, fa, da, s, eps, normalize, leng
 def _signature(dt, variant):
     seq, i64 = array(dt, 4, "A", readonly=True), types.int64
     return types.void(seq, seq, seq, seq, seq, i64, array(dt, 1, readonly=True), i64, i64, dt, dt, types.boolean,
-                      array(i64, 1, readonly=True),
-                      array(i64, 1, readonly=True), i64,
+                      array(i64, 1, readonly=True), array(i64, 1, readonly=True), i64,
                       array(types.float64, 1, readonly=True), array(dt, 4, "A"), array(dt, 4, "A"), array(dt, 4, "A"),
                       i64, array(types.float64, 5))
 
@@ -260,10 +259,10 @@ def backward(nthreads, q, k, v, g, out, fm, s, eps, normalize, lengths, qlengths
              base=None):
     """Run the kernel (arguments as ``_noncausal_backward``'s, 4-D arrays of one float dtype; ``fm`` the map as
     map_grad.kernel_map's tuple) on ``nthreads`` threads: once when every head is one segment, else three
-    times (the segments' parts of
-    [S | Z], then of G, then the rows). ``base`` (2, heads, D, Dv + 1), float64: what [S | Z] and G
-    start from (an initial state; the gradient of the state returned), one more part of each head's
-    sums (the kernel then runs three times); G's sums are then returned, (heads, D, Dv + 1)."""
+    times (the segments' parts of [S | Z], then of G, then the rows). ``base`` (2, heads, D, Dv + 1),
+    float64: what [S | Z] and G start from (an initial state; the gradient of the state returned), one
+    more part of each head's sums (the kernel then runs three times); G's sums are then returned, (heads,
+    D, Dv + 1)."""
     kernel = noncausal_backward.get(dq.dtype, None)
     args = (q, k, v, g, out, *fm, s, eps, normalize, lengths, qlengths, chunk, frac, dq, dk, dv)
     if base is None and nthreads <= 1 and len(frac) == 2:  # the worker on this thread through its unchecked entry
