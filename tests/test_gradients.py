@@ -624,20 +624,24 @@ class _Outside:
 
 
 @pytest.mark.parametrize("dtype", [np.float32, np.float64])
-def test_elementwise_maps_in_the_backward_kernels(rng, dtype):
+def test_maps_in_the_backward_kernels(rng, dtype):
     """The backward kernels apply the elementwise maps and their derivatives themselves (mapfns's and
-    map_grad's C functions): the same bits as the map applied before the kernel and its vjp after, causal
-    (lengths with NaN padding, gates per position and per key dimension, a decay, an initial state, a head
-    long enough to be cut into segments) and non-causal (heads of few positions from their scores, longer
-    ones from the sums, right-padded queries and keys)."""
+    map_grad's C functions), the causal one the pair maps' features too (their vjp after it): the same bits
+    as the map applied before the kernel and its vjp after, causal (lengths with NaN padding, gates per
+    position and per key dimension, a decay, an initial state, a head long enough to be cut into segments)
+    and non-causal (heads of few positions from their scores, longer ones from the sums, right-padded
+    queries and keys)."""
     from linattn import gradients
     fm = linattn.feature_maps
     maps = [fm.Elementwise(name) for name in ("squared_relu", "gelu", "silu", "sigmoid", "softplus")] + \
         [fm.Elementwise("elu").scaled(0.5), fm.Elementwise("relu").scaled(2.0), fm.Elementwise("identity").scaled(0.3),
          fm.Elementwise("gelu").scaled(0.7)]
-    for fmap in maps:
+    pairs = [fm.Taylor(), fm.Taylor().scaled(0.4), fm.DPFP(2).scaled(1.5),
+             fm.ReBased(rng.random(5) + 0.5, rng.standard_normal(5))]
+    for fmap in maps + pairs:
         assert gradients._map_and_code(fmap)[1] == fmap.kernel_code()
     assert gradients._map_and_code(_Outside(maps[0]))[1] is None
+    assert gradients._map_and_code(fm.T2R(np.ones((2, 3))))[1] is None  # (its vjp reads phi: computed before)
     # the non-causal kernel computes phi twice: maps with an exp or erf on many values are computed outside it
     few, many = np.ones((1, 2, 16, 8)), np.ones((1, 8, 2048, 8))
     for fmap in maps:
@@ -645,23 +649,28 @@ def test_elementwise_maps_in_the_backward_kernels(rng, dtype):
         assert gradients._noncausal_code(code, few, few) == code
         costly = fmap.name in ("gelu", "silu", "sigmoid", "softplus")
         assert gradients._noncausal_code(code, many, many) == (None if costly else code)
+    for fmap in pairs:  # (there: phi computed before the kernel, as the kernel would compute it twice)
+        assert gradients._noncausal_code(fmap.kernel_code(), few, few) is None
     causal_cases = [((2,), 70, 3, 2, dict(lengths=np.array([70, 33]))),
                     ((2, 2), 40, 4, 3, dict(gate="position", decay=0.9, initial_state=True)),
                     ((2,), 50, 5, 1, dict(gate="dimension", lengths=np.array([17, 50]))),
                     ((1,), 3000, 2, 2, dict(scale=0.5)), ((1,), 1, 1, 1, {})]
-    for i, (lead, n, d, dv, kw) in enumerate(causal_cases):
-        q, k, v, state = _inputs(rng, lead, n, d, dv)
-        kw = dict(kw)
-        if kw.pop("initial_state", False):
-            kw["initial_state"] = linattn.State(*(x.astype(dtype) for x in state))
-        if "gate" in kw:
-            kw["gate"] = -rng.random(lead + (n,) + ((d,) if kw["gate"] == "dimension" else ()))
-        if "lengths" in kw:
+    for i, (lead, n, d, dv, case) in enumerate(causal_cases):
+        q, k, v, _ = _inputs(rng, lead, n, d, dv)
+        if "lengths" in case:
             for x in (q, k, v):
-                x[-1 if kw["lengths"][-1] < n else 0, kw["lengths"].min():] = np.nan
+                x[-1 if case["lengths"][-1] < n else 0, case["lengths"].min():] = np.nan
         args = [x.astype(dtype) for x in (q, k, v)]
         W = rng.standard_normal(lead + (n, dv)).astype(dtype)
-        for fmap in ([maps[i % len(maps)]] if n > 1000 else maps):  # (the long head: one map)
+        for fmap in ([maps[i % len(maps)], pairs[i % len(pairs)]] if n > 1000 else maps + pairs):  # (long: two)
+            if isinstance(fmap, fm.ReBased) and fmap.gamma.shape[0] != d:
+                fmap = fm.ReBased(rng.random(d) + 0.5, rng.standard_normal(d))
+            kw, dk = dict(case), fmap.out_dim(d)  # (the state and a gate per key dimension: D' wide)
+            if kw.pop("initial_state", False):
+                kw["initial_state"] = linattn.State(rng.random(lead + (dk, dv)).astype(dtype),
+                                                    (rng.random(lead + (dk,)) + 0.5).astype(dtype))
+            if "gate" in kw:
+                kw["gate"] = -rng.random(lead + (n,) + ((dk,) if kw["gate"] == "dimension" else ()))
             got = linattn.causal_linear_attention_vjp(*args, feature_map=fmap, **kw)
             want = linattn.causal_linear_attention_vjp(*args, feature_map=_Outside(fmap), **kw)
             np.testing.assert_array_equal(got[0], want[0])

@@ -51,14 +51,26 @@ _NO_R = np.empty((1, 0, 1))  # no gates: the backward kernel's per-position term
 def _map_and_code(feature_map):
     """(the map, its code in the backward kernels, or None: then phi is applied before the kernel and
     the map's ``vjp`` after it). The kernels differentiate the elementwise maps (with any input scale);
-    a callable needs a ``vjp(x, dphi)`` of its own."""
+    they compute the pair maps' features (Taylor, ReBased, DPFP: codes from TAYLOR), whose vjp is applied
+    after them (see _vjp_after). A callable needs a ``vjp(x, dphi)`` of its own."""
     fmap = as_map(feature_map)
     if isinstance(fmap, FeatureMap):
-        return fmap, (fmap.kernel_code() if isinstance(fmap, Elementwise) else None)
+        code = fmap.kernel_code()
+        return fmap, (code if isinstance(fmap, Elementwise) or code in _PAIRS else None)
     if not callable(getattr(fmap, "vjp", None)):
         raise TypeError(f"feature_map: a callable is differentiated only with its own derivative, a method or "
                         f"attribute vjp(x, dphi) returning the gradient of x from that of phi(x); got {feature_map!r}")
     return fmap, None
+
+
+#: The pair maps' codes: the causal backward kernel computes their features (phi(q), phi(k) not made and
+#: read again: Taylor's backward at B1 H8 N2048 D16 ...), their vjp (which does not read phi) follows it.
+_PAIRS = (mapfns.TAYLOR, mapfns.REBASED, mapfns.DPFP)
+
+
+def _vjp_after(code):
+    """Whether the map's vjp follows the backward kernel (which then gives the gradients of phi(q), phi(k))."""
+    return code is None or code in _PAIRS
 
 
 def _kernel_map(fmap, code, d, comp):
@@ -78,8 +90,8 @@ _RECOMPUTED, _RECOMPUTE_ABOVE = (mapfns.GELU, mapfns.SILU, mapfns.SIGMOID, mapfn
 
 def _noncausal_code(code, q, k):
     """The map's code in the non-causal backward kernel for these queries and keys (_map_and_code's, or None
-    for a costly map on many values: see _RECOMPUTED)."""
-    return None if code in _RECOMPUTED and q.size + k.size > _RECOMPUTE_ABOVE else code
+    for a costly map on many values, see _RECOMPUTED, and for the pair maps: that kernel computes phi twice)."""
+    return None if code in _PAIRS or code in _RECOMPUTED and q.size + k.size > _RECOMPUTE_ABOVE else code
 
 
 def _mapped(fmap, x, comp):
@@ -263,7 +275,7 @@ def _backward(q, k, v, fmap, code, lead, d, out_dt, normalize, s, initial_state,
     # what every call shares, made once (B1 H1 N16: vjp(dout) 24 -> 18.5 us)
     no_grad = _no_state(comp, d, dv)[:2]  # no final state's gradient (read-only arrays with no rows)
     ld = np.zeros(bh) if log_decay is None else np.ascontiguousarray(log_decay, np.float64).reshape(bh)
-    kmap = _kernel_map(fmap, code, d, comp)
+    kmap = _kernel_map(fmap, code, q.shape[-1], comp)
     # the inputs as the kernel reads them, when they and every dout are C-contiguous (else per call);
     # (B, H, N, X) as they are (the kernel's (G1, G2, N, X), as the forward's short path passes them)
     c_inputs = None
@@ -310,11 +322,13 @@ def _backward(q, k, v, fmap, code, lead, d, out_dt, normalize, s, initial_state,
         if gated:
             extra = _gate_gradients(rq, rk, lens_all, dS, dZ, final, gate, vector, decay_arr, ld, lead, comp)
         dmap = None
-        if code is None:  # dq, dk: the gradients of phi(q), phi(k) so far
+        if _vjp_after(code):  # dq, dk: the gradients of phi(q), phi(k) so far
             # (padding past a length may hold NaN, which a map's vjp would spread: into the parameters'
             # gradients too, through phi there; the kernel's dphi is 0 past a length)
-            xs, ys = ((q, k), (qf, kf)) if valid is None else \
-                tuple((np.where(valid, a, 0), np.where(valid, b, 0)) for a, b in ((q, k), (qf, kf)))
+            xs, ys = (q, k), (qf, kf)
+            if valid is not None:
+                xs = tuple(np.where(valid, x, 0) for x in xs)
+                ys = ys if qf is None else tuple(np.where(valid, y, 0) for y in ys)
             (dq, dk), dmap = _map_grads(fmap, xs, (dq, dk), ys)
             if valid is not None:
                 dq, dk = np.where(valid, dq, 0), np.where(valid, dk, 0)

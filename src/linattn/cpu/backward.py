@@ -40,7 +40,7 @@ from .gating import (SUB, VECTOR, _kind, _stub, chunk_gates, gate_buffers, gate_
                      gate_queries, gate_scores, gate_state_factors, masked_product, one_product, prepare_kernel,
                      touch_gates)
 from .map_grad import times_map_derivative
-from .mapfns import FIRST, load_features, map_state
+from .mapfns import FIRST, TAYLOR, load_features, map_state, mapped_dim
 from .schedule import take
 from .smallgemm import small_gemm, small_gemm_tn, small_gemm_tn_lower
 from .threaded import ThreadedKernel
@@ -84,10 +84,12 @@ def _load_values(v, i0, c, V1):
 @njit(helper=True)
 def _times_derivative(R, Y, c, fm, s, dst, i0, r, has_r, src, mp, da, X):
     """dst[i0 + t] = R[t] times the derivative of s phi at x_t = src[i0 + t], from Y[t] = s phi(x_t) (s > 0;
-    elu + 1: min(Y, s), the exp below 0 times s; relu: s where Y > 0; identity: s) or, for the maps of
-    codes from mapfns.FIRST (``mp``: mapfns.map_state's tuple), from x_t through map_grad's C function at
-    ``da`` (X: a (2 chunk, D) scratch; R is overwritten), and when ``has_r`` r[i0 + t] = Y[t] . R[t] (r:
-    (N, 1)) or Y[t] * R[t] (r: (N, D), a gate per key dimension)."""
+    elu + 1: min(Y, s), the exp below 0 times s; relu: s where Y > 0; identity: s) or, for the elementwise
+    maps of codes from mapfns.FIRST (``mp``: mapfns.map_state's tuple), from x_t through map_grad's C
+    function at ``da`` (X: a (2 chunk, D) scratch; R is overwritten); for the other maps (from
+    mapfns.TAYLOR: the kernel computes their features, the caller applies their vjp) s R[t], the gradient of
+    phi; and when ``has_r`` r[i0 + t] = Y[t] . R[t] (r: (N, 1)) or Y[t] * R[t] (r: (N, D), a gate per key
+    dimension)."""
     d = R.shape[1]
     zero = s - s
     for t in range(c):
@@ -101,7 +103,7 @@ def _times_derivative(R, Y, c, fm, s, dst, i0, r, has_r, src, mp, da, X):
             rr = as_contiguous(r[i0 + t])
             for a in range(d):
                 rr[a] = np.float64(yt[a]) * np.float64(rt[a])
-        if fm >= FIRST:
+        if FIRST <= fm < TAYLOR:
             continue  # (below, for the whole chunk)
         if fm == ELU:
             for a in range(d):
@@ -113,7 +115,7 @@ def _times_derivative(R, Y, c, fm, s, dst, i0, r, has_r, src, mp, da, X):
         else:
             for a in range(d):
                 row[a] = s * rt[a]
-    if fm >= FIRST:
+    if FIRST <= fm < TAYLOR:
         times_map_derivative(src, i0, c, mp, da, X, R, s)
         out = X[X.shape[0] // 2:]
         for t in range(c):
@@ -360,12 +362,12 @@ def _causal_backward(q, k, v, g, out, den, fm, fp, fa, da, normalize, s, lengths
     before it in parts[head, 0], while each other segment but the first in time sums its own chunks' adjoint
     updates from zero; phase 1, each but the last in time starts from the parts after it.
     """
-    g2, n, d = q.shape[1], q.shape[2], q.shape[3]
+    g2, n, d = q.shape[1], q.shape[2], mapped_dim(fm, fp, q.shape[3])  # (d: D', the features)
     e, dt = v.shape[3] + 1, dq.dtype
     has_r = rq.shape[1] > 0
     decayed = bool(gates.ndim > 1)  # bool()/int(): run-time values, not literals (see _jit)
     one = np.ones(1, dt)[0]
-    mapper = map_state(fm, fp, fa, d, d, dt)
+    mapper = map_state(fm, fp, fa, q.shape[3], d, dt)
     mp = unowned(mapper)  # (its parameters are shared by the threads: each view's atomic add contended)
     # views without reference counting (see chunked._causal_forward): the caller owns the arguments,
     # the buffers' owners are kept to the end
@@ -377,7 +379,7 @@ def _causal_backward(q, k, v, g, out, den, fm, fp, fa, da, normalize, s, lengths
     owners = (empty((chunk, e + chunk), dt), empty((chunk, d + chunk), dt), empty((e, chunk), dt),
               empty((d, chunk), dt), empty((chunk, e), dt), empty((chunk, d), dt), empty((chunk, d), dt),
               empty((chunk, d), dt), empty((chunk, d), dt), empty((d, e - 1), dt), empty((e, d), dt),
-              empty((2 * chunk if fm >= FIRST else 0, d), dt))
+              empty((2 * chunk if FIRST <= fm < TAYLOR else 0, d), dt))
     # [ab | M], [qs | A], v1^T, kf^T, v1, kf, kf times the factors at the chunk's end, qs times those from
     # its start, R, the adjoint's value columns C (its Z: the state helpers' Z) and C transposed, the rows of
     # q or k for a map's derivative and its result

@@ -22,8 +22,8 @@ from .._jit import array, njit
 from . import symbols
 from .elementwise import ELU, IDENTITY, RELU, exp_le0, load_rows, relu
 from .gating import like
-from .mapfns import (FIRST, GELU, SCALED_ELU, SCALED_IDENTITY, SCALED_RELU, SIGMOID, SILU, SOFTPLUS, SQUARED_RELU,
-                     TAYLOR, address as map_address, normal_cdf)
+from .mapfns import (DPFP, FIRST, GELU, REBASED, SCALED_ELU, SCALED_IDENTITY, SCALED_RELU, SIGMOID, SILU, SOFTPLUS,
+                     SQUARED_RELU, TAYLOR, address as map_address, normal_cdf)
 from .runtime import kernel_section, threads_for
 from .schedule import take
 from .smallgemm import noinline
@@ -150,15 +150,17 @@ _INLINE = {}  # (code, dtype) -> kernel_map's tuple, for the codes the kernels a
 def kernel_map(code, fp, dtype):
     """(code, fp, map address, derivative address): the backward kernels' map arguments for map ``code``
     with parameters ``fp`` (FeatureMap.params; None for the codes the kernels apply inline); addresses 0
-    where they are not called."""
+    where they are not called (the pair maps': the kernel computes their features, not their vjp)."""
     dtype = np.dtype(dtype)
     if code < FIRST:
         inline = _INLINE.get((code, dtype))
         if inline is None:
             inline = _INLINE[code, dtype] = (code, np.array([1, 0], dtype), 0, 0)
         return inline
-    if code >= TAYLOR:
-        raise ValueError(f"the backward kernels differentiate the elementwise maps only, not map code {code}")
+    if code >= TAYLOR:  # (their features only: their vjp follows the kernel)
+        if code not in (TAYLOR, REBASED, DPFP):
+            raise ValueError(f"the backward kernels compute the pair maps' features only, not map code {code}'s")
+        return code, fp, map_address(dtype, code), 0
     return code, fp, map_address(dtype, code), symbols.address(_SYMBOLS[numba.from_dtype(dtype)])
 
 
