@@ -346,7 +346,8 @@ def _causal_backward(q, k, v, g, out, den, fm, fp, fa, da, normalize, s, lengths
 
     q, k: (G1, G2, N, D); v, g, out: (G1, G2, N, Dv); den: (G1, G2, N), the forward's denominators; all with
     unit stride along their last axis. ``fm``, ``fp``, ``fa``, ``da``: the map (map_grad.kernel_map: its code,
-    parameters, the addresses of its C function and of its derivative's; codes 0-2 applied inline); ``s``: the
+    parameters, the addresses of its C function and of its derivative's; codes 0-2 applied inline; for the
+    pair maps, D' features of D, dq and dk are the gradients of phi(q), phi(k), (G1, G2, N, D')); ``s``: the
     scale of phi(q).
     ``states`` (G1, G2, chunks, Dv + 1, D): the forward's state [S | Z]^T at the start of every chunk of
     ``chunk`` positions (the first one zero unless ``has_s0``). H0, Z0: the final state's gradient dS (heads, D,
