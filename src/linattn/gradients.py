@@ -197,10 +197,10 @@ def causal_linear_attention_vjp(q, k, v, *, feature_map="elu", eps=1e-6, normali
     Every feature map of :mod:`linattn.feature_maps` is differentiated: the elementwise ones (by name or
     as ``Elementwise`` objects) inside the backward kernel, the others through their ``vjp`` (phi(q),
     phi(k) are then computed in full, (..., N, D') each, but for Taylor, ReBased and DPFP, whose
-    features the kernel computes); a map with parameters (the learned and
-    random-feature maps) adds, last, a dict of their gradients by name (``FeatureMap.param_names``:
-    "weight" and "bias", "gamma" and "beta", "omega"). A callable map needs a ``vjp(x, dphi)`` attribute
-    returning the gradient of x (a TypeError otherwise).
+    features the kernel computes); a map with parameters (the learned and random-feature maps) adds,
+    last, a dict of their gradients by name (``FeatureMap.param_names``: "weight" and "bias", "gamma"
+    and "beta", "omega"). A callable map needs a ``vjp(x, dphi)`` attribute returning the gradient of x
+    (a TypeError otherwise).
 
     Examples
     --------
@@ -404,11 +404,11 @@ def linear_attention_vjp(q, k=None, v=None, *, feature_map="elu", eps=1e-6, norm
         # the kernel computes phi and phi' of the maps it knows (code); other maps' features are its inputs
         # and their vjp is applied after it
         if code is not None:
-            src, fm = (q, k), kmap
+            src = (q, k)
         else:  # (a map's vjp reads the queries and keys: padding as 0)
             qq, kk = (x if m is None else np.where(m, x, 0).astype(comp, copy=False)
                       for x, m in ((q, qvalid), (k, valid)))
-            src, fm = (_mapped(fmap, qq, comp), _mapped(fmap, kk, comp)), kmap
+            src = (_mapped(fmap, qq, comp), _mapped(fmap, kk, comp))
         dk_, nk = src[0].shape[-1], k.shape[-2]
         dS, dZ = _final_state_gradient(dstate, return_state, lead, dk_, dv, comp)
         dqf, dkf = workspace.take_views([lead + (n, dk_), lead + (nk, dk_)], comp)  # (pooled: no fresh pages)
@@ -425,7 +425,7 @@ def linear_attention_vjp(q, k=None, v=None, *, feature_map="elu", eps=1e-6, norm
         if bh and (n or nk):  # (cpu/noncausal_grad.py)
             arrays, _, _ = _seq4(src + (v, g, out, dqf, dkf, dvv), lead)
             chunk, frac, nthreads, _ = plan(bh, max(n, nk), dk_, dv, causal=False)
-            G = noncausal_grad.backward(nthreads, *arrays[:5], fm, comp.type(s), comp.type(eps), normalize,
+            G = noncausal_grad.backward(nthreads, *arrays[:5], kmap, comp.type(s), comp.type(eps), normalize,
                                         _full_lengths(bh, nk) if lens is None else lens,
                                         _full_lengths(bh, n) if qlens is None else qlens, chunk, frac, *arrays[5:],
                                         base=base)
