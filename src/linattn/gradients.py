@@ -19,8 +19,8 @@ accumulators), applying phi' as it writes: dq = dQ_f phi'(q), dk = dK_f phi'(k).
 same sums over all positions, G and H then constant: the cpu/noncausal_grad.py kernel sums [S | Z]
 and [G | H] over each head, then writes the three gradients row by row. Both kernels apply phi and phi'
 of the elementwise maps themselves (cpu/map_grad.py), the causal one the pair maps' phi too (Taylor,
-ReBased, DPFP; their ``vjp`` after it); other maps' features are their inputs, the maps' ``vjp`` applied
-after.
+ReBased, DPFP) and Taylor's and DPFP's vjp (cpu/pair_grad.py; ReBased's ``vjp`` after it); other maps'
+features are their inputs, the maps' ``vjp`` applied after.
 
 With decay and gates (log factor lam_t of the state before t, per position or per position and key
 dimension), the kernel decays the adjoint as the forward decays the state, and d lam_t = sum_{i >= t}
@@ -52,8 +52,8 @@ _NO_R = np.empty((1, 0, 1))  # no gates: the backward kernel's per-position term
 def _map_and_code(feature_map):
     """(the map, its code in the backward kernels, or None: then phi is applied before the kernel and
     the map's ``vjp`` after it). The kernels differentiate the elementwise maps (with any input scale);
-    they compute the pair maps' features (Taylor, ReBased, DPFP: codes from TAYLOR), whose vjp is applied
-    after them (see _vjp_after). A callable needs a ``vjp(x, dphi)`` of its own."""
+    the causal one computes the pair maps' features (Taylor, ReBased, DPFP: codes from TAYLOR) and
+    Taylor's and DPFP's vjp, ReBased's is applied after it (see _vjp_after). A callable needs a ``vjp(x, dphi)`` of its own."""
     fmap = as_map(feature_map)
     if isinstance(fmap, FeatureMap):
         code = fmap.kernel_code()
@@ -65,14 +65,16 @@ def _map_and_code(feature_map):
 
 
 #: The pair maps' codes: the causal backward kernel computes their features (phi(q), phi(k) not made and
-#: read again: Taylor's backward at B1 H8 N2048 D16 17.1-17.3 -> 15.6 ms), their vjp (which does not read
-#: phi) follows it.
+#: read again: Taylor's backward at B1 H8 N2048 D16 17.1-17.3 -> 15.6 ms) and Taylor's and DPFP's vjp
+#: (pair_grad's C function: dphi not written and read again; D16: 10.1-10.8 -> 7.9-8.0 ms, DPFP(2) at D64
+#: 24.9-25.9 -> 21.3-21.4); ReBased's vjp (its norm's, and its
+#: parameters' gradients) follows the kernel.
 _PAIRS = (mapfns.TAYLOR, mapfns.REBASED, mapfns.DPFP)
 
 
 def _vjp_after(code):
     """Whether the map's vjp follows the backward kernel (which then gives the gradients of phi(q), phi(k))."""
-    return code is None or code in _PAIRS
+    return code is None or code == mapfns.REBASED
 
 
 def _kernel_map(fmap, code, d, comp):
@@ -279,6 +281,7 @@ def _backward(q, k, v, fmap, code, lead, d, out_dt, normalize, s, initial_state,
     no_grad = _no_state(comp, d, dv)[:2]  # no final state's gradient (read-only arrays with no rows)
     ld = np.zeros(bh) if log_decay is None else np.ascontiguousarray(log_decay, np.float64).reshape(bh)
     kmap = _kernel_map(fmap, code, q.shape[-1], comp)
+    dx = d if _vjp_after(code) else q.shape[-1]  # (the kernel's dq, dk: the gradients of phi(q), phi(k) or of q, k)
     # the inputs as the kernel reads them, when they and every dout are C-contiguous (else per call);
     # (B, H, N, X) as they are (the kernel's (G1, G2, N, X), as the forward's short path passes them)
     c_inputs = None
@@ -296,7 +299,7 @@ def _backward(q, k, v, fmap, code, lead, d, out_dt, normalize, s, initial_state,
         qf = kf = None
         if code is None:  # phi applied here, its vjp after the kernel
             qf, kf = _mapped(fmap, q, comp), _mapped(fmap, k, comp)
-        dq, dk, dvv = workspace.take_views([lead + (n, x) for x in (d, d, dv)], comp)  # (no page faults)
+        dq, dk, dvv = workspace.take_views([lead + (n, x) for x in (dx, dx, dv)], comp)  # (no page faults)
         rows = bh if has_state else 0
         H_out, Z_out = np.empty((rows, d, dv), comp), np.empty((rows, d), comp)
         # (pooled: float64, (BH, N, D') each with a gate per key dimension)
@@ -316,7 +319,7 @@ def _backward(q, k, v, fmap, code, lead, d, out_dt, normalize, s, initial_state,
             lam4 = (lam.reshape(g12 + (n,) + ((d,) if vector else ())) if gated else np.empty(0, comp))
             _run(kernel, nthreads, (q4, k4, v4, g4, o4, den.reshape(g12 + (n,)), *kmap, normalize, comp.type(s),
                                     lens_all, chunk, frac, states.reshape(g12 + states.shape[-3:]), has_state, H0, Z0,
-                                    lam4, ld, dq.reshape(g12 + (n, d)), dk.reshape(g12 + (n, d)),
+                                    lam4, ld, dq.reshape(g12 + (n, dx)), dk.reshape(g12 + (n, dx)),
                                     dvv.reshape(g12 + (n, dv)), H_out, Z_out, rq, rk, status),
                  _parts(two_runs, bh, frac, d, dv, True))
         elif has_state:

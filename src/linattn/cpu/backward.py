@@ -40,7 +40,7 @@ from .gating import (SUB, VECTOR, _kind, _stub, chunk_gates, gate_buffers, gate_
                      gate_queries, gate_scores, gate_state_factors, masked_product, one_product, prepare_kernel,
                      touch_gates)
 from .map_grad import times_map_derivative
-from .mapfns import FIRST, TAYLOR, load_features, map_state, mapped_dim
+from .mapfns import load_features, map_state, mapped_dim
 from .schedule import take
 from .smallgemm import small_gemm, small_gemm_tn, small_gemm_tn_lower
 from .threaded import ThreadedKernel
@@ -83,13 +83,13 @@ def _load_values(v, i0, c, V1):
 
 @njit(helper=True)
 def _times_derivative(R, Y, c, fm, s, dst, i0, r, has_r, src, mp, da, X):
-    """dst[i0 + t] = R[t] times the derivative of s phi at x_t = src[i0 + t], from Y[t] = s phi(x_t) (s > 0;
-    elu + 1: min(Y, s), the exp below 0 times s; relu: s where Y > 0; identity: s) or, for the elementwise
-    maps of codes from mapfns.FIRST (``mp``: mapfns.map_state's tuple), from x_t through map_grad's C
-    function at ``da`` (X: a (2 chunk, D) scratch; R is overwritten); for the other maps (from
-    mapfns.TAYLOR: the kernel computes their features, the caller applies their vjp) s R[t], the gradient of
-    phi; and when ``has_r`` r[i0 + t] = Y[t] . R[t] (r: (N, 1)) or Y[t] * R[t] (r: (N, D), a gate per key
-    dimension)."""
+    """dst[i0 + t] = the gradient of x_t = src[i0 + t] from R[t], that of Y[t] = s phi(x_t) (s > 0): for elu + 1,
+    relu and identity (codes below mapfns.FIRST, ``da`` 0) inline from Y (elu + 1: R min(Y, s), the exp below
+    0 times s; relu: s R where Y > 0; identity: s R); through the C function at ``da`` from x_t for the others
+    that have one (``mp``: mapfns.map_state's tuple; X: a (2 chunk, D) scratch; R is overwritten): the
+    elementwise maps of codes from mapfns.FIRST, Taylor and DPFP (dst then D wide, R D'); else (ReBased: the
+    caller applies its vjp) s R[t], the gradient of phi. When ``has_r`` r[i0 + t] = Y[t] . R[t] (r: (N, 1)) or
+    Y[t] * R[t] (r: (N, D'), a gate per key dimension)."""
     d = R.shape[1]
     zero = s - s
     for t in range(c):
@@ -103,7 +103,7 @@ def _times_derivative(R, Y, c, fm, s, dst, i0, r, has_r, src, mp, da, X):
             rr = as_contiguous(r[i0 + t])
             for a in range(d):
                 rr[a] = np.float64(yt[a]) * np.float64(rt[a])
-        if FIRST <= fm < TAYLOR:
+        if da != 0:
             continue  # (below, for the whole chunk)
         if fm == ELU:
             for a in range(d):
@@ -115,12 +115,12 @@ def _times_derivative(R, Y, c, fm, s, dst, i0, r, has_r, src, mp, da, X):
         else:
             for a in range(d):
                 row[a] = s * rt[a]
-    if FIRST <= fm < TAYLOR:
+    if da != 0:
         times_map_derivative(src, i0, c, mp, da, X, R, s)
         out = X[X.shape[0] // 2:]
         for t in range(c):
             rt, row = out[t], as_contiguous(dst[i0 + t])
-            for a in range(d):
+            for a in range(out.shape[1]):
                 row[a] = rt[a]
 
 
@@ -347,8 +347,8 @@ def _causal_backward(q, k, v, g, out, den, fm, fp, fa, da, normalize, s, lengths
     q, k: (G1, G2, N, D); v, g, out: (G1, G2, N, Dv); den: (G1, G2, N), the forward's denominators; all with
     unit stride along their last axis. ``fm``, ``fp``, ``fa``, ``da``: the map (map_grad.kernel_map: its code,
     parameters, the addresses of its C function and of its derivative's; codes 0-2 applied inline; for the
-    pair maps, D' features of D, dq and dk are the gradients of phi(q), phi(k), (G1, G2, N, D')); ``s``: the
-    scale of phi(q).
+    pair maps, D' features of D, and for ReBased, whose derivative's address is 0, dq and dk are the gradients
+    of phi(q), phi(k), (G1, G2, N, D')); ``s``: the scale of phi(q).
     ``states`` (G1, G2, chunks, Dv + 1, D): the forward's state [S | Z]^T at the start of every chunk of
     ``chunk`` positions (the first one zero unless ``has_s0``). H0, Z0: the final state's gradient dS (heads, D,
     Dv) and dZ (heads, D), or arrays with no rows for zero. ``gates``: the log factor of each position (G1, G2,
@@ -380,7 +380,7 @@ def _causal_backward(q, k, v, g, out, den, fm, fp, fa, da, normalize, s, lengths
     owners = (empty((chunk, e + chunk), dt), empty((chunk, d + chunk), dt), empty((e, chunk), dt),
               empty((d, chunk), dt), empty((chunk, e), dt), empty((chunk, d), dt), empty((chunk, d), dt),
               empty((chunk, d), dt), empty((chunk, d), dt), empty((d, e - 1), dt), empty((e, d), dt),
-              empty((2 * chunk if FIRST <= fm < TAYLOR else 0, d), dt))
+              empty((2 * chunk if da != 0 else 0, q.shape[3]), dt))
     # [ab | M], [qs | A], v1^T, kf^T, v1, kf, kf times the factors at the chunk's end, qs times those from
     # its start, R, the adjoint's value columns C (its Z: the state helpers' Z) and C transposed, the rows of
     # q or k for a map's derivative and its result

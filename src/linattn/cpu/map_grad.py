@@ -24,6 +24,7 @@ from .elementwise import ELU, IDENTITY, RELU, exp_le0, load_rows, relu
 from .gating import like
 from .mapfns import (DPFP, FIRST, GELU, REBASED, SCALED_ELU, SCALED_IDENTITY, SCALED_RELU, SIGMOID, SILU, SOFTPLUS,
                      SQUARED_RELU, TAYLOR, address as map_address, normal_cdf)
+from .pair_grad import derivative_address as pair_derivative_address, derivative_signature
 from .runtime import kernel_section, threads_for
 from .schedule import take
 from .smallgemm import noinline
@@ -123,10 +124,11 @@ def times_derivative(x, dphi, code, scale, out):
     return out
 
 
-def _derivative_c(x, xrs, r, rrs, o, ors, c, d, code, s, t):
+def _derivative_c(x, xrs, r, rrs, o, ors, c, d, code, s, t, fp, nfp, work):
     """The C function: o[i] = (t r[i]) * phi'(s x[i]) * s for c rows of d values (row strides xrs, rrs, ors;
     r scaled by t in place; o apart from x and r, or the loop would not vectorise: LLVM's check of the
-    overlap sends it to the scalar loop, 2x the backward's time at B1 H8 N2048 D64 with gelu)."""
+    overlap sends it to the scalar loop, 2x the backward's time at B1 H8 N2048 D64 with gelu). The map's
+    parameters ``fp`` (nfp values) and the scratch ``work``: unused here (pair_grad's takes them)."""
     xm, rm, om = carray(x, (c, xrs)), carray(r, (c, rrs)), carray(o, (c, ors))
     for i in range(c):
         row = as_contiguous(rm[i, :d])
@@ -135,12 +137,7 @@ def _derivative_c(x, xrs, r, rrs, o, ors, c, d, code, s, t):
         _row(as_contiguous(xm[i, :d]), row, code, s, as_contiguous(om[i, :d]))
 
 
-def _c_signature(dt):
-    ptr, i = types.CPointer(dt), types.intp
-    return types.void(ptr, i, ptr, i, ptr, i, i, i, i, dt, dt)
-
-
-_SYMBOLS = {dt: symbols.define(f"map_derivative_{dt}", _derivative_c, _c_signature(dt))
+_SYMBOLS = {dt: symbols.define(f"map_derivative_{dt}", _derivative_c, derivative_signature(dt))
             for dt in (types.float32, types.float64)}
 
 
@@ -150,36 +147,39 @@ _INLINE = {}  # (code, dtype) -> kernel_map's tuple, for the codes the kernels a
 def kernel_map(code, fp, dtype):
     """(code, fp, map address, derivative address): the backward kernels' map arguments for map ``code``
     with parameters ``fp`` (FeatureMap.params; None for the codes the kernels apply inline); addresses 0
-    where they are not called (the pair maps': the kernel computes their features, not their vjp)."""
+    where they are not called (ReBased's derivative: the causal kernel computes its features, its vjp
+    follows the kernel; Taylor's and DPFP's through pair_grad's C function)."""
     dtype = np.dtype(dtype)
     if code < FIRST:
         inline = _INLINE.get((code, dtype))
         if inline is None:
             inline = _INLINE[code, dtype] = (code, np.array([1, 0], dtype), 0, 0)
         return inline
-    if code >= TAYLOR:  # (their features only: their vjp follows the kernel)
+    if code >= TAYLOR:
         if code not in (TAYLOR, REBASED, DPFP):
             raise ValueError(f"the backward kernels compute the pair maps' features only, not map code {code}'s")
-        return code, fp, map_address(dtype, code), 0
+        return code, fp, map_address(dtype, code), (0 if code == REBASED else pair_derivative_address(dtype))
     return code, fp, map_address(dtype, code), symbols.address(_SYMBOLS[numba.from_dtype(dtype)])
 
 
 @intrinsic
-def _call_derivative(typingctx, addr, xm, rm, om, c, code, s, t):
-    """Call the derivative's C function at ``addr`` for xm[:c], rm[:c], om[:c] (2-D, C-contiguous rows)."""
-    sig = types.void(addr, xm, rm, om, c, code, s, t)
+def _call_derivative(typingctx, addr, xm, rm, om, c, code, s, t, fp, work):
+    """Call the derivative's C function at ``addr`` for xm[:c], rm[:c], om[:c] (2-D, C-contiguous rows), with
+    the map's parameters ``fp`` and scratch ``work`` (1-D, contiguous)."""
+    sig = types.void(addr, xm, rm, om, c, code, s, t, fp, work)
 
     def codegen(context, builder, sig, args):
         dtype = sig.args[1].dtype
         size = context.get_abi_sizeof(context.get_data_type(dtype))
         intp = context.get_value_type(types.intp)
-        xa, ra, oa = (context.make_array(sig.args[j])(context, builder, args[j]) for j in (1, 2, 3))
+        xa, ra, oa, fa, wa = (context.make_array(sig.args[j])(context, builder, args[j]) for j in (1, 2, 3, 8, 9))
         xrs, rrs, ors = (builder.sdiv(builder.extract_value(a.strides, 0), ir.Constant(intp, size))
                          for a in (xa, ra, oa))
         values = [xa.data, xrs, ra.data, rrs, oa.data, ors, context.cast(builder, args[4], sig.args[4], types.intp),
                   builder.extract_value(xa.shape, 1), context.cast(builder, args[5], sig.args[5], types.intp),
                   context.cast(builder, args[6], sig.args[6], dtype),
-                  context.cast(builder, args[7], sig.args[7], dtype)]
+                  context.cast(builder, args[7], sig.args[7], dtype), fa.data, builder.extract_value(fa.shape, 0),
+                  wa.data]
         symbols.emit_call_address(builder, context.cast(builder, args[0], sig.args[0], types.intp), values)
         return context.get_dummy_value()
 
@@ -188,11 +188,12 @@ def _call_derivative(typingctx, addr, xm, rm, om, c, code, s, t):
 
 @njit(helper=True)
 def times_map_derivative(src, i0, c, mp, da, XO, R, t):
-    """XO[chunk:][:c] = (t R[:c]) * phi'(s x) * s for the rows x = src[i0:i0 + c] (copied into XO[:chunk]) of
-    map ``mp`` (mapfns.map_state's tuple; s = its parameters' input scale), through the C function at ``da``
-    (XO: (2 chunk, D); R is scaled by t)."""
+    """XO[chunk:][:c] = dx of the rows x = src[i0:i0 + c] (copied into XO[:chunk]) from dphi = t R[:c] (R is
+    scaled in place) for map ``mp`` (mapfns.map_state's tuple) through the C function at ``da``: for the
+    elementwise maps (t R) * phi'(s x) * s, s its parameters' input scale; for Taylor and DPFP
+    pair_grad's (XO: (2 chunk, D), the inputs' D)."""
     noinline()
     if c > 0:
         half = XO.shape[0] // 2
         load_rows(src, i0, c, int(IDENTITY), XO[:half])  # (int(): a run-time value, not a literal: see _jit)
-        _call_derivative(da, XO[:half], R, XO[half:], c, mp[0], mp[1][0], t)
+        _call_derivative(da, XO[:half], R, XO[half:], c, mp[0], mp[1][0], t, mp[1], mp[3])

@@ -1,7 +1,8 @@
 """The vector-Jacobian product of the pair maps (Taylor, ReBased, DPFP): features y_f = u[I_f] u[J_f] C_f
 of a vector u, so du[I_f] += g_f C_f u[J_f] and du[J_f] += g_f C_f u[I_f], compiled (threads take
 blocks of rows). For DPFP and Taylor the kernel also forms u from x (DPFP's [relu(x), relu(-x)], Taylor's
-[s x, 1]) and turns du into dx.
+[s x, 1]) and turns du into dx. The same rows' code is a C function too, which the causal backward kernel
+calls for Taylor and DPFP chunk by chunk (as map_grad's for the elementwise maps).
 
 Computed transposed, as the forward (mapfns._pairs), PAIR_ROWS rows at a time: u^T and g^T (one row
 per element of u, per feature), then per feature two products of contiguous rows added into du^T
@@ -9,13 +10,15 @@ per element of u, per feature), then per feature two products of contiguous rows
 one-hot matrices) this took 56-58 ms for each of q and k of a 142 ms forward and backward (B1 H8 N2048,
 Taylor at D = 16, float32); compiled 2.5-2.8 ms on two threads, most of it reading g (10 MB).
 """
+import numba
 import numpy as np
-from numba import types
+from numba import carray, types
 
 from .._jit import array, njit
+from . import mapfns, symbols
 from .buffers import empty
 from .gating import like
-from .mapfns import PAIR_ROWS
+from .mapfns import HEAD, PAIR_ROWS
 from .runtime import kernel_section, threads_for
 from .schedule import take
 from .threaded import ThreadedKernel
@@ -99,6 +102,35 @@ def _dpfp_output(UT, DT, d, nb, s):
             dpos[t] = s * (dpos[t] * (one if pos[t] > zero else zero) - dneg[t] * (one if neg[t] > zero else zero))
 
 
+@njit(helper=True)
+def rows_vjp(u, g, table, coef, form, s, du, UT, GT, DT, colsum):
+    """du[r] from u[r] and g[r] for the rows of u and g (unit column stride; du's rows too), PAIR_ROWS at a
+    time; I, J from ``table``, C as ``coef``; ``form`` and ``s`` as _pairs_vjp's. Scratch: UT, DT (len(u'),
+    PAIR_ROWS) and GT (D', PAIR_ROWS), u' the pairs' vector; colsum (transpose_rows' sums, unused) at least
+    max(len(u'), D') values."""
+    d = u.shape[1]
+    for s0 in range(0, u.shape[0], PAIR_ROWS):
+        nb = min(PAIR_ROWS, u.shape[0] - s0)
+        transpose_rows(u[s0:s0 + nb], UT, colsum, nb)
+        if form == DPFP:
+            _dpfp_input(UT, d, nb)
+        elif form == TAYLOR:
+            _taylor_input(UT, d, nb, s)
+        transpose_rows(g[s0:s0 + nb], GT, colsum, nb)
+        _block(UT, GT, DT, table, coef, nb)
+        if form == DPFP:
+            _dpfp_output(UT, DT, d, nb, s)
+        elif form == TAYLOR:
+            _scale_rows(DT, d, nb, s)
+        transpose_rows(DT[:d, :nb], du[s0:s0 + nb], colsum, d)
+
+
+@njit(helper=True)
+def _pair_count(form, d):
+    """The length of the pairs' vector u for rows of d values in ``form``."""
+    return 2 * d if form == DPFP else d + 1 if form == TAYLOR else d
+
+
 def _pairs_vjp(u, g, table, form, s, du, counter):
     """du[r] from u[r] and g[r] (rows of (R, len(u)) and (R, D') arrays, unit column stride; du
     C-contiguous) and table = I, J, C (D' each, float64), ROWS rows per work item taken from
@@ -107,33 +139,19 @@ def _pairs_vjp(u, g, table, form, s, du, counter):
     kernel forms [s x, 1], du is the gradient of x (times s)."""
     u, g, du, table = unowned((u, g, du, table))  # (views not reference-counted: both threads would count on one)
     rows, dk = u.shape[0], g.shape[1]
-    d = u.shape[1]
-    nu = 2 * d if form == DPFP else d + 1 if form == TAYLOR else d
+    nu = _pair_count(form, u.shape[1])
     coefs = empty(dk, du.dtype)
     coef = unowned(coefs)
     for f in range(dk):
         coef[f] = table[2 * dk + f]
     owners = (empty((nu, PAIR_ROWS), du.dtype), empty((dk, PAIR_ROWS), du.dtype), empty((nu, PAIR_ROWS), du.dtype),
               empty(max(nu, dk, PAIR_ROWS), du.dtype))
-    UT, GT, DT, colsum = unowned(owners)  # (colsum: transpose_rows' column sums, unused)
+    UT, GT, DT, colsum = unowned(owners)
     items = (rows + ROWS - 1) // ROWS
     item = take(counter)
     while item < items:
-        end = min(rows, (item + 1) * ROWS)
-        for s0 in range(item * ROWS, end, PAIR_ROWS):
-            nb = min(PAIR_ROWS, end - s0)
-            transpose_rows(u[s0:s0 + nb], UT, colsum, nb)
-            if form == DPFP:
-                _dpfp_input(UT, d, nb)
-            elif form == TAYLOR:
-                _taylor_input(UT, d, nb, s)
-            transpose_rows(g[s0:s0 + nb], GT, colsum, nb)
-            _block(UT, GT, DT, table, coef, nb)
-            if form == DPFP:
-                _dpfp_output(UT, DT, d, nb, s)
-            elif form == TAYLOR:
-                _scale_rows(DT, d, nb, s)
-            transpose_rows(DT[:d, :nb], du[s0:s0 + nb], colsum, d)
+        r0, r1 = item * ROWS, min(rows, (item + 1) * ROWS)
+        rows_vjp(u[r0:r1], g[r0:r1], table, coef, form, s, du[r0:r1], UT, GT, DT, colsum)
         item = take(counter)
     keep_alive((owners, coefs))
 
@@ -162,3 +180,46 @@ def pairs_vjp(u, g, table, form=PAIRS, scale=1.0):
             pairs_vjp_kernel.get(du.dtype, None)(nthreads, u2, g2, np.ascontiguousarray(table, np.float64),
                                                  int(form), du.dtype.type(scale), du.reshape(-1, nu))
     return du
+
+
+def _derivative_c(x, xrs, r, rrs, o, ors, c, d, code, s, t, fp, nfp, work):
+    """The C function of Taylor's and DPFP's vjp in the causal backward kernel (map_grad's signature):
+    o[i, :d] = dx of the row x[i, :d] from dphi = t r[i, :D'] (r scaled in place), for c rows (row strides
+    xrs, rrs, ors); the map's parameters ``fp`` (nfp values: input scale s, D', the pairs' I, J, C: as
+    Taylor.vjp and DPFP.vjp read them); ``work``: mapfns.work_size(d, D') values, which hold the scratch
+    (2 len(u) + D') PAIR_ROWS + max(len(u), D', PAIR_ROWS) with len(u) <= 2 d. DPFP's input s x is formed in x."""
+    xm, rm, om, fpa = carray(x, (c, xrs)), carray(r, (c, rrs)), carray(o, (c, ors)), carray(fp, nfp)
+    dk = np.intp(fpa[1])
+    form = TAYLOR if code == mapfns.TAYLOR else DPFP
+    nu = _pair_count(form, d)
+    for i in range(c):
+        row = rm[i]
+        for f in range(dk):
+            row[f] = t * row[f]
+    if form == DPFP:  # (as DPFP.vjp: u = x s)
+        for i in range(c):
+            row = xm[i]
+            for a in range(d):
+                row[a] = row[a] * s
+    table = fpa[HEAD:HEAD + 3 * dk]
+    w = carray(work, (2 * nu + dk) * PAIR_ROWS + max(nu, dk, PAIR_ROWS))
+    UT = w[:nu * PAIR_ROWS].reshape(nu, PAIR_ROWS)
+    GT = w[nu * PAIR_ROWS:(nu + dk) * PAIR_ROWS].reshape(dk, PAIR_ROWS)
+    DT = w[(nu + dk) * PAIR_ROWS:(2 * nu + dk) * PAIR_ROWS].reshape(nu, PAIR_ROWS)
+    colsum = w[(2 * nu + dk) * PAIR_ROWS:]
+    rows_vjp(xm[:, :d], rm[:, :dk], table, table[2 * dk:], form, s, om[:, :d], UT, GT, DT, colsum)
+
+
+def derivative_signature(dt):
+    """The C signature of the backward kernels' map derivatives (this module's and map_grad's)."""
+    ptr, i = types.CPointer(dt), types.intp
+    return types.void(ptr, i, ptr, i, ptr, i, i, i, i, dt, dt, ptr, i, ptr)
+
+
+_SYMBOLS = {dt: symbols.define(f"pair_derivative_{dt}", _derivative_c, derivative_signature(dt))
+            for dt in (types.float32, types.float64)}
+
+
+def derivative_address(dtype):
+    """The address of the C function above for a NumPy dtype (compiled or loaded on first use)."""
+    return symbols.address(_SYMBOLS[numba.from_dtype(np.dtype(dtype))])
