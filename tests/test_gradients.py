@@ -626,8 +626,8 @@ class _Outside:
 @pytest.mark.parametrize("dtype", [np.float32, np.float64])
 def test_maps_in_the_backward_kernels(rng, dtype, monkeypatch):
     """The backward kernels apply the elementwise maps and their derivatives themselves (mapfns's and
-    map_grad's C functions), the causal one the pair maps' features and vjps too (pair_grad's C function, in
-    the scratch of mapfns.work_size; for ReBased up to the gradient of its u, its norm's vjp after): the same bits
+    map_grad's C functions), the causal one the pair maps' features too and Taylor's and DPFP's vjp
+    (pair_grad's C function, in the scratch of mapfns.work_size; ReBased's vjp after it): the same bits
     as the map applied before the kernel and its vjp after, causal (lengths with NaN padding, gates per
     position and per key dimension, a decay, an initial state, a head long enough to be cut into segments)
     and non-causal (heads of few positions from their scores, longer ones from the sums, right-padded
@@ -643,10 +643,10 @@ def test_maps_in_the_backward_kernels(rng, dtype, monkeypatch):
         assert gradients._map_and_code(fmap)[1] == fmap.kernel_code()
     assert gradients._map_and_code(_Outside(maps[0]))[1] is None
     from linattn.cpu import mapfns, pair_grad
-    for fmap in pairs:  # (the kernel's dq, dk: D wide, the gradients of q, k or of ReBased's u)
+    for fmap, after in zip(pairs, (False, False, False, True)):  # (the kernel's dq, dk: D wide, or D' for ReBased)
         code = fmap.kernel_code()
-        assert not gradients._vjp_after(code) and gradients._kernel_map(fmap, code, 5, dtype)[3] != 0
-    assert gradients._vjp_after(None)
+        assert gradients._vjp_after(code) is after
+        assert (gradients._kernel_map(fmap, code, 5, dtype)[3] == 0) is after
     for d in range(1, 40):  # pair_grad's C function: its scratch within the kernel's map work buffer
         for nu, dk in [(d + 1, fm.Taylor().out_dim(d))] + [(2 * d, fm.DPFP(n).out_dim(d)) for n in (1, 2, 3, 8)]:
             assert (2 * nu + dk) * mapfns.PAIR_ROWS + max(nu, dk, mapfns.PAIR_ROWS) <= mapfns.work_size.py_func(d, dk)

@@ -365,23 +365,12 @@ class ReBased(FeatureMap):
         """(dx, {"gamma": ..., "beta": ...}): the norm again, the pair map's vjp (du, the gradient of
         u = gamma n + beta), then the norm's (cpu/norm_grad.py: compiled passes over the rows)."""
         xs, dphi, _ = self._prepared(x, dphi, need_y=False)
-        u, n, r = self._norm(xs, dphi.dtype)
-        du = pair_grad.pairs_vjp(u, dphi, self._family_table(xs.shape[-1], 1 + 2 * xs.shape[-1]))
-        return self._norm_vjps(n, r, du)
-
-    def _norm(self, xs, dt):
-        """norm_grad.norm of the scaled input xs in ``dt``, with eps as the kernels take it (in ``dt``)."""
-        return norm_grad.norm(xs, self.gamma.astype(dt), self.beta.astype(dt), float(dt.type(self.eps)))
-
-    def _norm_vjps(self, n, r, du):
-        dx, dgamma, dbeta = norm_grad.norm_vjp(n, r, du, self.gamma.astype(du.dtype), self.input_scale)
+        dt, d = dphi.dtype, xs.shape[-1]
+        gamma = self.gamma.astype(dt)
+        u, n, r = norm_grad.norm(xs, gamma, self.beta.astype(dt), self.eps)
+        du = pair_grad.pairs_vjp(u, dphi, self._family_table(d, 1 + 2 * d))
+        dx, dgamma, dbeta = norm_grad.norm_vjp(n, r, du, gamma, self.input_scale)
         return dx, {"gamma": dgamma, "beta": dbeta}
-
-    def _du_vjps(self, x, du):
-        """_vjps from du, the gradient of u = gamma LN(s x) + beta (as the causal backward kernel gives it),
-        x and du of one float dtype and shape."""
-        _, n, r = self._norm(x * du.dtype.type(self.input_scale), du.dtype)
-        return self._norm_vjps(n, r, du)
 
     def vjp(self, x, dphi, y=None):
         return self._vjps(x, dphi)[0]

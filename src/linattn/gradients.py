@@ -52,8 +52,9 @@ _NO_R = np.empty((1, 0, 1))  # no gates: the backward kernel's per-position term
 def _map_and_code(feature_map):
     """(the map, its code in the backward kernels, or None: then phi is applied before the kernel and
     the map's ``vjp`` after it). The kernels differentiate the elementwise maps (with any input scale);
-    the causal one the pair maps too (Taylor, ReBased, DPFP: codes from TAYLOR; ReBased's norm's vjp
-    after it, see _PAIRS). A callable needs a ``vjp(x, dphi)`` of its own."""
+    the causal one computes the pair maps' features (Taylor, ReBased, DPFP: codes from TAYLOR) and
+    Taylor's and DPFP's vjp, ReBased's is applied after it (see _vjp_after). A callable needs a
+    ``vjp(x, dphi)`` of its own."""
     fmap = as_map(feature_map)
     if isinstance(fmap, FeatureMap):
         code = fmap.kernel_code()
@@ -65,17 +66,16 @@ def _map_and_code(feature_map):
 
 
 #: The pair maps' codes: the causal backward kernel computes their features (phi(q), phi(k) not made and
-#: read again: Taylor's backward at B1 H8 N2048 D16 17.1-17.3 -> 15.6 ms) and their vjp (pair_grad's C
-#: function: dphi not written and read again; Taylor D16: 10.1-10.8 -> 7.9-8.0 ms, DPFP(2) at D64
-#: 24.9-25.9 -> 21.3-21.4), for ReBased up to the gradient of its u (its norm's vjp and its parameters'
-#: gradients follow the kernel: _NORM_AFTER).
+#: read again: Taylor's backward at B1 H8 N2048 D16 17.1-17.3 -> 15.6 ms) and Taylor's and DPFP's vjp
+#: (pair_grad's C function: dphi not written and read again; D16: 10.1-10.8 -> 7.9-8.0 ms, DPFP(2) at D64
+#: 24.9-25.9 -> 21.3-21.4); ReBased's vjp (its norm's, and its
+#: parameters' gradients) follows the kernel.
 _PAIRS = (mapfns.TAYLOR, mapfns.REBASED, mapfns.DPFP)
-_NORM_AFTER = mapfns.REBASED
 
 
 def _vjp_after(code):
     """Whether the map's vjp follows the backward kernel (which then gives the gradients of phi(q), phi(k))."""
-    return code is None
+    return code is None or code == mapfns.REBASED
 
 
 def _kernel_map(fmap, code, d, comp):
@@ -126,12 +126,6 @@ def _map_grads(fmap, xs, dphis, ys):
         for name, grad in grads.items():
             total[name] = total[name] + grad if name in total else grad
     return dxs, total
-
-
-def _norm_grads(fmap, xs, dus):
-    """_map_grads for ReBased from the gradients of its u (ReBased._du_vjps), in the same order."""
-    (dq, gq), (dk, gk) = (fmap._du_vjps(x, du) for x, du in zip(xs, dus))
-    return [dq, dk], {name: gq[name] + gk[name] for name in gq}
 
 
 def _check_grad(value, name, shape, dtype):
@@ -288,8 +282,7 @@ def _backward(q, k, v, fmap, code, lead, d, out_dt, normalize, s, initial_state,
     no_grad = _no_state(comp, d, dv)[:2]  # no final state's gradient (read-only arrays with no rows)
     ld = np.zeros(bh) if log_decay is None else np.ascontiguousarray(log_decay, np.float64).reshape(bh)
     kmap = _kernel_map(fmap, code, q.shape[-1], comp)
-    dx = d if _vjp_after(code) else q.shape[-1]  # (the kernel's dq, dk: the gradients of phi(q), phi(k), else
-    # of q, k, or of ReBased's u)
+    dx = d if _vjp_after(code) else q.shape[-1]  # (the kernel's dq, dk: the gradients of phi(q), phi(k) or of q, k)
     # the inputs as the kernel reads them, when they and every dout are C-contiguous (else per call);
     # (B, H, N, X) as they are (the kernel's (G1, G2, N, X), as the forward's short path passes them)
     c_inputs = None
@@ -336,17 +329,14 @@ def _backward(q, k, v, fmap, code, lead, d, out_dt, normalize, s, initial_state,
         if gated:
             extra = _gate_gradients(rq, rk, lens_all, dS, dZ, final, gate, vector, decay_arr, ld, lead, comp)
         dmap = None
-        if _vjp_after(code) or code == _NORM_AFTER:  # dq, dk: the gradients of phi(q), phi(k) (ReBased's u) so far
+        if _vjp_after(code):  # dq, dk: the gradients of phi(q), phi(k) so far
             # (padding past a length may hold NaN, which a map's vjp would spread: into the parameters'
             # gradients too, through phi there; the kernel's dphi is 0 past a length)
             xs, ys = (q, k), (qf, kf)
             if valid is not None:
                 xs = tuple(np.where(valid, x, 0) for x in xs)
                 ys = ys if qf is None else tuple(np.where(valid, y, 0) for y in ys)
-            if code == _NORM_AFTER:
-                (dq, dk), dmap = _norm_grads(fmap, xs, (dq, dk))
-            else:
-                (dq, dk), dmap = _map_grads(fmap, xs, (dq, dk), ys)
+            (dq, dk), dmap = _map_grads(fmap, xs, (dq, dk), ys)
             if valid is not None:
                 dq, dk = np.where(valid, dq, 0), np.where(valid, dk, 0)
         grads = [half.astype(x, out_dt) for x in (dq, dk, dvv)]

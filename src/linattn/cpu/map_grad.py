@@ -147,8 +147,8 @@ _INLINE = {}  # (code, dtype) -> kernel_map's tuple, for the codes the kernels a
 def kernel_map(code, fp, dtype):
     """(code, fp, map address, derivative address): the backward kernels' map arguments for map ``code``
     with parameters ``fp`` (FeatureMap.params; None for the codes the kernels apply inline); addresses 0
-    where they are not called (the pair maps' derivatives: pair_grad's C function, for ReBased the gradient
-    of its u, its norm's vjp follows the kernel)."""
+    where they are not called (ReBased's derivative: the causal kernel computes its features, its vjp
+    follows the kernel; Taylor's and DPFP's through pair_grad's C function)."""
     dtype = np.dtype(dtype)
     if code < FIRST:
         inline = _INLINE.get((code, dtype))
@@ -158,7 +158,7 @@ def kernel_map(code, fp, dtype):
     if code >= TAYLOR:
         if code not in (TAYLOR, REBASED, DPFP):
             raise ValueError(f"the backward kernels compute the pair maps' features only, not map code {code}'s")
-        return code, fp, map_address(dtype, code), pair_derivative_address(dtype)
+        return code, fp, map_address(dtype, code), (0 if code == REBASED else pair_derivative_address(dtype))
     return code, fp, map_address(dtype, code), symbols.address(_SYMBOLS[numba.from_dtype(dtype)])
 
 

@@ -15,7 +15,6 @@ from numba import types
 from .._jit import array, njit
 from .runtime import kernel_section, threads_for
 from .schedule import take
-from .smallgemm import noinline
 from .threaded import ThreadedKernel
 from .views import as_contiguous, unowned
 
@@ -32,38 +31,29 @@ def _rows(item, rows):
     return r0, min(rows, r0 + ROWS)
 
 
-@njit(helper=True)
-def norm_row(xt, gamma, beta, eps, ut, nt):
-    """ut = gamma nt + beta, nt = (xt - mean) r for one row (unit stride; ut and nt may be xt itself); returns
-    r = 1 / sqrt(var + eps). (pair_grad's C function forms ReBased's u with it too: kept out of its callers,
-    or LLVM would order the sums differently in each, and the two u would differ in their last bits.)"""
-    noinline()
-    d = xt.shape[0]
-    total = 0.0
-    for a in range(d):
-        total += xt[a]
-    mean = total / d
-    var = 0.0
-    for a in range(d):
-        c = xt[a] - mean
-        var += c * c
-    inv = 1.0 / math.sqrt(var / d + eps)
-    for a in range(d):
-        v = (xt[a] - mean) * inv
-        nt[a] = v
-        ut[a] = gamma[a] * v + beta[a]
-    return inv
-
-
 def _norm(x, gamma, beta, eps, u, n, r, counter):
     """u, n (R, D) and r (R) for the rows of x (R, D); ROWS rows per item taken from ``counter``."""
     x, gamma, beta, u, n, r = unowned((x, gamma, beta, u, n, r))  # (views not counted: the threads share them)
-    rows = x.shape[0]
+    rows, d = x.shape
     item = take(counter)
     while item * ROWS < rows:
         r0, r1 = _rows(item, rows)
         for t in range(r0, r1):
-            r[t] = norm_row(as_contiguous(x[t]), gamma, beta, eps, as_contiguous(u[t]), as_contiguous(n[t]))
+            xt, ut, nt = as_contiguous(x[t]), as_contiguous(u[t]), as_contiguous(n[t])
+            total = 0.0
+            for a in range(d):
+                total += xt[a]
+            mean = total / d
+            var = 0.0
+            for a in range(d):
+                c = xt[a] - mean
+                var += c * c
+            inv = 1.0 / math.sqrt(var / d + eps)
+            r[t] = inv
+            for a in range(d):
+                v = (xt[a] - mean) * inv
+                nt[a] = v
+                ut[a] = gamma[a] * v + beta[a]
         item = take(counter)
 
 

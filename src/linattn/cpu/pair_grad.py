@@ -2,7 +2,7 @@
 of a vector u, so du[I_f] += g_f C_f u[J_f] and du[J_f] += g_f C_f u[I_f], compiled (threads take
 blocks of rows). For DPFP and Taylor the kernel also forms u from x (DPFP's [relu(x), relu(-x)], Taylor's
 [s x, 1]) and turns du into dx. The same rows' code is a C function too, which the causal backward kernel
-calls for the pair maps chunk by chunk (as map_grad's for the elementwise maps).
+calls for Taylor and DPFP chunk by chunk (as map_grad's for the elementwise maps).
 
 Computed transposed, as the forward (mapfns._pairs), PAIR_ROWS rows at a time: u^T and g^T (one row
 per element of u, per feature), then per feature two products of contiguous rows added into du^T
@@ -19,7 +19,6 @@ from . import mapfns, symbols
 from .buffers import empty
 from .gating import like
 from .mapfns import HEAD, PAIR_ROWS
-from .norm_grad import norm_row
 from .runtime import kernel_section, threads_for
 from .schedule import take
 from .threaded import ThreadedKernel
@@ -184,34 +183,25 @@ def pairs_vjp(u, g, table, form=PAIRS, scale=1.0):
 
 
 def _derivative_c(x, xrs, r, rrs, o, ors, c, d, code, s, t, fp, nfp, work):
-    """The C function of the pair maps' vjp in the causal backward kernel (map_grad's signature): o[i, :d] =
-    dx of the row x[i, :d] from dphi = t r[i, :D'] (r scaled in place), for c rows (row strides xrs, rrs,
-    ors); for ReBased du instead, the gradient of its u = gamma LN(s x) + beta (its norm's vjp follows the
-    kernel). The map's parameters ``fp`` (nfp values: input scale s, D', then ReBased's eps, gamma, beta, and
-    the pairs' I, J, C: as the maps' vjps read them); ``work``: mapfns.work_size(d, D') values, which hold
-    the scratch (2 len(u) + D') PAIR_ROWS + max(len(u), D', PAIR_ROWS) with len(u) <= 2 d. DPFP's input s x
-    and ReBased's u are formed in x."""
+    """The C function of Taylor's and DPFP's vjp in the causal backward kernel (map_grad's signature):
+    o[i, :d] = dx of the row x[i, :d] from dphi = t r[i, :D'] (r scaled in place), for c rows (row strides
+    xrs, rrs, ors); the map's parameters ``fp`` (nfp values: input scale s, D', the pairs' I, J, C: as
+    Taylor.vjp and DPFP.vjp read them); ``work``: mapfns.work_size(d, D') values, which hold the scratch
+    (2 len(u) + D') PAIR_ROWS + max(len(u), D', PAIR_ROWS) with len(u) <= 2 d. DPFP's input s x is formed in x."""
     xm, rm, om, fpa = carray(x, (c, xrs)), carray(r, (c, rrs)), carray(o, (c, ors)), carray(fp, nfp)
     dk = np.intp(fpa[1])
-    form = TAYLOR if code == mapfns.TAYLOR else DPFP if code == mapfns.DPFP else PAIRS
+    form = TAYLOR if code == mapfns.TAYLOR else DPFP
     nu = _pair_count(form, d)
     for i in range(c):
         row = rm[i]
         for f in range(dk):
             row[f] = t * row[f]
-    if form != TAYLOR:  # (as the maps' vjps: x s)
+    if form == DPFP:  # (as DPFP.vjp: u = x s)
         for i in range(c):
             row = xm[i]
             for a in range(d):
                 row[a] = row[a] * s
-    off = HEAD
-    if form == PAIRS:  # ReBased: u = gamma LN(s x) + beta in place (as its vjp's norm_grad.norm)
-        eps, gamma, beta = fpa[HEAD], fpa[HEAD + 1:HEAD + 1 + d], fpa[HEAD + 1 + d:HEAD + 1 + 2 * d]
-        for i in range(c):
-            row = xm[i, :d]
-            norm_row(row, gamma, beta, eps, row, row)
-        off = HEAD + 1 + 2 * d
-    table = fpa[off:off + 3 * dk]
+    table = fpa[HEAD:HEAD + 3 * dk]
     w = carray(work, (2 * nu + dk) * PAIR_ROWS + max(nu, dk, PAIR_ROWS))
     UT = w[:nu * PAIR_ROWS].reshape(nu, PAIR_ROWS)
     GT = w[nu * PAIR_ROWS:(nu + dk) * PAIR_ROWS].reshape(dk, PAIR_ROWS)
