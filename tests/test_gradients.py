@@ -626,12 +626,12 @@ class _Outside:
 @pytest.mark.parametrize("dtype", [np.float32, np.float64])
 def test_maps_in_the_backward_kernels(rng, dtype, monkeypatch):
     """The backward kernels apply the elementwise maps and their derivatives themselves (mapfns's and
-    map_grad's C functions), the causal one the pair maps' features too and Taylor's and DPFP's vjp
-    (pair_grad's C function, in the scratch of mapfns.work_size; ReBased's vjp after it): the same bits
-    as the map applied before the kernel and its vjp after, causal (lengths with NaN padding, gates per
-    position and per key dimension, a decay, an initial state, a head long enough to be cut into segments)
-    and non-causal (heads of few positions from their scores, longer ones from the sums, right-padded
-    queries and keys)."""
+    map_grad's C functions), the causal one the other maps' features too (written out for the projection
+    maps' vjps), and Taylor's and DPFP's vjp (pair_grad's C function, in the scratch of mapfns.work_size;
+    the others' vjps after it): the same bits as the map applied before the kernel and its vjp after,
+    causal (lengths with NaN padding, gates per position and per key dimension, a decay, an initial state,
+    a head long enough to be cut into segments) and non-causal (heads of few positions from their scores,
+    longer ones from the sums, right-padded queries and keys)."""
     from linattn import gradients
     fm = linattn.feature_maps
     maps = [fm.Elementwise(name) for name in ("squared_relu", "gelu", "silu", "sigmoid", "softplus")] + \
@@ -639,7 +639,14 @@ def test_maps_in_the_backward_kernels(rng, dtype, monkeypatch):
          fm.Elementwise("gelu").scaled(0.7)]
     pairs = [fm.Taylor(), fm.Taylor().scaled(0.4), fm.DPFP(2).scaled(1.5),
              fm.ReBased(rng.random(5) + 0.5, rng.standard_normal(5))]
-    for fmap in maps + pairs:
+
+    def learned(i, d):  # (the projection maps for inputs of d features)
+        return [lambda: fm.Hedgehog(rng.standard_normal((d, 3))),
+                lambda: fm.T2R(rng.standard_normal((d, 4)), rng.standard_normal(4)).scaled(0.7),
+                lambda: fm.Performer.random(d, 6, seed=1)][i]()
+
+    projections = [learned(i, 5) for i in range(3)]
+    for fmap in maps + pairs + projections:
         assert gradients._map_and_code(fmap)[1] == fmap.kernel_code()
     assert gradients._map_and_code(_Outside(maps[0]))[1] is None
     from linattn.cpu import mapfns, pair_grad
@@ -651,7 +658,9 @@ def test_maps_in_the_backward_kernels(rng, dtype, monkeypatch):
         for nu, dk in [(d + 1, fm.Taylor().out_dim(d))] + [(2 * d, fm.DPFP(n).out_dim(d)) for n in (1, 2, 3, 8)]:
             assert (2 * nu + dk) * mapfns.PAIR_ROWS + max(nu, dk, mapfns.PAIR_ROWS) <= mapfns.work_size.py_func(d, dk)
     assert pair_grad.PAIR_ROWS == mapfns.PAIR_ROWS
-    assert gradients._map_and_code(fm.T2R(np.ones((2, 3))))[1] is None  # (its vjp reads phi: computed before)
+    for fmap in projections:  # (the kernel writes phi out: their vjps read it)
+        code = fmap.kernel_code()
+        assert gradients._vjp_after(code) and gradients._kernel_map(fmap, code, 5, dtype)[3] == 0
     # the non-causal kernel computes phi twice: maps with an exp or erf on many values are computed outside it
     few, many = np.ones((1, 2, 16, 8)), np.ones((1, 8, 2048, 8))
     for fmap in maps:
@@ -659,7 +668,7 @@ def test_maps_in_the_backward_kernels(rng, dtype, monkeypatch):
         assert gradients._noncausal_code(code, few, few) == code
         costly = fmap.name in ("gelu", "silu", "sigmoid", "softplus")
         assert gradients._noncausal_code(code, many, many) == (None if costly else code)
-    for fmap in pairs:  # (there: phi computed before the kernel, as the kernel would compute it twice)
+    for fmap in pairs + projections:  # (there: phi computed before the kernel, as the kernel would compute it twice)
         assert gradients._noncausal_code(fmap.kernel_code(), few, few) is None
     causal_cases = [((2,), 70, 3, 2, dict(lengths=np.array([70, 33]))),
                     ((2, 2), 40, 4, 3, dict(gate="position", decay=0.9, initial_state=True)),
@@ -672,7 +681,9 @@ def test_maps_in_the_backward_kernels(rng, dtype, monkeypatch):
                 x[-1 if case["lengths"][-1] < n else 0, case["lengths"].min():] = np.nan
         args = [x.astype(dtype) for x in (q, k, v)]
         W = rng.standard_normal(lead + (n, dv)).astype(dtype)
-        for fmap in ([maps[i % len(maps)], pairs[i % len(pairs)]] if n > 1000 else maps + pairs):  # (long: two)
+        chosen = [maps[i % len(maps)], pairs[i % len(pairs)], learned(i % 3, d)] if n > 1000 else \
+            maps + pairs + [learned(j, d) for j in range(3)]  # (long: three)
+        for fmap in chosen:
             if isinstance(fmap, fm.ReBased) and fmap.gamma.shape[0] != d:
                 fmap = fm.ReBased(rng.random(d) + 0.5, rng.standard_normal(d))
             kw, dk = dict(case), fmap.out_dim(d)  # (the state and a gate per key dimension: D' wide)
@@ -686,7 +697,7 @@ def test_maps_in_the_backward_kernels(rng, dtype, monkeypatch):
             np.testing.assert_array_equal(got[0], want[0])
             for a, b in zip(*(_flat(vjp(W)) for vjp in (got[1], want[1]))):
                 np.testing.assert_array_equal(a, b, err_msg=f"{fmap!r} {kw}")
-            if fmap.param_names:  # (ReBased's gamma and beta: against its vjp after a kernel given phi)
+            if fmap.param_names:  # (their parameters' gradients: against the vjp after a kernel given phi)
                 with monkeypatch.context() as patch:
                     patch.setattr(gradients, "_map_and_code", lambda f: (f, None))
                     outside = linattn.causal_linear_attention_vjp(*args, feature_map=fmap, **kw)[1](W)[-1]

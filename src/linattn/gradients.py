@@ -18,9 +18,9 @@ backwards in time, chunk by chunk, from those states (no O(N^2) memory; the adjo
 accumulators), applying phi' as it writes: dq = dQ_f phi'(q), dk = dK_f phi'(k). Non-causal: the
 same sums over all positions, G and H then constant: the cpu/noncausal_grad.py kernel sums [S | Z]
 and [G | H] over each head, then writes the three gradients row by row. Both kernels apply phi and phi'
-of the elementwise maps themselves (cpu/map_grad.py), the causal one the pair maps' phi too (Taylor,
-ReBased, DPFP) and Taylor's and DPFP's vjp (cpu/pair_grad.py; ReBased's ``vjp`` after it); other maps'
-features are their inputs, the maps' ``vjp`` applied after.
+of the elementwise maps themselves (cpu/map_grad.py), the causal one every built-in map's phi too and
+Taylor's and DPFP's vjp (cpu/pair_grad.py; ReBased's ``vjp`` after it, and the projection maps', from the
+phi the kernel writes out); other maps' features are their inputs, the maps' ``vjp`` applied after.
 
 With decay and gates (log factor lam_t of the state before t, per position or per position and key
 dimension), the kernel decays the adjoint as the forward decays the state, and d lam_t = sum_{i >= t}
@@ -52,13 +52,13 @@ _NO_R = np.empty((1, 0, 1))  # no gates: the backward kernel's per-position term
 def _map_and_code(feature_map):
     """(the map, its code in the backward kernels, or None: then phi is applied before the kernel and
     the map's ``vjp`` after it). The kernels differentiate the elementwise maps (with any input scale);
-    the causal one computes the pair maps' features (Taylor, ReBased, DPFP: codes from TAYLOR) and
-    Taylor's and DPFP's vjp, ReBased's is applied after it (see _vjp_after). A callable needs a
+    the causal one computes the other built-in maps' features too (codes from TAYLOR) and Taylor's and
+    DPFP's vjp; the others' vjps are applied after it (see _vjp_after). A callable needs a
     ``vjp(x, dphi)`` of its own."""
     fmap = as_map(feature_map)
     if isinstance(fmap, FeatureMap):
         code = fmap.kernel_code()
-        return fmap, (code if isinstance(fmap, Elementwise) or code in _PAIRS else None)
+        return fmap, (code if isinstance(fmap, Elementwise) or code in _PAIRS or code in _PROJECTIONS else None)
     if not callable(getattr(fmap, "vjp", None)):
         raise TypeError(f"feature_map: a callable is differentiated only with its own derivative, a method or "
                         f"attribute vjp(x, dphi) returning the gradient of x from that of phi(x); got {feature_map!r}")
@@ -71,11 +71,15 @@ def _map_and_code(feature_map):
 #: 24.9-25.9 -> 21.3-21.4); ReBased's vjp (its norm's, and its
 #: parameters' gradients) follows the kernel.
 _PAIRS = (mapfns.TAYLOR, mapfns.REBASED, mapfns.DPFP)
+#: The projection maps' codes: the causal backward kernel computes their features and writes them out for
+#: their vjps, which read them (not made before it by two calls of their own: the tiny backward, B1 H1 N16
+#: D16, Hedgehog, T2R, Performer 66-68, 66-67, 72-74 -> 50-55, 51-54, 56-61 us; larger calls unchanged).
+_PROJECTIONS = (mapfns.PERFORMER, mapfns.HEDGEHOG, mapfns.T2R)
 
 
 def _vjp_after(code):
     """Whether the map's vjp follows the backward kernel (which then gives the gradients of phi(q), phi(k))."""
-    return code is None or code == mapfns.REBASED
+    return code is None or code == mapfns.REBASED or code in _PROJECTIONS
 
 
 def _kernel_map(fmap, code, d, comp):
@@ -95,8 +99,11 @@ _RECOMPUTED, _RECOMPUTE_ABOVE = (mapfns.GELU, mapfns.SILU, mapfns.SIGMOID, mapfn
 
 def _noncausal_code(code, q, k):
     """The map's code in the non-causal backward kernel for these queries and keys (_map_and_code's, or None
-    for a costly map on many values, see _RECOMPUTED, and for the pair maps: that kernel computes phi twice)."""
-    return None if code in _PAIRS or code in _RECOMPUTED and q.size + k.size > _RECOMPUTE_ABOVE else code
+    for a costly map on many values, see _RECOMPUTED, and for the pair and projection maps: that kernel
+    computes phi twice)."""
+    if code in _PAIRS or code in _PROJECTIONS:
+        return None
+    return None if code in _RECOMPUTED and q.size + k.size > _RECOMPUTE_ABOVE else code
 
 
 def _mapped(fmap, x, comp):
@@ -280,6 +287,7 @@ def _backward(q, k, v, fmap, code, lead, d, out_dt, normalize, s, initial_state,
     gated = kind != gates_mod.NONE
     # what every call shares, made once (B1 H1 N16: vjp(dout) 24 -> 18.5 us)
     no_grad = _no_state(comp, d, dv)[:2]  # no final state's gradient (read-only arrays with no rows)
+    no_phi = (np.empty((0, 0, 0, 0), comp),) * 2  # (phi(q), phi(k) not written by the kernel)
     ld = np.zeros(bh) if log_decay is None else np.ascontiguousarray(log_decay, np.float64).reshape(bh)
     kmap = _kernel_map(fmap, code, q.shape[-1], comp)
     dx = d if _vjp_after(code) else q.shape[-1]  # (the kernel's dq, dk: the gradients of phi(q), phi(k) or of q, k)
@@ -300,6 +308,8 @@ def _backward(q, k, v, fmap, code, lead, d, out_dt, normalize, s, initial_state,
         qf = kf = None
         if code is None:  # phi applied here, its vjp after the kernel
             qf, kf = _mapped(fmap, q, comp), _mapped(fmap, k, comp)
+        if code in _PROJECTIONS:  # phi written by the kernel, for the vjp after it
+            qf, kf = workspace.take_views([lead + (n, d)] * 2, comp)
         dq, dk, dvv = workspace.take_views([lead + (n, x) for x in (dx, dx, dv)], comp)  # (no page faults)
         rows = bh if has_state else 0
         H_out, Z_out = np.empty((rows, d, dv), comp), np.empty((rows, d), comp)
@@ -321,7 +331,9 @@ def _backward(q, k, v, fmap, code, lead, d, out_dt, normalize, s, initial_state,
             _run(kernel, nthreads, (q4, k4, v4, g4, o4, den.reshape(g12 + (n,)), *kmap, normalize, comp.type(s),
                                     lens_all, chunk, frac, states.reshape(g12 + states.shape[-3:]), has_state, H0, Z0,
                                     lam4, ld, dq.reshape(g12 + (n, dx)), dk.reshape(g12 + (n, dx)),
-                                    dvv.reshape(g12 + (n, dv)), H_out, Z_out, rq, rk, status),
+                                    dvv.reshape(g12 + (n, dv)), H_out, Z_out, rq, rk,
+                                    *(no_phi if code not in _PROJECTIONS else
+                                      (qf.reshape(g12 + (n, d)), kf.reshape(g12 + (n, d)))), status),
                  _parts(two_runs, bh, frac, d, dv, True))
         elif has_state:
             H_out[...], Z_out[...] = (H0, Z0) if len(H0) else (0, 0)

@@ -133,6 +133,15 @@ def _zero_rows(x, i0, i1):
 
 
 @njit(helper=True)
+def _keep_rows(X, c, ncols, dst, i0):
+    """dst[i0 + t] = X[t, :ncols] for t < c (dst's rows: unit stride)."""
+    for t in range(c):
+        src, row = X[t], as_contiguous(dst[i0 + t])
+        for a in range(ncols):
+            row[a] = src[a]
+
+
+@njit(helper=True)
 def _scale_columns(X, c, ncols, s):
     """X[:c, :ncols] *= s."""
     if s != 1:
@@ -291,21 +300,26 @@ def _vector_intra_keys(M, QS, d, a, e, R, c, Qsc, TB, fac, tiny):
 
 @njit(helper=True)
 def _chunk(q, k, v, g, out, den, mp, da, normalize, s, one, i0, c, St, has_st, C, Cz, has_c, own, gates, dq, dk, dv,
-           rq, rk, has_r, QA, QA2, KT, KT2, V1, KF, KW, QE, R, CT, sums, G, Rg, F, X, W, XB):
+           rq, rk, has_r, qf, kf, keep, QA, QA2, KT, KT2, V1, KF, KW, QE, R, CT, sums, G, Rg, F, X, W, XB):
     """Positions [i0, i0 + c) of one head: dq, dk, dv when ``own`` (the adjoint after the chunk in C,
     D x Dv, and Cz, D, when ``has_c``; the state before it in St, e x D, when ``has_st``; the map ``mp``,
-    mapfns.map_state's tuple, its derivative's address ``da``, XB a (2 chunk, D) scratch for it). Leaves
-    QA[:c, :e] = ab and, with gates, QE[:c] = ef qs (else QA2[:c, :D] = qs) for the adjoint's update."""
+    mapfns.map_state's tuple, its derivative's address ``da``, XB a (2 chunk, D) scratch for it), and when
+    ``keep`` phi(q), phi(k) into qf, kf. Leaves QA[:c, :e] = ab and, with gates, QE[:c] = ef qs (else
+    QA2[:c, :D] = qs) for the adjoint's update."""
     e, d = KT.shape[0], KT2.shape[0]
     dvd, decayed = e - 1, gates.ndim > 1
     _load_adjoints(g, out, den, i0, c, normalize, QA)
     fm = mp[0]
     load_features(q, i0, c, mp, QA2)
+    if own and keep:
+        _keep_rows(QA2, c, d, qf, i0)
     _scale_columns(QA2, c, d, s)
     if own:
         _load_values(v, i0, c, V1)
         transpose_padded(V1, KT, sums, c)
         load_features(k, i0, c, mp, KF)
+        if keep:
+            _keep_rows(KF, c, d, kf, i0)
         transpose_padded(KF, KT2, sums, c)
         adjoint_scores(gates, QA, KT, KF, e, c, G, Rg, F, X)  # M
         gate_scores(gates, QA2, KT2, KF, d, c, G, Rg, F, X)  # A
@@ -341,14 +355,15 @@ def _chunk(q, k, v, g, out, den, mp, da, normalize, s, one, i0, c, St, has_st, C
 
 
 def _causal_backward(q, k, v, g, out, den, fm, fp, fa, da, normalize, s, lengths, chunk, frac, states, has_s0, H0, Z0,
-                     gates, ld, dq, dk, dv, H_out, Z_out, rq, rk, status, phase, parts, counter):
+                     gates, ld, dq, dk, dv, H_out, Z_out, rq, rk, qf, kf, status, phase, parts, counter):
     """Gradients of causal linear attention for every head (see the module docstring).
 
     q, k: (G1, G2, N, D); v, g, out: (G1, G2, N, Dv); den: (G1, G2, N), the forward's denominators; all with
     unit stride along their last axis. ``fm``, ``fp``, ``fa``, ``da``: the map (map_grad.kernel_map: its code,
-    parameters, the addresses of its C function and of its derivative's; codes 0-2 applied inline; for the
-    pair maps, D' features of D, and for ReBased, whose derivative's address is 0, dq and dk are the gradients
-    of phi(q), phi(k), (G1, G2, N, D')); ``s``: the scale of phi(q).
+    parameters, the addresses of its C function and of its derivative's; codes 0-2 applied inline; the pair
+    and projection maps give D' features of D; for those whose derivative's address is 0, ReBased and the
+    projection maps, dq and dk are the gradients of phi(q), phi(k), (G1, G2, N, D')); ``s``: the scale of
+    phi(q).
     ``states`` (G1, G2, chunks, Dv + 1, D): the forward's state [S | Z]^T at the start of every chunk of
     ``chunk`` positions (the first one zero unless ``has_s0``). H0, Z0: the final state's gradient dS (heads, D,
     Dv) and dZ (heads, D), or arrays with no rows for zero. ``gates``: the log factor of each position (G1, G2,
@@ -356,9 +371,11 @@ def _causal_backward(q, k, v, g, out, den, fm, fp, fa, da, normalize, s, lengths
     ld: a log decay per head (float64, added to each position's log factor as the forward kernel adds it). Out:
     dq, dk, dv (zero past ``lengths``), H_out, Z_out (heads, D, Dv), (heads, D): the initial state's gradient
     (unless they have no rows), rq, rk (heads, N, 1), or (heads, N, D) per key dimension, in float64 with gates
-    (else (1, 0, 1)). Run by threaded.ThreadedKernel: each thread takes items (head, segment) from ``counter``.
-    Segments start as the forward kernel's do (cpu/chunked.py), mirrored: after their prefix (the adjoint
-    updates of the chunks after them; ``parts`` with no rows, ``phase`` 1), or in two runs with ``parts``
+    (else (1, 0, 1)); qf, kf (G1, G2, N, D'): phi(q), phi(k) as the kernel computes them (rows past ``lengths``
+    not written), for a map's vjp after the kernel (unless they have no rows). Run by threaded.ThreadedKernel:
+    each thread takes items (head, segment) from ``counter``. Segments start as the forward kernel's do
+    (cpu/chunked.py), mirrored: after their prefix (the adjoint updates of the chunks after them; ``parts``
+    with no rows, ``phase`` 1), or in two runs with ``parts``
     (heads, nseg, D, Dv + 2): phase 0, the last segment in time runs whole from H0, Z0 and leaves its adjoint
     before it in parts[head, 0], while each other segment but the first in time sums its own chunks' adjoint
     updates from zero; phase 1, each but the last in time starts from the parts after it.
@@ -373,7 +390,8 @@ def _causal_backward(q, k, v, g, out, den, fm, fp, fa, da, normalize, s, lengths
     # views without reference counting (see chunked._causal_forward): the caller owns the arguments,
     # the buffers' owners are kept to the end
     q, k, v, g, out, den, gates = unowned((q, k, v, g, out, den, gates))
-    dq, dk, dv, rq, rk, states, parts = unowned((dq, dk, dv, rq, rk, states, parts))
+    dq, dk, dv, rq, rk, states, parts, qf, kf = unowned((dq, dk, dv, rq, rk, states, parts, qf, kf))
+    keep = bool(qf.shape[0] > 0)
     summing = bool(parts.shape[0] > 0 and phase == 0)  # (phase 0: the segments' own sums)
     total = zeros(d if summing and decayed else 0, np.float64)  # a segment's log decay (phase 0)
     H0, Z0, H_out, Z_out = unowned((H0, Z0, H_out, Z_out))
@@ -413,6 +431,7 @@ def _causal_backward(q, k, v, g, out, den, fm, fp, fa, da, normalize, s, lengths
         c0, c1 = nch - f1, nch - f0
         qh, kh, vh, gh, oh, denh = q[h1, h2], k[h1, h2], v[h1, h2], g[h1, h2], out[h1, h2], den[h1, h2]
         dqh, dkh, dvh, kept = dq[h1, h2], dk[h1, h2], dv[h1, h2], states[h1, h2]
+        qfh, kfh = (qf[h1, h2], kf[h1, h2]) if keep else (dqh, dkh)  # (not written unless keep)
         sbuf = (_state_buffers(d, e - 1, dt), empty(d if decayed else 0, dt))
         (P, B, acc, Pz, Bz, Z, accz, lam), fb = unowned(sbuf)  # the adjoint [C | Cz] as a state
         has_acc = _init_state(H0, Z0, h, B, accz, Bz) if whole else bool(False)
@@ -445,8 +464,8 @@ def _causal_backward(q, k, v, g, out, den, fm, fp, fa, da, normalize, s, lengths
             has_c = has_acc or has_p
             own = ci < c1 and not sums_only
             _chunk(qh, kh, vh, gh, oh, denh, mp, da, normalize, s, one, i0, c, kept[ci], has_st, C, Z, has_c, own,
-                   gates, dqh, dkh, dvh, rq[r], rk[r], has_r, QA, QA2, KT, KT2, V1, KF, KW, QE, R, CT, sums, G, Rg, F,
-                   X, W, XB)
+                   gates, dqh, dkh, dvh, rq[r], rk[r], has_r, qfh, kfh, keep, QA, QA2, KT, KT2, V1, KF, KW, QE, R, CT,
+                   sums, G, Rg, F, X, W, XB)
             if ci == c0 and not (summing or (last and H_out.shape[0] > 0)):
                 break  # no one reads the adjoint before the segment's first chunk
             beta = gate_pending(gates, P, Pz, lam, c, G, Rg, F, has_p)
@@ -487,7 +506,8 @@ def _signature(dt, kind):
                       array(dt, 5, "A", readonly=True), types.boolean, array(dt, 3, readonly=True),
                       array(dt, 2, readonly=True), gate_t, array(f64, 1, readonly=True),
                       array(dt, 4, "A"), array(dt, 4, "A"), array(dt, 4, "A"), array(dt, 3), array(dt, 2),
-                      array(f64, 3, "A"), array(f64, 3, "A"), array(i64, 1), i64, array(f64, 4))
+                      array(f64, 3, "A"), array(f64, 3, "A"), array(dt, 4, "A"), array(dt, 4, "A"), array(i64, 1), i64,
+                      array(f64, 4))
 
 
 #: kind: 0 without gates, 1 with a log factor per position, 2 per position and key dimension (decay and gates

@@ -22,8 +22,8 @@ from .._jit import array, njit
 from . import symbols
 from .elementwise import ELU, IDENTITY, RELU, exp_le0, load_rows, relu
 from .gating import like
-from .mapfns import (DPFP, FIRST, GELU, REBASED, SCALED_ELU, SCALED_IDENTITY, SCALED_RELU, SIGMOID, SILU, SOFTPLUS,
-                     SQUARED_RELU, TAYLOR, address as map_address, normal_cdf)
+from .mapfns import (DPFP, FIRST, GELU, HEDGEHOG, PERFORMER, REBASED, SCALED_ELU, SCALED_IDENTITY, SCALED_RELU,
+                     SIGMOID, SILU, SOFTPLUS, SQUARED_RELU, T2R, TAYLOR, address as map_address, normal_cdf)
 from .pair_grad import derivative_address as pair_derivative_address, derivative_signature
 from .runtime import kernel_section, threads_for
 from .schedule import take
@@ -147,8 +147,8 @@ _INLINE = {}  # (code, dtype) -> kernel_map's tuple, for the codes the kernels a
 def kernel_map(code, fp, dtype):
     """(code, fp, map address, derivative address): the backward kernels' map arguments for map ``code``
     with parameters ``fp`` (FeatureMap.params; None for the codes the kernels apply inline); addresses 0
-    where they are not called (ReBased's derivative: the causal kernel computes its features, its vjp
-    follows the kernel; Taylor's and DPFP's through pair_grad's C function)."""
+    where they are not called (ReBased's and the projection maps' derivatives: the causal kernel computes
+    their features, their vjps follow the kernel; Taylor's and DPFP's through pair_grad's C function)."""
     dtype = np.dtype(dtype)
     if code < FIRST:
         inline = _INLINE.get((code, dtype))
@@ -156,9 +156,9 @@ def kernel_map(code, fp, dtype):
             inline = _INLINE[code, dtype] = (code, np.array([1, 0], dtype), 0, 0)
         return inline
     if code >= TAYLOR:
-        if code not in (TAYLOR, REBASED, DPFP):
-            raise ValueError(f"the backward kernels compute the pair maps' features only, not map code {code}'s")
-        return code, fp, map_address(dtype, code), (0 if code == REBASED else pair_derivative_address(dtype))
+        if code not in (TAYLOR, REBASED, DPFP, PERFORMER, HEDGEHOG, T2R):
+            raise ValueError(f"no backward kernel computes the features of map code {code}")
+        return code, fp, map_address(dtype, code), (pair_derivative_address(dtype) if code in (TAYLOR, DPFP) else 0)
     return code, fp, map_address(dtype, code), symbols.address(_SYMBOLS[numba.from_dtype(dtype)])
 
 
