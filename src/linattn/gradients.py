@@ -68,8 +68,7 @@ def _map_and_code(feature_map):
 #: The pair maps' codes: the causal backward kernel computes their features (phi(q), phi(k) not made and
 #: read again: Taylor's backward at B1 H8 N2048 D16 17.1-17.3 -> 15.6 ms) and Taylor's and DPFP's vjp
 #: (pair_grad's C function: dphi not written and read again; D16: 10.1-10.8 -> 7.9-8.0 ms, DPFP(2) at D64
-#: 24.9-25.9 -> 21.3-21.4); ReBased's vjp (its norm's, and its
-#: parameters' gradients) follows the kernel.
+#: 24.9-25.9 -> 21.3-21.4); ReBased's vjp (its norm's, and its parameters' gradients) follows the kernel.
 _PAIRS = (mapfns.TAYLOR, mapfns.REBASED, mapfns.DPFP)
 #: The projection maps' codes: the causal backward kernel computes their features and writes them out for
 #: their vjps, which read them (not made before it by two calls of their own: the tiny backward, B1 H1 N16
