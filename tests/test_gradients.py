@@ -626,12 +626,12 @@ class _Outside:
 @pytest.mark.parametrize("dtype", [np.float32, np.float64])
 def test_maps_in_the_backward_kernels(rng, dtype, monkeypatch):
     """The backward kernels apply the elementwise maps and their derivatives themselves (mapfns's and
-    map_grad's C functions), the causal one the other maps' features too (written out for the projection
-    maps' vjps), and Taylor's and DPFP's vjp (pair_grad's C function, in the scratch of mapfns.work_size;
-    the others' vjps after it): the same bits as the map applied before the kernel and its vjp after,
+    map_grad's C functions) and Taylor's and DPFP's with their vjp (pair_grad's C function, in the scratch of
+    mapfns.work_size), the causal one the other maps' features too (written out for the projection maps'
+    vjps; the others' vjps after it): the same bits as the map applied before the kernel and its vjp after,
     causal (lengths with NaN padding, gates per position and per key dimension, a decay, an initial state,
     a head long enough to be cut into segments) and non-causal (heads of few positions from their scores,
-    longer ones from the sums, right-padded queries and keys)."""
+    longer ones from the sums, right-padded queries and keys, an initial state, heads cut into segments)."""
     from linattn import gradients
     fm = linattn.feature_maps
     maps = [fm.Elementwise(name) for name in ("squared_relu", "gelu", "silu", "sigmoid", "softplus")] + \
@@ -668,8 +668,9 @@ def test_maps_in_the_backward_kernels(rng, dtype, monkeypatch):
         assert gradients._noncausal_code(code, few, few) == code
         costly = fmap.name in ("gelu", "silu", "sigmoid", "softplus")
         assert gradients._noncausal_code(code, many, many) == (None if costly else code)
-    for fmap in pairs + projections:  # (there: phi computed before the kernel, as the kernel would compute it twice)
-        assert gradients._noncausal_code(fmap.kernel_code(), few, few) is None
+    for fmap in pairs + projections:  # (there ReBased's and the projections' phi before the kernel, their vjps after)
+        code = fmap.kernel_code()
+        assert gradients._noncausal_code(code, many, many) == (None if fmap in pairs[3:] + projections else code)
     causal_cases = [((2,), 70, 3, 2, dict(lengths=np.array([70, 33]))),
                     ((2, 2), 40, 4, 3, dict(gate="position", decay=0.9, initial_state=True)),
                     ((2,), 50, 5, 1, dict(gate="dimension", lengths=np.array([17, 50]))),
@@ -706,16 +707,21 @@ def test_maps_in_the_backward_kernels(rng, dtype, monkeypatch):
                 for name in inside:
                     np.testing.assert_array_equal(inside[name], outside[name], err_msg=f"{fmap!r} {kw} {name}")
     padded = dict(lengths=np.array([150, 40]), query_lengths=np.array([200, 7]))
-    noncausal_cases = [((2, 3), 9, 9, 4, 3, {}), ((2,), 200, 150, 3, 2, padded), ((1,), 5, 5, 2, 2, dict(scale=0.5))]
-    for lead, n, nk, d, dv, kw in noncausal_cases:
+    noncausal_cases = [((2, 3), 9, 9, 4, 3, {}), ((2,), 200, 150, 3, 2, padded), ((1,), 5, 5, 2, 2, dict(scale=0.5)),
+                       ((2,), 70, 60, 3, 2, dict(initial_state=True)), ((1, 2), 3000, 3000, 2, 2, {})]
+    for i, (lead, n, nk, d, dv, case) in enumerate(noncausal_cases):
         q = (rng.standard_normal(lead + (n, d)) * 0.5).astype(dtype)
         k, v = ((rng.standard_normal(lead + (nk, x)) * 0.5).astype(dtype) for x in (d, dv))
         W = rng.standard_normal(lead + (n, dv)).astype(dtype)
-        for fmap in maps:
+        for fmap in ([maps[i], pairs[i % 3]] if n > 1000 else maps + pairs[:3]):  # (Taylor, DPFP: in the kernel)
+            kw, dk = dict(case), fmap.out_dim(d)
+            if kw.pop("initial_state", False):
+                kw["initial_state"] = linattn.State(rng.random(lead + (dk, dv)).astype(dtype),
+                                                    (rng.random(lead + (dk,)) + 0.5).astype(dtype))
             got = linattn.linear_attention_vjp(q, k, v, feature_map=fmap, **kw)
             want = linattn.linear_attention_vjp(q, k, v, feature_map=_Outside(fmap), **kw)
             np.testing.assert_array_equal(got[0], want[0])
-            for a, b in zip(got[1](W), want[1](W)):
+            for a, b in zip(*(_flat(vjp(W)) for vjp in (got[1], want[1]))):
                 np.testing.assert_array_equal(a, b, err_msg=f"{fmap!r} {kw}")
 
 

@@ -18,9 +18,9 @@ backwards in time, chunk by chunk, from those states (no O(N^2) memory; the adjo
 accumulators), applying phi' as it writes: dq = dQ_f phi'(q), dk = dK_f phi'(k). Non-causal: the
 same sums over all positions, G and H then constant: the cpu/noncausal_grad.py kernel sums [S | Z]
 and [G | H] over each head, then writes the three gradients row by row. Both kernels apply phi and phi'
-of the elementwise maps themselves (cpu/map_grad.py), the causal one every built-in map's phi too and
-Taylor's and DPFP's vjp (cpu/pair_grad.py; ReBased's ``vjp`` after it, and the projection maps', from the
-phi the kernel writes out); other maps' features are their inputs, the maps' ``vjp`` applied after.
+of the elementwise maps themselves (cpu/map_grad.py) and Taylor's and DPFP's phi and vjp (cpu/pair_grad.py),
+the causal one every built-in map's phi (ReBased's ``vjp`` after it, and the projection maps', from the phi
+the kernel writes out); other maps' features are their inputs, the maps' ``vjp`` applied after.
 
 With decay and gates (log factor lam_t of the state before t, per position or per position and key
 dimension), the kernel decays the adjoint as the forward decays the state, and d lam_t = sum_{i >= t}
@@ -98,9 +98,9 @@ _RECOMPUTED, _RECOMPUTE_ABOVE = (mapfns.GELU, mapfns.SILU, mapfns.SIGMOID, mapfn
 
 def _noncausal_code(code, q, k):
     """The map's code in the non-causal backward kernel for these queries and keys (_map_and_code's, or None
-    for a costly map on many values, see _RECOMPUTED, and for the pair and projection maps: that kernel
-    computes phi twice)."""
-    if code in _PAIRS or code in _PROJECTIONS:
+    for a costly map on many values, see _RECOMPUTED, and for ReBased and the projection maps: their vjps
+    follow the kernel)."""
+    if code == mapfns.REBASED or code in _PROJECTIONS:
         return None
     return None if code in _RECOMPUTED and q.size + k.size > _RECOMPUTE_ABOVE else code
 
@@ -424,9 +424,11 @@ def linear_attention_vjp(q, k=None, v=None, *, feature_map="elu", eps=1e-6, norm
             qq, kk = (x if m is None else np.where(m, x, 0).astype(comp, copy=False)
                       for x, m in ((q, qvalid), (k, valid)))
             src = (_mapped(fmap, qq, comp), _mapped(fmap, kk, comp))
-        dk_, nk = src[0].shape[-1], k.shape[-2]
+        # (D', the features; the kernel's dq, dk: of q, k, or of phi(q), phi(k) computed here)
+        dk_, nk = src[0].shape[-1] if code is None else fmap.out_dim(q.shape[-1]), k.shape[-2]
+        dx = dk_ if code is None else q.shape[-1]
         dS, dZ = _final_state_gradient(dstate, return_state, lead, dk_, dv, comp)
-        dqf, dkf = workspace.take_views([lead + (n, dk_), lead + (nk, dk_)], comp)  # (pooled: no fresh pages)
+        dqf, dkf = workspace.take_views([lead + (n, dx), lead + (nk, dx)], comp)  # (pooled: no fresh pages)
         dvv = workspace.empty(lead + (nk, dv), comp)
         bh = math.prod(lead)
         base = None  # the rows added to the sums [S | Z] and G: the initial state, the returned state's gradient

@@ -30,7 +30,7 @@ from .backward import _load_adjoints, _load_values, _scale_columns, _times_deriv
 from .buffers import empty
 from .chunked import (FOLD_EVERY, _rows_to_touch, _segment, _state_buffers, few_positions, folded_after,
                       zero_unless_summed)
-from .mapfns import FIRST, load_features, map_state
+from .mapfns import FIRST, load_features, map_state, mapped_dim
 from .runtime import kernel_section
 from .schedule import take
 from .smallgemm import noinline, small_gemm, small_gemm_tn
@@ -146,24 +146,25 @@ def _noncausal_backward(q, k, v, g, out, fm, fp, fa, da, s, eps, normalize, leng
     last axis. Only the first lengths[head] keys of a head are read (right-padded keys), and its first
     qlengths[head] rows of q, g and out (right-padded queries); dk, dv and dq are 0 past them. ``fm``, ``fp``,
     ``fa``, ``da``: the map (map_grad.kernel_map: its code, parameters, the addresses of its C function and
-    of its derivative's; codes 0-2 applied inline), ``s``: the scale of phi(q). ``frac`` splits
+    of its derivative's; codes 0-2 applied inline; an elementwise map, or Taylor or DPFP: D' features of D,
+    dq and dk the gradients of q and k), ``s``: the scale of phi(q). ``frac`` splits
     each head's chunks into segments, one work item each. Run by threaded.ThreadedKernel: each thread
     takes items from ``counter``. ``phase`` 3: each item sums its head's [S | Z] and G itself, then
     writes its rows. With several segments a head the kernel runs three times instead: ``phase`` 0,
     each item sums its chunks' part of [S | Z] into parts[0, head, segment]; 1, its part of G (from all
     of Z) into parts[1, head, segment]; 2, its rows from the sums of the parts (float64, (2, heads, nseg,
-    D, Dv + 1)).
+    D', Dv + 1)).
     """
-    g2, d = q.shape[1], q.shape[3]
+    g2, d = q.shape[1], mapped_dim(fm, fp, q.shape[3])  # (d: D', the features)
     e, dt = v.shape[3] + 1, dq.dtype
     one = np.ones(1, dt)[0]
-    mapper = map_state(fm, fp, fa, d, d, dt)
+    mapper = map_state(fm, fp, fa, q.shape[3], d, dt)
     mp = unowned(mapper)  # (its parameters are shared by the threads: each view's atomic add contended)
     q, k, v, g, out, dq, dk, dv, parts = unowned((q, k, v, g, out, dq, dk, dv, parts))  # (see chunked)
     owners = (empty((chunk, d), dt), empty((chunk, e), dt), empty((chunk, d), dt), empty((chunk, e), dt),
               empty((chunk, d), dt), empty(chunk, dt), empty((d, e), dt), empty((d, e), dt), empty(d, dt),
               empty((e, d), dt), empty((e, d), dt), empty(max(d, e), dt), empty((1, 1), np.float64),
-              empty((2 * chunk if fm >= FIRST else 0, d), dt))
+              empty((2 * chunk if da != 0 else 0, q.shape[3]), dt))
     # phi(K), [v, 1], scale phi(Q), [a | b], the products' rows, the denominators, [S | Z], G, Z, their
     # transposes, a sink for transpose_rows' sums, no gate terms (for _times_derivative), the rows of q or k
     # for a map's derivative and its result
@@ -259,10 +260,10 @@ def backward(nthreads, q, k, v, g, out, fm, s, eps, normalize, lengths, qlengths
              base=None):
     """Run the kernel (arguments as ``_noncausal_backward``'s, 4-D arrays of one float dtype; ``fm`` the map as
     map_grad.kernel_map's tuple) on ``nthreads`` threads: once when every head is one segment, else three
-    times (the segments' parts of [S | Z], then of G, then the rows). ``base`` (2, heads, D, Dv + 1),
+    times (the segments' parts of [S | Z], then of G, then the rows). ``base`` (2, heads, D', Dv + 1),
     float64: what [S | Z] and G start from (an initial state; the gradient of the state returned), one
     more part of each head's sums (the kernel then runs three times); G's sums are then returned, (heads,
-    D, Dv + 1)."""
+    D', Dv + 1)."""
     kernel = noncausal_backward.get(dq.dtype, None)
     args = (q, k, v, g, out, *fm, s, eps, normalize, lengths, qlengths, chunk, frac, dq, dk, dv)
     if base is None and nthreads <= 1 and len(frac) == 2:  # the worker on this thread through its unchecked entry
@@ -274,7 +275,8 @@ def backward(nthreads, q, k, v, g, out, fm, s, eps, normalize, lengths, qlengths
             kernel(nthreads, *args, 3, _NO_PARTS)
             return None
         nseg = len(frac) - 1
-        parts = np.empty((2, q.shape[0] * q.shape[1], nseg + (base is not None), q.shape[3], v.shape[3] + 1))
+        d = int(fm[1][1]) if fm[0] >= FIRST else q.shape[3]  # (D', the features: mapped_dim's)
+        parts = np.empty((2, q.shape[0] * q.shape[1], nseg + (base is not None), d, v.shape[3] + 1))
         if base is not None:
             parts[:, :, nseg] = base
         for phase in range(3):
