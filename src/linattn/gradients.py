@@ -204,9 +204,9 @@ def causal_linear_attention_vjp(q, k, v, *, feature_map="elu", eps=1e-6, normali
     called, not copies made by the forward: do not overwrite their arrays in between.
 
     Every feature map of :mod:`linattn.feature_maps` is differentiated: the elementwise ones (by name or
-    as ``Elementwise`` objects) inside the backward kernel, the others through their ``vjp`` (phi(q),
-    phi(k) are then computed in full, (..., N, D') each, but for Taylor, ReBased and DPFP, whose
-    features the kernel computes); a map with parameters (the learned and random-feature maps) adds,
+    as ``Elementwise`` objects), Taylor and DPFP inside the backward kernel, the others through their
+    ``vjp`` after it (from the features the kernel computes; a callable's are computed in full before
+    it, (..., N, D') each); a map with parameters (the learned and random-feature maps) adds,
     last, a dict of their gradients by name (``FeatureMap.param_names``: "weight" and "bias", "gamma"
     and "beta", "omega"). A callable map needs a ``vjp(x, dphi)`` attribute returning the gradient of x
     (a TypeError otherwise).

@@ -87,9 +87,9 @@ def _times_derivative(R, Y, c, fm, s, dst, i0, r, has_r, src, mp, da, X):
     relu and identity (codes below mapfns.FIRST, ``da`` 0) inline from Y (elu + 1: R min(Y, s), the exp below
     0 times s; relu: s R where Y > 0; identity: s R); through the C function at ``da`` from x_t for the others
     that have one (``mp``: mapfns.map_state's tuple; X: a (2 chunk, D) scratch; R is overwritten): the
-    elementwise maps of codes from mapfns.FIRST, Taylor and DPFP (dst then D wide, R D'); else (ReBased: the
-    caller applies its vjp) s R[t], the gradient of phi. When ``has_r`` r[i0 + t] = Y[t] . R[t] (r: (N, 1)) or
-    Y[t] * R[t] (r: (N, D'), a gate per key dimension)."""
+    elementwise maps of codes from mapfns.FIRST, Taylor and DPFP (dst then D wide, R D'); else (ReBased and
+    the projection maps: the caller applies their vjps) s R[t], the gradient of phi. When ``has_r``
+    r[i0 + t] = Y[t] . R[t] (r: (N, 1)) or Y[t] * R[t] (r: (N, D'), a gate per key dimension)."""
     d = R.shape[1]
     zero = s - s
     for t in range(c):

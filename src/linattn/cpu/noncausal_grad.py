@@ -30,7 +30,7 @@ from .backward import _load_adjoints, _load_values, _scale_columns, _times_deriv
 from .buffers import empty
 from .chunked import (FOLD_EVERY, _rows_to_touch, _segment, _state_buffers, few_positions, folded_after,
                       zero_unless_summed)
-from .mapfns import FIRST, load_features, map_state, mapped_dim
+from .mapfns import load_features, map_state, mapped_dim
 from .runtime import kernel_section
 from .schedule import take
 from .smallgemm import noinline, small_gemm, small_gemm_tn
@@ -275,7 +275,7 @@ def backward(nthreads, q, k, v, g, out, fm, s, eps, normalize, lengths, qlengths
             kernel(nthreads, *args, 3, _NO_PARTS)
             return None
         nseg = len(frac) - 1
-        d = int(fm[1][1]) if fm[0] >= FIRST else q.shape[3]  # (D', the features: mapped_dim's)
+        d = mapped_dim.py_func(fm[0], fm[1], q.shape[3])  # (D', the features)
         parts = np.empty((2, q.shape[0] * q.shape[1], nseg + (base is not None), d, v.shape[3] + 1))
         if base is not None:
             parts[:, :, nseg] = base
