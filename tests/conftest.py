@@ -29,6 +29,15 @@ def assert_close(out, ref, dtype, cond=1.0):
     assert err <= TOL[np.dtype(dtype)] * cond, f"relative error {err:.3e} > {TOL[np.dtype(dtype)]:.1e} x {cond:.3g}"
 
 
+def exact_exp(x):
+    """exp(x) for ulp checks of float64 results: in long double where it has more bits than float64 (x86: 64),
+    so that the reference adds no rounding of its own. NumPy's float64 exp is within one ulp, not exact (NumPy
+    1.24's, on AVX-512, one ulp off at x = -0.998703, where linattn's exp was one ulp off the other way: two
+    ulps against it, 0.89 against the exact value)."""
+    wide = np.finfo(np.longdouble).nmant > np.finfo(np.float64).nmant
+    return np.exp(np.asarray(x).astype(np.longdouble if wide else np.float64))
+
+
 def cancellation(want, size, dtype):
     """The condition number of sums that cancel: 1 + 8 eps (of the compute dtype: float32 for float16)
     times the largest sum of magnitudes ``size`` over TOL x max |want|. A sum far smaller than its terms

@@ -9,6 +9,8 @@ from linattn import feature_maps as fm
 from linattn.cpu.elementwise import elu1, exp_le0, target_has_fma
 from linattn.cpu.mapfns import exp_any
 
+from conftest import exact_exp  # (this script's folder is the first on sys.path)
+
 
 @numba.njit(fastmath={"contract", "reassoc", "nsz", "arcp"})
 def maps(x, elu, le0, anywhere):
@@ -20,11 +22,11 @@ def maps(x, elu, le0, anywhere):
 
 def main():
     assert not target_has_fma(cpu_target.target_context), cpu_target.target_context.codegen()._tm_features
-    for dtype, ulps, low in ((np.float32, 1.5, -87.33), (np.float64, 1.05, -708.3)):
+    for dtype, ulps, low in ((np.float32, 1.05, -87.33), (np.float64, 1.05, -708.3)):
         x = np.concatenate([-np.logspace(-30, np.log10(-low), 20_000), np.linspace(low, 30, 20_001)]).astype(dtype)
         elu, le0, anywhere = np.empty_like(x), np.empty_like(x), np.empty_like(x)
         maps(x, elu, le0, anywhere)
-        ref = np.exp(np.minimum(x, 0).astype(np.float64))
+        ref = exact_exp(np.minimum(x, 0))
         m = x <= 0
         for got in (elu, le0, anywhere) if dtype == np.float32 else (elu, le0):  # (float64's exp_any: libm's)
             err = np.abs(got[m] - ref[m]) / np.spacing(ref[m].astype(dtype))
