@@ -1,6 +1,8 @@
 """Compilation: kernels still work when no cache directory is writable, the disk cache never serves
-a kernel compiled from other sources, and helpers are compiled only into the kernels that call them."""
+a kernel compiled from other sources, helpers are compiled only into the kernels that call them, and a
+Numba older than linattn runs on is refused by name."""
 import os
+import re
 import shutil
 import subprocess
 import sys
@@ -8,6 +10,7 @@ from pathlib import Path
 
 import numba
 import numpy as np
+import pytest
 
 import linattn
 from linattn import _jit
@@ -225,3 +228,13 @@ def test_a_cached_map_function_finds_the_products_it_calls(tmp_path):
                              timeout=600, check=False)
         assert res.returncode == 0, res.stderr
         assert res.stdout.split() == ["True", "2"]
+
+
+def test_an_older_numba_is_refused_by_name():
+    """Numba 0.60 failed calls on several threads with a TypeError from its dispatcher: importing linattn
+    with it (or older) says which version it needs and found instead."""
+    for version in ("0.60.0", "0.60.1+dev", "0.59.1", "0.9.0"):
+        with pytest.raises(ImportError, match=rf"linattn needs Numba 0\.61 or later, found {re.escape(version)}"):
+            _jit._check_numba(version)
+    for version in ("0.61.0rc1", "0.61.2", "0.68.1", "0.100.0", "1.0.0"):
+        _jit._check_numba(version)

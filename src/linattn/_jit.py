@@ -15,6 +15,21 @@ from numba.core import types
 
 from ._linkonly import PIPELINE
 
+#: The oldest Numba linattn runs on (pyproject.toml's numba>=0.61): with 0.60 a kernel's call on several threads
+#: failed with a TypeError (its arguments, read-only arrays among them, passed as one tuple did not convert).
+OLDEST_NUMBA = (0, 61)
+
+
+def _check_numba(version):
+    """An ImportError naming the version found where Numba is older than OLDEST_NUMBA."""
+    found = tuple(int(re.match(r"\d*", part).group() or 0) for part in version.split(".")[:2])
+    if found < OLDEST_NUMBA:
+        raise ImportError(f"linattn needs Numba {OLDEST_NUMBA[0]}.{OLDEST_NUMBA[1]} or later, found {version}: "
+                          f"pip install 'numba>={OLDEST_NUMBA[0]}.{OLDEST_NUMBA[1]}'")
+
+
+_check_numba(numba.__version__)
+
 # Reassociation and contraction let LLVM vectorise reductions and use FMA; "nnan"/"ninf" are left out
 # on purpose so that NaN and inf propagate exactly as in NumPy. error_model="numpy": x / 0 gives
 # inf or nan as in NumPy instead of raising.
