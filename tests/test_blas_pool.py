@@ -18,6 +18,8 @@ from linattn.cpu import blas_pool, runtime
 _PROBE = r"""
 import os, sys, threading, time
 import numpy as np
+from threadpoolctl import threadpool_info
+numpy_blas = {x["filepath"] for x in threadpool_info() if x.get("internal_api") == "openblas"}  # (before SciPy's)
 try:
     import scipy.linalg  # its own OpenBLAS, when installed: shared too
 except ImportError:
@@ -41,7 +43,7 @@ shared = runtime.blas_sharing()
 after = ops()
 print("identical", all(np.array_equal(x, y) for x, y in zip(before, after)))
 print("shared", sorted(os.path.basename(p).split("-")[0] for p, ok in shared.items() if ok))
-print("numpy_shared", any(ok and "numpy" in p for p, ok in shared.items()))  # (the BLAS of the timed a32 @ b32)
+print("numpy_shared", any(ok and p in numpy_blas for p, ok in shared.items()))  # (the BLAS of the timed a32 @ b32)
 time.sleep(0.3)  # until OpenBLAS's threads, busy with `before`, have stopped spinning
 t0 = {t: cpu(t) for t in blas_threads}
 for _ in range(40):
@@ -76,14 +78,16 @@ def test_every_openblas_loaded_by_the_start_shares_the_pool():
     """SciPy's OpenBLAS, which Numba loads with linattn's compiled callback where SciPy is installed
     (after NumPy's was shared), shares the pool too: otherwise its threads were its own, and
     ``python -m linattn info`` told the user to set OPENBLAS_THREAD_TIMEOUT."""
-    code = ("import numpy as np, linattn\n"
+    code = ("import numpy as np\n"
             "from threadpoolctl import threadpool_info\n"
+            "numpy_blas = {x['filepath'] for x in threadpool_info() if x.get('internal_api') == 'openblas'}\n"
+            "import linattn\n"
             "from linattn.cpu import blas_pool, runtime\n"
             "runtime.start_threads()\n"
             "libs = [x['filepath'] for x in threadpool_info() if x.get('internal_api') == 'openblas'\n"
             "        and x.get('num_threads', 1) > 1 and blas_pool._setter(x['filepath']) is not None]\n"
             "shared = [p for p, ok in runtime.blas_sharing().items() if ok]\n"
-            "print(len(libs), sorted(libs) == sorted(shared), any('numpy' in p for p in shared))\n"
+            "print(len(libs), sorted(libs) == sorted(shared), any(p in numpy_blas for p in shared))\n"
             "import scipy\n")
     res = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300, check=False)
     if "No module named 'scipy'" in res.stderr:
