@@ -16,7 +16,7 @@ def test_info_subprocess():
                          timeout=300)
     assert res.returncode == 0, res.stderr
     facts = json.loads(res.stdout)
-    for key in ("linattn", "numpy", "numba", "threads", "threading_layer", "cache_dir", "cuda"):
+    for key in ("linattn", "numpy", "numba", "cpu", "threads", "threading_layer", "cache_dir", "cuda"):
         assert key in facts
     assert facts["threads"] >= 1
     assert facts["threading_layer"] in ("omp", "tbb", "workqueue")
@@ -37,9 +37,11 @@ def test_bench_quick():
         assert row["linattn_ms"] > 0 and row["gemm_ms"] > 0
     text = buf.getvalue()
     assert "x GEMM" in text and "speed-up" in text
+    from linattn import _tuning
     from linattn.cpu.runtime import num_threads
 
-    assert f"This machine: {os.cpu_count()} CPUs; linattn on {num_threads()} threads (" in text, text
+    assert (f"This machine: {os.cpu_count()} CPUs ({_tuning.describe()}); linattn on {num_threads()} threads ("
+            in text), text
 
 
 def test_bench_times_after_its_warm_up_calls(monkeypatch):

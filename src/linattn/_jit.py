@@ -13,6 +13,7 @@ import numpy as np
 from llvmlite import binding as llvm_binding
 from numba.core import types
 
+from . import _tuning
 from ._linkonly import PIPELINE
 
 #: The oldest Numba linattn runs on (pyproject.toml's numba>=0.61): with 0.60 a kernel's call on several threads
@@ -36,6 +37,9 @@ _check_numba(numba.__version__)
 OPTIONS = dict(fastmath={"contract", "reassoc", "nsz", "arcp"}, error_model="numpy", nogil=True)
 FASTMATH = OPTIONS["fastmath"]
 _NO_WRAPPERS = dict(no_cpython_wrapper=True, no_cfunc_wrapper=True)
+#: Options of the functions compiled and emitted on their own (kernels, C functions): the pipeline that
+#: tunes them where linattn tunes for another CPU than the host's (_tuning.py).
+TUNED = {} if _tuning.PIPELINE is None else dict(pipeline_class=_tuning.PIPELINE)
 
 
 def _link_only():
@@ -75,7 +79,7 @@ def njit(*, parallel=False, helper=False, signature=None, wrappers=True):
         args = () if signature is None else (signature,)
         if helper:
             return numba.njit(*args, **_link_only(), **OPTIONS)(fn)
-        bare = {} if wrappers else _NO_WRAPPERS
+        bare = dict(TUNED) if wrappers else dict(_NO_WRAPPERS, **TUNED)
         try:
             compiled = numba.njit(*args, cache=True, parallel=parallel, **bare, **OPTIONS)(fn)
         except RuntimeError as exc:
@@ -92,9 +96,10 @@ def njit(*, parallel=False, helper=False, signature=None, wrappers=True):
 
 
 def _source_stamp():
-    """A short hash of linattn's Python sources (see Kernel)."""
+    """A short hash of linattn's Python sources (see Kernel), and of the CPU it tunes for (_tuning.py:
+    Numba's cache tells code compiled for another CPU apart, not another tuning)."""
     root = Path(__file__).parent
-    digest = hashlib.sha1()
+    digest = hashlib.sha1(f"tune-cpu {_tuning.TUNE_CPU}".encode() if _tuning.TUNE_CPU else b"")
     for path in sorted(root.rglob("*.py")):
         digest.update(path.relative_to(root).as_posix().encode())
         digest.update(path.read_bytes())

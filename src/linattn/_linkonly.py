@@ -31,7 +31,9 @@ except ImportError:  # pragma: no cover - a Numba without these internals
 PIPELINE = None
 
 if _usable:
-    class _LinkOnlyLibrary(JITCodeLibrary):
+    from ._tuning import TunedLibrary
+
+    class _LinkOnlyLibrary(TunedLibrary or JITCodeLibrary):
         """A helper's code, linked into its callers: not optimised as a module, not emitted."""
 
         def _optimize_final_module(self):

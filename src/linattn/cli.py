@@ -33,7 +33,7 @@ def info():
     """Facts about this installation, as a dict."""
     import numba
 
-    from . import _jit
+    from . import _jit, _tuning
     from .attention import causal_linear_attention
     from .cpu import chunked
 
@@ -44,6 +44,7 @@ def info():
     cache = getattr(getattr(disp, "_cache", None), "cache_path", None)
     facts = _versions()
     facts.update({
+        "cpu": _tuning.describe(),
         "threads": numba.get_num_threads(),
         "NUMBA_NUM_THREADS": numba.config.NUMBA_NUM_THREADS,
         "threading_layer": layer,
@@ -207,9 +208,10 @@ def _threading_layer():
 
 def _machine_line(blas_shares):
     """What a figure of ``bench`` depends on, in a line: CPUs, linattn's threads and layer, BLAS's threads."""
+    from . import _tuning
     from .cpu.runtime import num_threads
 
-    return (f"This machine: {os.cpu_count()} CPUs; linattn on {num_threads()} threads ({_threading_layer()} layer); "
+    return (f"This machine: {os.cpu_count()} CPUs ({_tuning.describe()}); linattn on {num_threads()} threads ({_threading_layer()} layer); "
             + ("every threaded BLAS runs on linattn's pool." if blas_shares else
                "a BLAS keeps threads of its own (python -m linattn info says what to set)."))
 

@@ -18,7 +18,7 @@ from llvmlite import binding as llvm_binding
 from llvmlite import ir
 from numba.core import cgutils
 
-from .._jit import OPTIONS, SOURCE_STAMP
+from .._jit import OPTIONS, SOURCE_STAMP, TUNED
 
 _defined = {}  # symbol -> (Python function, signature)
 _registered = {}  # symbol -> its compiled cfunc (kept alive: LLVM holds its address)
@@ -45,11 +45,11 @@ def register(symbol):
     named = pytypes.FunctionType(fn.__code__, fn.__globals__, symbol, fn.__defaults__, fn.__closure__)
     named.__qualname__ = symbol
     try:
-        compiled = cfunc(signature, cache=True, **OPTIONS)(named)
+        compiled = cfunc(signature, cache=True, **OPTIONS, **TUNED)(named)
     except RuntimeError as exc:  # no writable cache directory: compile in this process
         if "cannot cache" not in str(exc):
             raise
-        compiled = cfunc(signature, **OPTIONS)(named)
+        compiled = cfunc(signature, **OPTIONS, **TUNED)(named)
     llvm_binding.add_symbol(symbol, compiled.address)
     _registered[symbol] = compiled
 

@@ -1,0 +1,109 @@
+"""Which CPU LLVM tunes linattn's compiled code for, and the code libraries that say so to LLVM.
+
+Numba compiles for the host's CPU: its features (AVX-512, FMA, ...) and LLVM's tuning for that CPU model
+(instruction scheduling, unrolling, costs). On an AMD Zen 4 (LLVM's ``znver4``) that tuning makes linattn's
+kernels 3-6% slower than the tuning of any other x86 model with the same features (docs/performance.md,
+stops 57-58). So on a Zen 4 linattn's own functions carry LLVM's ``"tune-cpu"`` attribute naming another
+model: the same instructions are allowed (the features stay the host's), only their choice and order
+change. Nothing else changes: not Numba's CPU name, not the user's own compiled code. Elsewhere the
+tuning stays the host's and nothing here takes part.
+
+``LINATTN_TUNE_CPU`` overrides the choice (read at import): an LLVM CPU name (``znver3``,
+``icelake-server``, ...) to tune for, or ``host`` for the host's own tuning. Where ``NUMBA_CPU_NAME`` is
+set, Numba's choice stands and linattn adds nothing.
+
+This uses Numba's ``pipeline_class`` option and its code library class (``JITCodeLibrary``); where a
+Numba version lacks what it needs, :data:`PIPELINE` is None and nothing is tuned.
+"""
+import os
+import re
+
+from llvmlite import binding as llvm_binding
+from numba.core import config
+
+#: The tuning used on hosts whose own LLVM tuning was measured slower, by LLVM's name for the host.
+TUNINGS = {"znver4": "znver3"}
+
+_NAME = re.compile(r"[a-z][a-z0-9_.-]*")
+
+
+def choose(host, numba_cpu_name=None, override=None):
+    """The CPU name to tune for on ``host`` (LLVM's name of the host CPU), or None for the host's own
+    tuning: ``override`` (``LINATTN_TUNE_CPU``) where given, none where Numba's CPU name is set, else
+    :data:`TUNINGS`. Raises ValueError for an override that is not a CPU name."""
+    if override is not None and override.strip():
+        name = override.strip().lower()
+        if name == "host":
+            return None
+        if not _NAME.fullmatch(name):
+            raise ValueError(f"LINATTN_TUNE_CPU must be an LLVM CPU name (such as 'znver3') or 'host', "
+                             f"got {override!r}")
+        return name
+    if numba_cpu_name:
+        return None
+    return TUNINGS.get(host)
+
+
+TUNE_CPU = choose(llvm_binding.get_host_cpu_name(), config.CPU_NAME, os.environ.get("LINATTN_TUNE_CPU"))
+
+
+def describe():
+    """The CPU Numba compiles for (LLVM's name) and the tuning linattn's code takes, in words."""
+    name = config.CPU_NAME or llvm_binding.get_host_cpu_name()
+    return f"{name}, linattn's code tuned as {TUNE_CPU}" if TUNE_CPU else name
+
+
+def mark(ir_module, cpu=None):
+    """Give every function defined in ``ir_module`` (an llvmlite.ir Module) the ``"tune-cpu"`` attribute
+    for ``cpu`` (default :data:`TUNE_CPU`; None: nothing)."""
+    cpu = TUNE_CPU if cpu is None else cpu
+    if cpu:
+        for fn in ir_module.functions:
+            if not fn.is_declaration:
+                set.add(fn.attributes, f'"tune-cpu"="{cpu}"')  # llvmlite lists no valued attributes
+
+
+try:
+    from numba.core.codegen import JITCodeLibrary
+    from numba.core.compiler import CompilerBase, DefaultPassBuilder
+    from numba.core.compiler_machinery import LoweringPass, register_pass
+    from numba.core import typed_passes
+except ImportError:  # pragma: no cover - a Numba without these internals
+    JITCodeLibrary = None
+
+
+if JITCodeLibrary is not None:
+    class TunedLibrary(JITCodeLibrary):
+        """A code library whose functions carry linattn's tuning (see :func:`mark`)."""
+
+        def add_ir_module(self, ir_module):
+            mark(ir_module)
+            super().add_ir_module(ir_module)
+
+    @register_pass(mutates_CFG=False, analysis_only=False)
+    class _TunedStart(LoweringPass):
+        """Before lowering: the function's code goes to a tuned library (cached like Numba's own)."""
+        _name = "linattn_tuned_start"
+
+        def __init__(self):
+            LoweringPass.__init__(self)
+
+        def run_pass(self, state):
+            if state.library is None:
+                state.library = TunedLibrary(state.targetctx.codegen(), state.func_id.func_qualname)
+                state.library.enable_object_caching()
+            return True
+
+    class TunedCompiler(CompilerBase):
+        """Numba's nopython pipeline, its code in a :class:`TunedLibrary`."""
+
+        def define_pipelines(self):
+            pm = DefaultPassBuilder.define_nopython_pipeline(self.state)
+            pm.add_pass_after(_TunedStart, typed_passes.AnnotateTypes)
+            pm.finalize()
+            return [pm]
+else:  # pragma: no cover
+    TunedLibrary = TunedCompiler = None
+
+#: The pipeline of linattn's kernels and C functions (``pipeline_class``), or None: the host's tuning.
+PIPELINE = TunedCompiler if TUNE_CPU else None

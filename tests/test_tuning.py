@@ -1,0 +1,85 @@
+"""linattn's LLVM tuning (_tuning.py): which CPU it tunes for, and that the tuned code is what it should be."""
+import os
+import platform
+import re
+import subprocess
+import sys
+
+import pytest
+from llvmlite import ir
+
+from linattn import _tuning
+
+
+def test_choose():
+    assert _tuning.choose("znver4") == "znver3"  # (measured 3-6% faster there: docs/performance.md, stop 58)
+    for host in ("znver3", "znver5", "skylake-avx512", "haswell", "neoverse-v1", "generic"):
+        assert _tuning.choose(host) is None
+    assert _tuning.choose("znver4", numba_cpu_name="haswell") is None  # Numba's CPU name set: Numba's choice
+    assert _tuning.choose("znver4", override="host") is None
+    assert _tuning.choose("znver4", override="  ") == "znver3"  # (empty: as if unset)
+    assert _tuning.choose("haswell", override=" Icelake-Server ") == "icelake-server"
+    assert _tuning.choose("znver4", numba_cpu_name="haswell", override="znver3") == "znver3"
+    for bad in ("znver3; rm", "a b", "\"x\"", "3dnow"):
+        with pytest.raises(ValueError, match="LINATTN_TUNE_CPU"):
+            _tuning.choose("znver4", override=bad)
+
+
+def test_mark_names_the_cpu_on_defined_functions_only():
+    module = ir.Module()
+    fnty = ir.FunctionType(ir.VoidType(), [])
+    declared = ir.Function(module, fnty, "declared")
+    defined = ir.Function(module, fnty, "defined")
+    ir.IRBuilder(defined.append_basic_block()).ret_void()
+    _tuning.mark(module, "znver3")
+    text = str(module)
+    assert re.search(r'define void @"defined"\(\) "tune-cpu"="znver3"', text), text
+    assert "tune-cpu" not in str(declared)
+    before = str(module)
+    _tuning.mark(module, "")  # (no tuning: nothing added)
+    assert str(module) == before
+
+
+_PROBE = r"""
+import re
+import numpy as np
+from linattn import _tuning
+from linattn.cpu import mapfns, symbols
+from linattn.feature_maps import Elementwise
+
+y = Elementwise("elu")(np.linspace(-3, 3, 64, dtype=np.float32).reshape(8, 8))
+assert np.allclose(y, np.where(np.linspace(-3, 3, 64).reshape(8, 8) > 0, np.linspace(-3, 3, 64).reshape(8, 8) + 1,
+                               np.exp(np.linspace(-3, 3, 64).reshape(8, 8))), rtol=1e-6)
+worker = mapfns._apply_kernel.get(np.dtype(np.float32), None).worker
+text = worker.overloads[worker.signatures[0]].library.get_llvm_str()
+calls = sorted({re.sub(r"_[0-9a-f]{12}(?=B\d|$)|B\d+c8tJT\w*", "", name)
+                for name in re.findall(r'call [^@\n]*@"?([\w.$]+)', text)})
+cfuncs = [fn.inspect_llvm() for fn in symbols._registered.values()]
+print(repr(_tuning.TUNE_CPU))
+print('"tune-cpu"' in text, all('"tune-cpu"' in t for t in cfuncs), len(cfuncs))
+print(" ".join(calls))
+"""
+
+
+@pytest.mark.skipif(platform.machine().lower() not in ("x86_64", "amd64"), reason="x86 CPU names")
+def test_tuned_kernels_inline_as_the_host_tuned_do(tmp_path):
+    # LLVM inlines a function into another only where their tuning flags agree (or the callee's are
+    # the caller's, less a list LLVM ignores): Numba's own helpers carry the host's tuning, linattn's
+    # functions the chosen one. With another model's flags (icelake-server on a Zen 4) the exp and
+    # Numba's min() stayed calls in the kernels (4x slower). Zen 3's and Zen 4's flags are the same, so
+    # a kernel tuned for znver3 on a Zen 4 calls exactly what it calls with the host's own tuning.
+    # NUMBA_CPU_NAME=znver4 keeps the host's features: this runs on any x86 CPU.
+    def probe(tune):
+        env = dict(os.environ, NUMBA_CPU_NAME="znver4", LINATTN_TUNE_CPU=tune,
+                   NUMBA_CACHE_DIR=str(tmp_path / tune))  # (compiled, not loaded: the IR is there)
+        res = subprocess.run([sys.executable, "-c", _PROBE], env=env, capture_output=True, text=True,
+                             timeout=600, check=False)
+        assert res.returncode == 0, res.stderr
+        return res.stdout.splitlines()
+
+    host, tuned = probe("host"), probe("znver3")
+    assert host[0] == "None" and host[1].split()[:2] == ["False", "False"]
+    assert tuned[0] == "'znver3'" and tuned[1].split()[:2] == ["True", "True"]  # the kernel and C functions
+    assert int(tuned[1].split()[2]) >= 1
+    assert tuned[2] == host[2]  # the same functions left as calls
+    assert "exp" not in tuned[2]
