@@ -211,7 +211,8 @@ def _machine_line(blas_shares):
     from . import _tuning
     from .cpu.runtime import num_threads
 
-    return (f"This machine: {os.cpu_count()} CPUs ({_tuning.describe()}); linattn on {num_threads()} threads ({_threading_layer()} layer); "
+    return (f"This machine: {os.cpu_count()} CPUs ({_tuning.describe()}); "
+            f"linattn on {num_threads()} threads ({_threading_layer()} layer); "
             + ("every threaded BLAS runs on linattn's pool." if blas_shares else
                "a BLAS keeps threads of its own (python -m linattn info says what to set)."))
 
