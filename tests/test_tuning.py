@@ -25,6 +25,23 @@ def test_choose():
             _tuning.choose("znver4", override=bad)
 
 
+def test_check_known():
+    from llvmlite import binding
+
+    _tuning.check_known(binding.get_host_cpu_name())  # LLVM knows its own name of this CPU
+    with pytest.raises(ValueError, match="LINATTN_TUNE_CPU: LLVM .* does not know the CPU 'zen4'"):
+        _tuning.check_known("zen4")  # (LLVM's name is znver4)
+
+
+def test_an_unknown_cpu_name_fails_the_import_by_name():
+    env = dict(os.environ, LINATTN_TUNE_CPU="zen4")
+    res = subprocess.run([sys.executable, "-c", "import linattn"], env=env, capture_output=True, text=True,
+                         timeout=300, check=False)
+    assert res.returncode != 0
+    assert "ValueError: LINATTN_TUNE_CPU: LLVM" in res.stderr and "'zen4'" in res.stderr, res.stderr
+    assert "not a recognized processor" not in res.stderr  # (LLVM's own warning, caught)
+
+
 def test_mark_names_the_cpu_on_defined_functions_only():
     module = ir.Module()
     fnty = ir.FunctionType(ir.VoidType(), [])

@@ -44,7 +44,35 @@ def choose(host, numba_cpu_name=None, override=None):
     return TUNINGS.get(host)
 
 
-TUNE_CPU = choose(llvm_binding.get_host_cpu_name(), config.CPU_NAME, os.environ.get("LINATTN_TUNE_CPU"))
+def check_known(name):
+    """Raise ValueError naming ``LINATTN_TUNE_CPU`` where LLVM does not know the CPU ``name`` (it would only
+    print a warning for every function it compiles, and tune for nothing)."""
+    llvm_binding.initialize_native_target()
+    llvm_binding.initialize_native_asmprinter()
+    module = llvm_binding.parse_assembly(f'define void @f() "tune-cpu"="{name}" {{\n  ret void\n}}')
+    machine = llvm_binding.Target.from_default_triple().create_target_machine(
+        cpu=llvm_binding.get_host_cpu_name(), features=llvm_binding.get_host_cpu_features().flatten())
+    read, write = os.pipe()  # (LLVM warns on the process's stderr)
+    saved = os.dup(2)
+    os.dup2(write, 2)
+    try:
+        machine.emit_object(module)
+    finally:
+        os.dup2(saved, 2)
+        os.close(saved)
+        os.close(write)
+    warned = os.read(read, 1 << 16)
+    os.close(read)
+    if b"not a recognized processor" in warned:
+        raise ValueError(f"LINATTN_TUNE_CPU: LLVM {'.'.join(map(str, llvm_binding.llvm_version_info))} does not "
+                         f"know the CPU {name!r}; expected one of its CPU names (this CPU is "
+                         f"{llvm_binding.get_host_cpu_name()!r}) or 'host'")
+
+
+_OVERRIDE = os.environ.get("LINATTN_TUNE_CPU")
+TUNE_CPU = choose(llvm_binding.get_host_cpu_name(), config.CPU_NAME, _OVERRIDE)
+if TUNE_CPU and _OVERRIDE and _OVERRIDE.strip():
+    check_known(TUNE_CPU)
 
 
 def describe():
