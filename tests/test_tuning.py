@@ -12,7 +12,7 @@ from linattn import _tuning
 
 
 def test_choose():
-    assert _tuning.choose("znver4") == "znver3"  # (measured 3-6% faster there: docs/performance.md, stop 58)
+    assert _tuning.choose("znver4") == "znver3"  # (measured 2-4% faster there: docs/performance.md, stop 58)
     for host in ("znver3", "znver5", "skylake-avx512", "haswell", "neoverse-v1", "generic"):
         assert _tuning.choose(host) is None
     assert _tuning.choose("znver4", numba_cpu_name="haswell") is None  # Numba's CPU name set: Numba's choice

@@ -2,15 +2,21 @@
 
 Numba compiles for the host's CPU: its features (AVX-512, FMA, ...) and LLVM's tuning for that CPU model
 (instruction scheduling, unrolling, costs). On an AMD Zen 4 (LLVM's ``znver4``) that tuning makes linattn's
-kernels 3-6% slower than the tuning of any other x86 model with the same features (docs/performance.md,
-stops 57-58). So on a Zen 4 linattn's own functions carry LLVM's ``"tune-cpu"`` attribute naming another
-model: the same instructions are allowed (the features stay the host's), only their choice and order
-change. Nothing else changes: not Numba's CPU name, not the user's own compiled code. Elsewhere the
-tuning stays the host's and nothing here takes part.
+kernels 2-4% slower than Zen 3's tuning with the same features (docs/performance.md, stops 57-58).
+So on a Zen 4 linattn's own functions carry LLVM's ``"tune-cpu"`` attribute for Zen 3 (``znver3``): the same
+instructions are allowed (the features stay the host's), only their choice and order change. Nothing
+else changes: not Numba's CPU name, not the user's own compiled code. Elsewhere the tuning stays the
+host's and nothing here takes part.
 
-``LINATTN_TUNE_CPU`` overrides the choice (read at import): an LLVM CPU name (``znver3``,
-``icelake-server``, ...) to tune for, or ``host`` for the host's own tuning. Where ``NUMBA_CPU_NAME`` is
-set, Numba's choice stands and linattn adds nothing.
+The tuning must have the host's tuning flags (LLVM's X86 "Tuning*" features; Zen 3's and Zen 4's agree:
+the kernels keep the same calls either way): LLVM inlines a function into another only where their flags
+agree, and Numba's own helpers, linked into linattn's kernels, keep the host's. With Ice Lake's flags on a
+Zen 4 the exp and Numba's ``min()`` stayed calls in the kernels, 4x slower (``tests/test_tuning.py``
+checks the calls left).
+
+``LINATTN_TUNE_CPU`` overrides the choice (read at import): an LLVM CPU name to tune for (``znver2``,
+``znver3``, ...; one LLVM does not know fails the import with a ValueError), or ``host`` for the host's
+own tuning. Where ``NUMBA_CPU_NAME`` is set, Numba's choice stands and linattn adds nothing.
 
 This uses Numba's ``pipeline_class`` option and its code library class (``JITCodeLibrary``); where a
 Numba version lacks what it needs, :data:`PIPELINE` is None and nothing is tuned.
