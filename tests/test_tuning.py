@@ -10,6 +10,13 @@ from llvmlite import ir
 
 from linattn import _tuning
 
+_X86 = pytest.mark.skipif(platform.machine().lower() not in ("x86_64", "amd64"), reason="x86 CPU names")
+
+
+def _run(code, **env):
+    return subprocess.run([sys.executable, "-c", code], env=dict(os.environ, **env), capture_output=True, text=True,
+                          timeout=600, check=False)
+
 
 def test_choose():
     assert _tuning.choose("znver4") == "znver3"  # (measured 2-4% faster there: docs/performance.md, stop 58)
@@ -34,12 +41,26 @@ def test_check_known():
 
 
 def test_an_unknown_cpu_name_fails_the_import_by_name():
-    env = dict(os.environ, LINATTN_TUNE_CPU="zen4")
-    res = subprocess.run([sys.executable, "-c", "import linattn"], env=env, capture_output=True, text=True,
-                         timeout=300, check=False)
+    res = _run("import linattn", LINATTN_TUNE_CPU="zen4")
     assert res.returncode != 0
     assert "ValueError: LINATTN_TUNE_CPU: LLVM" in res.stderr and "'zen4'" in res.stderr, res.stderr
     assert "not a recognized processor" not in res.stderr  # (LLVM's own warning, caught)
+
+
+@_X86
+def test_a_tuning_whose_flags_differ_from_the_cpus_is_refused():
+    # NUMBA_CPU_NAME=znver4 keeps the host's features: on any x86 CPU Numba then compiles as for a Zen 4
+    res = _run("from linattn import _tuning; print(_tuning.inlines('znver4'), _tuning.inlines('znver3'), "
+               "_tuning.inlines('icelake-server'), _tuning.TUNE_CPU)", NUMBA_CPU_NAME="znver4")
+    assert res.returncode == 0, res.stderr
+    assert res.stdout.split() == ["True", "True", "False", "None"]  # (Numba's CPU name set: no tuning of its own)
+    res = _run("import linattn", NUMBA_CPU_NAME="znver4", LINATTN_TUNE_CPU="icelake-server")
+    assert res.returncode != 0
+    assert "ValueError: LINATTN_TUNE_CPU: 'icelake-server' has other tuning flags than this CPU ('znver4')" \
+        in res.stderr, res.stderr
+    res = _run("from linattn import _tuning; print(_tuning.TUNE_CPU)", NUMBA_CPU_NAME="znver4",
+               LINATTN_TUNE_CPU="znver3")
+    assert res.returncode == 0 and res.stdout.split() == ["znver3"], res.stderr
 
 
 def test_mark_names_the_cpu_on_defined_functions_only():
@@ -78,7 +99,7 @@ print(" ".join(calls))
 """
 
 
-@pytest.mark.skipif(platform.machine().lower() not in ("x86_64", "amd64"), reason="x86 CPU names")
+@_X86
 def test_tuned_kernels_inline_as_the_host_tuned_do(tmp_path):
     # LLVM inlines a function into another only where their tuning flags agree (or the callee's are
     # the caller's, less a list LLVM ignores): Numba's own helpers carry the host's tuning, linattn's
@@ -87,10 +108,8 @@ def test_tuned_kernels_inline_as_the_host_tuned_do(tmp_path):
     # a kernel tuned for znver3 on a Zen 4 calls exactly what it calls with the host's own tuning.
     # NUMBA_CPU_NAME=znver4 keeps the host's features: this runs on any x86 CPU.
     def probe(tune):
-        env = dict(os.environ, NUMBA_CPU_NAME="znver4", LINATTN_TUNE_CPU=tune,
+        res = _run(_PROBE, NUMBA_CPU_NAME="znver4", LINATTN_TUNE_CPU=tune,
                    NUMBA_CACHE_DIR=str(tmp_path / tune))  # (compiled, not loaded: the IR is there)
-        res = subprocess.run([sys.executable, "-c", _PROBE], env=env, capture_output=True, text=True,
-                             timeout=600, check=False)
         assert res.returncode == 0, res.stderr
         return res.stdout.splitlines()
 

@@ -11,12 +11,13 @@ host's and nothing here takes part.
 The tuning must have the host's tuning flags (LLVM's X86 "Tuning*" features; Zen 3's and Zen 4's agree:
 the kernels keep the same calls either way): LLVM inlines a function into another only where their flags
 agree, and Numba's own helpers, linked into linattn's kernels, keep the host's. With Ice Lake's flags on a
-Zen 4 the exp and Numba's ``min()`` stayed calls in the kernels, 4x slower (``tests/test_tuning.py``
-checks the calls left).
+Zen 4 the exp and Numba's ``min()`` stayed calls in the kernels, 4x slower. So the choice is checked at
+import (:func:`inlines`, ~5 ms, only where there is a choice): where LLVM would not inline, the host's
+tuning stays (``tests/test_tuning.py`` checks that check, and the calls a tuned kernel leaves).
 
 ``LINATTN_TUNE_CPU`` overrides the choice (read at import): an LLVM CPU name to tune for (``znver2``,
-``znver3``, ...; one LLVM does not know fails the import with a ValueError), or ``host`` for the host's
-own tuning. Where ``NUMBA_CPU_NAME`` is set, Numba's choice stands and linattn adds nothing.
+``znver3``, ...; one LLVM does not know, or whose flags differ, fails the import with a ValueError), or
+``host`` for the host's own tuning. Where ``NUMBA_CPU_NAME`` is set, Numba's choice stands and linattn adds nothing.
 
 This uses Numba's ``pipeline_class`` option and its code library class (``JITCodeLibrary``); where a
 Numba version lacks what it needs, :data:`PIPELINE` is None and nothing is tuned.
@@ -50,14 +51,25 @@ def choose(host, numba_cpu_name=None, override=None):
     return TUNINGS.get(host)
 
 
+def _cpu():
+    """LLVM's name of the CPU Numba compiles for (``NUMBA_CPU_NAME`` or the host's)."""
+    return config.CPU_NAME or llvm_binding.get_host_cpu_name()
+
+
+def _machine(opt=2):
+    """An LLVM target machine for the CPU and features Numba compiles for."""
+    llvm_binding.initialize_native_target()
+    llvm_binding.initialize_native_asmprinter()
+    features = config.CPU_FEATURES if config.CPU_FEATURES is not None else \
+        llvm_binding.get_host_cpu_features().flatten()
+    return llvm_binding.Target.from_default_triple().create_target_machine(cpu=_cpu(), features=features, opt=opt)
+
+
 def check_known(name):
     """Raise ValueError naming ``LINATTN_TUNE_CPU`` where LLVM does not know the CPU ``name`` (it would only
     print a warning for every function it compiles, and tune for nothing)."""
-    llvm_binding.initialize_native_target()
-    llvm_binding.initialize_native_asmprinter()
     module = llvm_binding.parse_assembly(f'define void @f() "tune-cpu"="{name}" {{\n  ret void\n}}')
-    machine = llvm_binding.Target.from_default_triple().create_target_machine(
-        cpu=llvm_binding.get_host_cpu_name(), features=llvm_binding.get_host_cpu_features().flatten())
+    machine = _machine()
     read, write = os.pipe()  # (LLVM warns on the process's stderr)
     saved = os.dup(2)
     os.dup2(write, 2)
@@ -71,20 +83,47 @@ def check_known(name):
     os.close(read)
     if b"not a recognized processor" in warned:
         raise ValueError(f"LINATTN_TUNE_CPU: LLVM {'.'.join(map(str, llvm_binding.llvm_version_info))} does not "
-                         f"know the CPU {name!r}; expected one of its CPU names (this CPU is "
-                         f"{llvm_binding.get_host_cpu_name()!r}) or 'host'")
+                         f"know the CPU {name!r}; expected one of its CPU names (this CPU is {_cpu()!r}) or 'host'")
 
 
-_OVERRIDE = os.environ.get("LINATTN_TUNE_CPU")
-TUNE_CPU = choose(llvm_binding.get_host_cpu_name(), config.CPU_NAME, _OVERRIDE)
-if TUNE_CPU and _OVERRIDE and _OVERRIDE.strip():
-    check_known(TUNE_CPU)
+def inlines(name):
+    """Whether LLVM inlines a function with the host's tuning into one tuned for ``name`` (their tuning flags
+    agree), as the kernels need: Numba's own helpers keep the host's. None where this llvmlite cannot
+    run LLVM's optimisation passes the way this check does."""
+    module = llvm_binding.parse_assembly(
+        "define linkonce_odr void @callee(ptr %p) {\n  store i32 1, ptr %p\n  ret void\n}\n"
+        f'define void @caller(ptr %p) "tune-cpu"="{name}" {{\n  call void @callee(ptr %p)\n  ret void\n}}')
+    try:
+        options = llvm_binding.create_pipeline_tuning_options(speed_level=3)
+        builder = llvm_binding.create_pass_builder(_machine(opt=3), options)
+        builder.getModulePassManager().run(module, builder)
+    except (AttributeError, TypeError):  # pragma: no cover - an llvmlite with another interface
+        return None
+    return "@callee" not in str(module.get_function("caller"))
+
+
+def _tuning_from_environment():
+    """:data:`TUNE_CPU` for this process (see the module's docstring)."""
+    override = os.environ.get("LINATTN_TUNE_CPU")
+    name = choose(llvm_binding.get_host_cpu_name(), config.CPU_NAME, override)
+    if name is None:
+        return None
+    if override is not None and override.strip():
+        check_known(name)
+        if inlines(name) is False:
+            raise ValueError(f"LINATTN_TUNE_CPU: {name!r} has other tuning flags than this CPU ({_cpu()!r}), so "
+                             "LLVM would not inline Numba's helpers into linattn's kernels (several times "
+                             "slower); expected a CPU of the same family or 'host'")
+        return name
+    return name if inlines(name) else None  # (an LLVM whose flags differ: the host's tuning, as before)
+
+
+TUNE_CPU = _tuning_from_environment()
 
 
 def describe():
     """The CPU Numba compiles for (LLVM's name) and the tuning linattn's code takes, in words."""
-    name = config.CPU_NAME or llvm_binding.get_host_cpu_name()
-    return f"{name}, linattn's code tuned as {TUNE_CPU}" if TUNE_CPU else name
+    return f"{_cpu()}, linattn's code tuned as {TUNE_CPU}" if TUNE_CPU else _cpu()
 
 
 def mark(ir_module, cpu=None):
