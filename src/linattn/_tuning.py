@@ -90,9 +90,9 @@ def inlines(name):
     """Whether LLVM inlines a function with the host's tuning into one tuned for ``name`` (their tuning flags
     agree), as the kernels need: Numba's own helpers keep the host's. None where this llvmlite cannot
     run LLVM's optimisation passes the way this check does."""
-    module = llvm_binding.parse_assembly(
-        "define linkonce_odr void @callee(ptr %p) {\n  store i32 1, ptr %p\n  ret void\n}\n"
-        f'define void @caller(ptr %p) "tune-cpu"="{name}" {{\n  call void @callee(ptr %p)\n  ret void\n}}')
+    module = llvm_binding.parse_assembly(  # (no pointers: LLVM 15 spells them otherwise)
+        "define linkonce_odr i64 @callee(i64 %x) {\n  %y = mul i64 %x, 3\n  ret i64 %y\n}\n"
+        f'define i64 @caller(i64 %x) "tune-cpu"="{name}" {{\n  %y = call i64 @callee(i64 %x)\n  ret i64 %y\n}}')
     try:
         options = llvm_binding.create_pipeline_tuning_options(speed_level=3)
         builder = llvm_binding.create_pass_builder(_machine(opt=3), options)
