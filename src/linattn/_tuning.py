@@ -81,7 +81,7 @@ def check_known(name):
         os.close(write)
     warned = os.read(read, 1 << 16)
     os.close(read)
-    if b"not a recognized processor" in warned:
+    if f"'{name}' is not a recognized processor".encode() in warned:
         raise ValueError(f"LINATTN_TUNE_CPU: LLVM {'.'.join(map(str, llvm_binding.llvm_version_info))} does not "
                          f"know the CPU {name!r}; expected one of its CPU names (this CPU is {_cpu()!r}) or 'host'")
 
