@@ -11,7 +11,7 @@ from llvmlite import binding, ir
 from linattn import _tuning
 
 #: Tests that compile as for a Zen 4 (NUMBA_CPU_NAME=znver4 keeps the host's features: any x86 CPU will do):
-#: LLVM knows that name from version 16 (llvmlite 0.45, Numba 0.62).
+#: LLVM knows that name from version 16 (llvmlite 0.44, for Numba 0.61, has LLVM 15).
 _ZEN4 = pytest.mark.skipif(platform.machine().lower() not in ("x86_64", "amd64")
                            or binding.llvm_version_info < (16,), reason="an x86 CPU and LLVM 16 or later")
 
