@@ -35,6 +35,19 @@ def test_choose():
             _tuning.choose("znver4", override=bad)
 
 
+def test_a_chosen_tuning_applies_only_where_llvm_inlines_across_it(monkeypatch):
+    for inlined, expected in ((True, "znver3"), (False, None), (None, None)):  # (None: could not check)
+        monkeypatch.setattr(_tuning, "CHOSEN", "znver3")
+        monkeypatch.setattr(_tuning, "_tuned", [])
+        monkeypatch.setattr(_tuning, "inlines", lambda name, answer=inlined: answer)
+        assert _tuning.tune_cpu() == expected
+        assert _tuning.describe().endswith(f"tuned as {expected}") == (expected is not None)
+    monkeypatch.setattr(_tuning, "CHOSEN", None)
+    monkeypatch.setattr(_tuning, "_tuned", [])
+    monkeypatch.setattr(_tuning, "inlines", lambda name: pytest.fail("checked without a choice"))
+    assert _tuning.tune_cpu() is None
+
+
 def test_check_known():
     _tuning.check_known(binding.get_host_cpu_name())  # LLVM knows its own name of this CPU
     with pytest.raises(ValueError, match="LINATTN_TUNE_CPU: LLVM .* does not know the CPU 'zen4'"):
@@ -52,14 +65,14 @@ def test_an_unknown_cpu_name_fails_the_import_by_name():
 def test_a_tuning_whose_flags_differ_from_the_cpus_is_refused():
     # NUMBA_CPU_NAME=znver4 keeps the host's features: on any x86 CPU Numba then compiles as for a Zen 4
     res = _run("from linattn import _tuning; print(_tuning.inlines('znver4'), _tuning.inlines('znver3'), "
-               "_tuning.inlines('icelake-server'), _tuning.TUNE_CPU)", NUMBA_CPU_NAME="znver4")
+               "_tuning.inlines('icelake-server'), _tuning.tune_cpu())", NUMBA_CPU_NAME="znver4")
     assert res.returncode == 0, res.stderr
     assert res.stdout.split() == ["True", "True", "False", "None"]  # (Numba's CPU name set: no tuning of its own)
     res = _run("import linattn", NUMBA_CPU_NAME="znver4", LINATTN_TUNE_CPU="icelake-server")
     assert res.returncode != 0
     assert "ValueError: LINATTN_TUNE_CPU: 'icelake-server' has other tuning flags than this CPU ('znver4')" \
         in res.stderr, res.stderr
-    res = _run("from linattn import _tuning; print(_tuning.TUNE_CPU)", NUMBA_CPU_NAME="znver4",
+    res = _run("from linattn import _tuning; print(_tuning.tune_cpu())", NUMBA_CPU_NAME="znver4",
                LINATTN_TUNE_CPU="znver3")
     assert res.returncode == 0 and res.stdout.split() == ["znver3"], res.stderr
 
@@ -94,7 +107,7 @@ text = worker.overloads[worker.signatures[0]].library.get_llvm_str()
 calls = sorted({re.sub(r"_[0-9a-f]{12}(?=B\d|$)|B\d+c8tJT\w*", "", name)
                 for name in re.findall(r'call [^@\n]*@"?([\w.$]+)', text)})
 cfuncs = [fn.inspect_llvm() for fn in symbols._registered.values()]
-print(repr(_tuning.TUNE_CPU))
+print(repr(_tuning.tune_cpu()))
 print('"tune-cpu"' in text, all('"tune-cpu"' in t for t in cfuncs), len(cfuncs))
 print(" ".join(calls))
 """

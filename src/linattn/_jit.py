@@ -99,7 +99,7 @@ def _source_stamp():
     """A short hash of linattn's Python sources (see Kernel), and of the CPU it tunes for (_tuning.py:
     Numba's cache tells code compiled for another CPU apart, not another tuning)."""
     root = Path(__file__).parent
-    digest = hashlib.sha1(f"tune-cpu {_tuning.TUNE_CPU}".encode() if _tuning.TUNE_CPU else b"")
+    digest = hashlib.sha1(f"tune-cpu {_tuning.CHOSEN}".encode() if _tuning.CHOSEN else b"")
     for path in sorted(root.rglob("*.py")):
         digest.update(path.relative_to(root).as_posix().encode())
         digest.update(path.read_bytes())

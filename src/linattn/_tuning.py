@@ -11,8 +11,8 @@ host's and nothing here takes part.
 The tuning must have the host's tuning flags (LLVM's X86 "Tuning*" features; Zen 3's and Zen 4's agree:
 the kernels keep the same calls either way): LLVM inlines a function into another only where their flags
 agree, and Numba's own helpers, linked into linattn's kernels, keep the host's. With Ice Lake's flags on a
-Zen 4 the exp and Numba's ``min()`` stayed calls in the kernels, 4x slower. So the choice is checked at
-import (:func:`inlines`, a few ms, only where there is a choice): where LLVM would not inline, the host's
+Zen 4 the exp and Numba's ``min()`` stayed calls in the kernels, 4x slower. So the choice is checked
+before the first kernel compiles (:func:`inlines`, a few ms): where LLVM would not inline, the host's
 tuning stays (``tests/test_tuning.py`` checks that check, and the calls a tuned kernel leaves).
 
 ``LINATTN_TUNE_CPU`` overrides the choice (read at import): an LLVM CPU name to tune for (``znver2``,
@@ -107,34 +107,44 @@ def inlines(name):
     return "@callee" not in str(module.get_function("caller"))
 
 
-def _tuning_from_environment():
-    """:data:`TUNE_CPU` for this process (see the module's docstring)."""
+def _chosen():
+    """:data:`CHOSEN` for this process; an override (``LINATTN_TUNE_CPU``) checked at once."""
     override = os.environ.get("LINATTN_TUNE_CPU")
     name = choose(llvm_binding.get_host_cpu_name(), config.CPU_NAME, override)
-    if name is None:
-        return None
-    if override is not None and override.strip():
+    if name is not None and override is not None and override.strip():
         check_known(name)
         if inlines(name) is False:
             raise ValueError(f"LINATTN_TUNE_CPU: {name!r} has other tuning flags than this CPU ({_cpu()!r}), so "
                              "LLVM would not inline Numba's helpers into linattn's kernels (several times "
                              "slower); expected a CPU of the same family or 'host'")
-        return name
-    return name if inlines(name) else None  # (an LLVM whose flags differ: the host's tuning, as before)
+        _tuned.append(name)
+    return name
 
 
-TUNE_CPU = _tuning_from_environment()
+_tuned = []  # [the tuning in effect], once known (tune_cpu)
+#: The tuning chosen for this process (None: the host's); in effect once :func:`tune_cpu` finds LLVM inlines
+#: across it (an override is checked at import).
+CHOSEN = _chosen()
+
+
+def tune_cpu():
+    """The CPU linattn's code is tuned for in this process, or None: :data:`CHOSEN`, where LLVM inlines
+    functions with the host's tuning into it (:func:`inlines`, checked once, when first needed: the first
+    kernel compiled, not one loaded from the disk cache; nothing at import)."""
+    if not _tuned:
+        _tuned.append(CHOSEN if CHOSEN and inlines(CHOSEN) else None)  # (LLVM's flags differ: the host's)
+    return _tuned[0]
 
 
 def describe():
     """The CPU Numba compiles for (LLVM's name) and the tuning linattn's code takes, in words."""
-    return f"{_cpu()}, linattn's code tuned as {TUNE_CPU}" if TUNE_CPU else _cpu()
+    return f"{_cpu()}, linattn's code tuned as {tune_cpu()}" if tune_cpu() else _cpu()
 
 
 def mark(ir_module, cpu=None):
     """Give every function defined in ``ir_module`` (an llvmlite.ir Module) the ``"tune-cpu"`` attribute
-    for ``cpu`` (default :data:`TUNE_CPU`; None: nothing)."""
-    cpu = TUNE_CPU if cpu is None else cpu
+    for ``cpu`` (default :func:`tune_cpu`; None: nothing)."""
+    cpu = tune_cpu() if cpu is None else cpu
     if cpu:
         for fn in ir_module.functions:
             if not fn.is_declaration:
@@ -184,4 +194,4 @@ else:  # pragma: no cover
     TunedLibrary = TunedCompiler = None
 
 #: The pipeline of linattn's kernels and C functions (``pipeline_class``), or None: the host's tuning.
-PIPELINE = TunedCompiler if TUNE_CPU else None
+PIPELINE = TunedCompiler if CHOSEN else None
