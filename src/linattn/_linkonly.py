@@ -33,7 +33,7 @@ PIPELINE = None
 if _usable:
     from ._tuning import TunedLibrary
 
-    class _LinkOnlyLibrary(TunedLibrary or JITCodeLibrary):
+    class _LinkOnlyLibrary(TunedLibrary):
         """A helper's code, linked into its callers: not optimised as a module, not emitted."""
 
         def _optimize_final_module(self):

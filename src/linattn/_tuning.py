@@ -107,6 +107,9 @@ def inlines(name):
     return "@callee" not in str(module.get_function("caller"))
 
 
+_tuned = []  # [the tuning in effect], once known (tune_cpu)
+
+
 def _chosen():
     """:data:`CHOSEN` for this process; an override (``LINATTN_TUNE_CPU``) checked at once."""
     override = os.environ.get("LINATTN_TUNE_CPU")
@@ -121,7 +124,6 @@ def _chosen():
     return name
 
 
-_tuned = []  # [the tuning in effect], once known (tune_cpu)
 #: The tuning chosen for this process (None: the host's); in effect once :func:`tune_cpu` finds LLVM inlines
 #: across it (an override is checked at import).
 CHOSEN = _chosen()
