@@ -45,8 +45,8 @@ print(time.perf_counter() - t0)
 
 
 def _first_call(cache_dir, script=SCRIPT):
-    """Seconds the script prints, run in a new process whose Numba cache is ``cache_dir`` (in CI's smoke
-    run the package's own cache, which the tests have filled: the same steps, without compiling again)."""
+    """Seconds the script prints, run in a new process whose Numba cache is ``cache_dir`` (with
+    LINATTN_ASV_SMOKE the package's own cache, which the tests fill: the same steps, without compiling again)."""
     env = dict(os.environ) if SMOKE else dict(os.environ, NUMBA_CACHE_DIR=cache_dir)
     res = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True, text=True, check=True)
     return float(res.stdout.strip().splitlines()[-1])

@@ -4,7 +4,7 @@ import time
 
 import numpy as np
 
-#: LINATTN_ASV_SMOKE=1 (CI's smoke run) shrinks the sizes: it checks that every benchmark runs.
+#: LINATTN_ASV_SMOKE=1 (tests/test_asv_benchmarks.py, CI) shrinks the sizes: it checks that every benchmark runs.
 SMOKE = bool(os.environ.get("LINATTN_ASV_SMOKE"))
 
 SHAPES = {  # name -> (B, H, N, D); Dv = D
