@@ -2,7 +2,7 @@
 combination of its parameters, through asv's own runner classes (asv_runner), at the small sizes of
 ``LINATTN_ASV_SMOKE=1``, in this process (asv's own smoke run spends about 3 s starting a process for
 each benchmark). A benchmark whose setup raises NotImplementedError is skipped, as asv skips it (the
-PyTorch one without torch). CI also runs ``asv check`` and one benchmark through ``asv run``."""
+PyTorch one without torch). CI also runs ``asv check`` and three benchmarks through ``asv run``."""
 import itertools
 import math
 import pathlib
@@ -17,7 +17,7 @@ QUICK = {"number": 1, "repeat": 1, "warmup_time": 0, "rounds": 1}  # (asv run --
 
 
 def _combinations(benchmark):
-    return len(list(itertools.product(*benchmark._params))) if benchmark._params else 0
+    return len(list(itertools.product(*benchmark.params))) if benchmark.params else 0
 
 
 def _check_result(benchmark, result):
