@@ -37,13 +37,12 @@ def test_the_suite_is_found():
 def test_benchmarks_run(module, monkeypatch):
     monkeypatch.setenv("LINATTN_ASV_SMOKE", "1")
     monkeypatch.syspath_prepend(str(ROOT))
-    names = [b.name for b in disc_benchmarks(str(SUITE)) if b.name.startswith(module + ".")]
+    found = [(b.name, _combinations(b)) for b in disc_benchmarks(str(SUITE)) if b.name.startswith(module + ".")]
     from asv_benchmarks import common
     assert common.SMOKE, "asv_benchmarks was imported before LINATTN_ASV_SMOKE was set"
-    assert names, f"no benchmark in {module}"
+    assert found, f"no benchmark in {module}"
     ran, skipped = 0, []
-    for name in names:
-        count = _combinations(get_benchmark_from_name(str(SUITE), name))
+    for name, count in found:
         for idx in range(count) if count else [None]:
             benchmark = get_benchmark_from_name(str(SUITE), name if idx is None else f"{name}-{idx}", QUICK)
             assert benchmark.setup_cache_key is None, f"{name}: setup_cache is not run here; add it"
