@@ -38,3 +38,16 @@ def test_textbook_value():
     expected = np.array([[1.0, 2.0], [2.0, 3.0], [3.0, 5.0]])
     np.testing.assert_allclose(reference.loop(z, z, v, eps=0.0), expected)
     np.testing.assert_allclose(reference.masked(z, z, v, eps=0.0, causal=False), np.tile([3.0, 5.0], (3, 1)))
+
+
+@pytest.mark.parametrize("n", [0, 1, 5])
+def test_masked_with_gates_from_a_state_at_any_length(rng, n):
+    """The masked form with gates and an initial state equals the loop, down to no positions at all (an
+    empty sequence once failed there: its decay factors of the initial state had no rows)."""
+    q, k, v = make_qkv(rng, (2,), n, 3, 2, np.float64)
+    gate = -rng.random((2, n)) * 0.5
+    state = (rng.random((2, 3, 2)), rng.random((2, 3)))
+    a = reference.masked(q, k, v, gate=gate, initial_state=state)
+    b = reference.loop(q, k, v, gate=gate, initial_state=state)
+    assert a.shape == (2, n, 2)
+    np.testing.assert_allclose(a, b, rtol=1e-12, atol=0)

@@ -106,7 +106,7 @@ def masked(q, k, v, *, causal=True, feature_map="elu", eps=1e-6, normalize=True,
         S0, Z0 = (np.asarray(x, dtype=np.float64) for x in initial_state)
         q0 = qf
         if log_a is not None:  # the initial state is decayed by everything up to t
-            first = np.concatenate([np.zeros_like(log_a[..., :1, :]), log_a], axis=-2)
+            first = np.concatenate([np.zeros(log_a.shape[:-2] + (1, log_a.shape[-1])), log_a], axis=-2)  # (N = 0 too)
             q0 = qf * decay_matrix(first)[..., 1:, 0, :]
         num = num + q0 @ S0
         den = den + np.einsum("...nd,...d->...n", q0, Z0)
