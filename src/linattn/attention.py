@@ -8,7 +8,7 @@ from . import checks
 from . import gates as gates_mod
 from . import workspace
 from ._reshape import view_as
-from .cpu import chunked, half
+from .cpu import chunked, dynamic, half
 from .cpu.runtime import MIN_WORK_PER_THREAD, chunk_work, kernel_section, num_threads, plan
 from .cpu.views import unit_rows
 from .cpu import mapfns
@@ -82,10 +82,13 @@ def _run(kernel, nthreads, args, parts):
     """Run a kernel (the forward kernels, the causal backward's) with ``args`` (its arguments before
     ``phase``) on ``nthreads`` threads: once (phase 1) when ``parts`` is None, else twice with it: phase
     0, the segments' partial sums of the state, (heads, nseg, D', X) in float64; phase 1, the results
-    from them (see cpu/chunked.py)."""
+    from them (see cpu/chunked.py). Or once, phase 2, with ``parts`` a tuple (the causal forward's
+    dynamic split: cpu/dynamic.py)."""
     with kernel_section(nthreads):
         if parts is None:
             kernel(nthreads, *args, 1, _NO_PARTS)
+        elif isinstance(parts, tuple):
+            kernel(nthreads, *args, 2, parts[0])
         else:
             kernel(nthreads, *args, 0, parts)
             kernel(nthreads, *args, 1, parts)
@@ -95,6 +98,20 @@ def _parts(two_runs, bh, frac, dk, dv, causal):
     """The segments' partial sums for a kernel that runs twice (causal: [S | Z | log decay], non-causal
     [S | Z] per key dimension), else None."""
     return np.empty((bh, len(frac) - 1, dk, dv + (2 if causal else 1))) if two_runs else None
+
+
+def _forward_parts(two_runs, bh, n, chunk, frac, dk, dv):
+    """The causal forward's parts where its plan splits heads: the dynamic split's (a tuple: the
+    boundaries' states and marks, the segments' sums; see cpu/dynamic.py) where a head has enough
+    segments for it, else the two runs' (``_parts``)."""
+    if not two_runs:
+        return None
+    nseg = dynamic.segments(bh, -(-n // chunk), dk, dv, chunked.FOLD_EVERY)
+    if nseg < dynamic.MIN_SPLIT:
+        return _parts(two_runs, bh, frac, dk, dv, True)
+    parts = workspace.empty((bh, 2 * nseg + 1, dk, dv + 2), np.float64)  # (pooled: no page faults a call)
+    parts[:, :nseg + 1, 0, -1] = 0  # every boundary's mark: UNTOUCHED (an int64 0 is float 0.0's bits)
+    return (parts,)
 
 
 def _fast_plan(causal, dt, shape, dv, threads, layout, dk, kind=0):
@@ -338,7 +355,8 @@ def _fast(causal, q, k, v, feature_map, eps, normalize, keep=False, return_state
     else:
         args = (q4, k4, v4, code, fp, address, dt.type(eps), normalize, one if scale is None else dt.type(scale),
                 lens, qlens, chunk, frac, S0, Z0, o4, S, Z)
-    _launch(kernel, nthreads, args, _parts(True, bh, frac, dk, dv, causal) if two_runs else None)
+    _launch(kernel, nthreads, args, _forward_parts(two_runs, bh, n, chunk, frac, dk, dv) if causal else
+            _parts(two_runs, bh, frac, dk, dv, False))
     if gates is not None:
         gates_mod.raise_bad_gate(status, shape[:-2])
     state = State(S.reshape(shape[:-2] + (dk, dv)), Z.reshape(shape[:-2] + (dk,))) if return_state else None
@@ -753,7 +771,7 @@ def causal_with_denominators(q, k, v, feature_map="elu", eps=1e-6, normalize=Tru
                                     S0, Z0, o4, S, Z, g4, ld, status, _NO_DEN[comp] if den is None else den4,
                                     _NO_STATES[comp] if states is None else
                                     states.reshape(q4.shape[:2] + states.shape[-3:])),
-                 _parts(two_runs, bh, frac, dk, dv, True))
+                 _forward_parts(two_runs, bh, n, chunk, frac, dk, dv))
             gates_mod.raise_bad_gate(status, lead)
             if copied[3]:  # res allowed no 4-D view with the inputs' split
                 res[...] = o4.reshape(res.shape)

@@ -20,7 +20,9 @@ A segment's item first sums phi(K)^T V over the chunks before its segment (the "
 that every item does the same work. Or the kernel runs twice: first the head's first segment runs
 whole while each of the others but the last sums its own chunks, then each of the others starts from
 the first's final state and the parts between (runtime.plan chooses: two runs from two threads on a
-long head). Extra memory is O(chunk * (D + Dv) + D * Dv) per item.
+long head). Or, where the plan splits heads and they are long enough, the threads split them as they
+run (cpu/dynamic.py: one run; a slowed thread does less). Extra memory is O(chunk * (D + Dv) + D * Dv)
+per item.
 """
 import numpy as np
 from numba import types
@@ -28,6 +30,7 @@ from numba import types
 from .._jit import array, njit
 from .buffers import empty, zeros
 from . import gating
+from .dynamic import DONE, RUN_HEAD, RUN_SPLIT, STARTED, SUM, next_job, pass_boundary, publish, start_split
 from .elementwise import exp_le0
 from .gating import (chunk_gates, gate_buffers, gate_key_columns, gate_key_rows, gate_log_sum, gate_pending,
                      gate_queries, gate_scores, gate_state_factors, touch_gates)
@@ -159,10 +162,10 @@ def _fill_acc(acc, B, acc_in_b):
 
 
 @njit(helper=True)
-def _fold(acc, accz, B, Bz, P, Pz, has_acc, lam, decayed):
-    """Move the pending sums P, Pz into the float64 accumulators (P holds values; acc does when
-    ``has_acc``), the accumulators decayed by exp(lam) first when ``decayed``; B, Bz = their
-    rounded values. P is then free (the caller's has_p is False) and lam zero."""
+def fold_sums(acc, accz, P, Pz, has_acc, lam, decayed):
+    """acc = exp(lam) acc + P (acc = P where not ``has_acc``; exp(lam) only when ``decayed``), accz =
+    exp(lam) accz + Pz: the arithmetic of every fold (_fold's; split_state repeats a runner's folds
+    with it)."""
     for a in range(P.shape[0]):
         f = exp_le0(lam[a]) if decayed else 1.0
         if has_acc and decayed:
@@ -174,9 +177,18 @@ def _fold(acc, accz, B, Bz, P, Pz, has_acc, lam, decayed):
         else:
             for e in range(P.shape[1]):
                 acc[a, e] = P[a, e]
+        accz[a] = f * accz[a] + Pz[a]
+
+
+@njit(helper=True)
+def _fold(acc, accz, B, Bz, P, Pz, has_acc, lam, decayed):
+    """Move the pending sums P, Pz into the float64 accumulators (P holds values; acc does when
+    ``has_acc``), the accumulators decayed by exp(lam) first when ``decayed``; B, Bz = their
+    rounded values. P is then free (the caller's has_p is False) and lam zero."""
+    fold_sums(acc, accz, P, Pz, has_acc, lam, decayed)
+    for a in range(P.shape[0]):
         for e in range(P.shape[1]):
             B[a, e] = acc[a, e]
-        accz[a] = f * accz[a] + Pz[a]
         Bz[a] = accz[a]
         lam[a] = 0.0
     Pz[:] = 0
@@ -285,6 +297,41 @@ def segment_parts(sbuf, has_acc, acc_in_b, has_p, summing, parts, s, total, deca
 
 
 @njit(helper=True)
+def split_state(sbuf, parts, h, y, sums, S0, Z0, decayed):
+    """The state at a dynamic split's boundary (cpu/dynamic.py) in sbuf's acc, accz (and B, Bz rounded):
+    the one published at boundary y of head h (at 0: the initial state S0[h], Z0[h], or none) followed
+    by the segments' sums ``sums`` (rows [S | Z | log decay], in order), each folded in with the
+    runner's own fold (fold_sums): a segment is one fold's chunks, and its row holds the pending sums
+    that a runner folds at its end, exactly (summed with a runner's arithmetic), so the state at a
+    boundary is the runner's bit for bit and no output depends on who ran what. Returns (has_acc,
+    acc_in_b)."""
+    P, B, acc, Pz, Bz, Z, accz, lam = sbuf
+    x = acc.shape[1]
+    has = y > 0 or S0.shape[0] > 0
+    for a in range(acc.shape[0]):
+        if y > 0:
+            base = parts[h, y, a]
+            for e in range(x):
+                acc[a, e] = base[e]
+            accz[a] = base[x]
+        elif has:
+            for e in range(x):
+                acc[a, e] = S0[h, a, e]
+            accz[a] = Z0[h, a]
+        else:  # (no state: the first fold copies, as a runner's first does)
+            accz[a] = 0.0
+    for j in range(sums.shape[0]):
+        row = sums[j]
+        fold_sums(acc, accz, row[:, :x], row[:, x], has, row[:, x + 1], decayed)
+        has = True
+    for a in range(acc.shape[0]):
+        for e in range(x):
+            B[a, e] = acc[a, e]
+        Bz[a] = accz[a]
+    return has, False
+
+
+@njit(helper=True)
 def segment_role(s, two_runs, summing):
     """(whole, sums_only, idle) for segment s's item of a kernel run once, or twice (``two_runs``;
     ``summing``: the first run): ``whole``, it starts from the initial state (one run, or the first
@@ -356,7 +403,10 @@ def _causal_forward(q, k, v, fm, fp, fa, eps, normalize, scale, lengths, chunk, 
     zero state into parts[head, segment] ([S | Z | log decay]); phase 1, each segment but the first
     starts from the parts before it, with no prefix (segment_parts). The first costs the later segments
     more as the segments multiply; the second, one extra pass over every segment but the first and the
-    last (runtime.plan makes the first segment as long as that pass over one of the others).
+    last (runtime.plan makes the first segment as long as that pass over one of the others). Or, with
+    ``phase`` 2 and parts (heads, 2 * nseg + 1, D', Dv + 2) (``frac`` unused), the dynamic split
+    (cpu/dynamic.py): each head is an item; a thread with none left helps one that runs (a sum of one
+    fold's chunks backward toward its runner: a walk with no outputs; then a run from its claim).
 
     A segment's code is written here, not in a function of its own: Numba would compile such a
     function on its own and then again inside this one (+1.7 s at the first call, measured).
@@ -366,13 +416,17 @@ def _causal_forward(q, k, v, fm, fp, fa, eps, normalize, scale, lengths, chunk, 
     mapper = map_state(fm, fp, fa, q.shape[3], d_, dt)
     mp = unowned(mapper)  # (its parameters are shared by the threads: each view's atomic add contended)
     nseg = frac.shape[0] - 1
-    items = q.shape[0] * g2 * nseg
-    decayed = bool(gates.ndim > 1)  # bool()/int(): run-time values, not literals (see _jit)
+    dynamic = bool(phase == 2)  # bool()/int(): run-time values, not literals (see _jit)
+    two_runs = bool(parts.shape[0] > 0 and not dynamic)
+    items = q.shape[0] * g2 * (1 if dynamic else nseg)
+    nb = (parts.shape[1] + 1) // 2  # (dynamic: the boundaries' rows, then the segments' sums)
+    per = int(FOLD_EVERY)  # (a dynamic split's segment: one fold's chunks)
+    decayed = bool(gates.ndim > 1)
     # the arrays' views (rows of a chunk) without reference counting: the caller owns the arguments,
     # the buffers' owners are kept to the end
     q, k, v, out, den, states, gates, parts = unowned((q, k, v, out, den, states, gates, parts))
-    summing = bool(parts.shape[0] > 0 and phase == 0)  # (phase 0: the segments' own sums)
-    total = zeros(d_ if summing and decayed else 0, np.float64)  # a segment's log decay (phase 0)
+    summing = bool(two_runs and phase == 0)  # (phase 0: the segments' own sums)
+    total = zeros(d_ if (summing or dynamic) and decayed else 0, np.float64)  # a segment's log decay
     S0, Z0, S_out, Z_out = unowned((S0, Z0, S_out, Z_out))
     owners = (empty((chunk, d_ + chunk), dt), empty((d_ + chunk, dv), dt), empty((chunk, d_), dt),
               empty((d_, chunk), dt), empty(max(d_, dv), dt), empty((dv + 1, d_), dt),
@@ -389,14 +443,25 @@ def _causal_forward(q, k, v, fm, fp, fa, eps, normalize, scale, lengths, chunk, 
     # inputs' rows are loaded TOUCH_CHUNKS at a time (touch_rows), which serves both kinds.
     v_apart = not _adjacent_rows(v)
     spread = v_apart or not _adjacent_rows(q)
-    item = take(counter)
-    while item < items:
-        length = lengths[item // nseg]
-        h, s, c0, c1 = _segment(item, nseg, frac, (length + chunk - 1) // chunk)
-        last = s == nseg - 1
-        whole, sums_only, idle = segment_role(s, parts.shape[0] > 0, summing)
+    ch, ct, cy = int(0), int(0), int(0)  # a helper's split under way: head, claimed boundary, next boundary
+    while True:
+        kind, item, y, tb = next_job(take(counter) if ct == 0 else items, items, dynamic, parts, lengths, chunk, per,
+                                     ch, ct, cy)
+        ch = ct = cy = 0  # (a new job next, unless a helper's sum sets them)
+        if kind == DONE:
+            break
+        if dynamic:  # a head from its start, a sum toward a runner, or a run from a claimed boundary
+            h = item
+            length = lengths[h]
+            s, last, whole, sums_only, idle = y, kind != SUM, kind == RUN_HEAD, kind == SUM, bool(False)
+            c0 = y * per if kind == SUM else (tb * per if kind == RUN_SPLIT else 0)
+            c1 = min(c0 + per, (length + chunk - 1) // chunk) if kind == SUM else (length + chunk - 1) // chunk
+        else:
+            length = lengths[item // nseg]
+            h, s, c0, c1 = _segment(item, nseg, frac, (length + chunk - 1) // chunk)
+            last = s == nseg - 1
+            whole, sums_only, idle = segment_role(s, two_runs, summing)
         if (summing and last) or idle or not (summing or c0 < c1 or (last and (S_out.shape[0] > 0 or length < n))):
-            item = take(counter)
             continue
         # the segment: outputs of chunks [c0, c1) of head h from the state before chunk c0
         # (recomputed from the head's start); the last segment also zeroes the padding past its
@@ -409,13 +474,19 @@ def _causal_forward(q, k, v, fm, fp, fa, eps, normalize, scale, lengths, chunk, 
         has_acc = _init_state(S0, Z0, h, B, accz, Bz) if whole else bool(False)
         acc_in_b = has_acc  # (acc is filled from B when first read: see _init_state)
         has_p = bool(False)
-        if parts.shape[0] > 0 and not summing:  # (parts[h, 0]: the first segment's final state)
+        if two_runs and not summing:  # (parts[h, 0]: the first segment's final state)
             has_acc, acc_in_b = segment_parts(sbuf[0], has_acc, acc_in_b, has_p, summing, parts[h], s, total,
                                               decayed)
+        elif dynamic and kind == RUN_SPLIT:
+            has_acc, acc_in_b = split_state(sbuf[0], parts, h, y, parts[h, nb + y:nb + tb], S0, Z0, decayed)
+            if not start_split(parts, h, tb):  # (the runner took tb back: other work)
+                keep_alive(sbuf)
+                continue
         for a in range(total.shape[0]):  # the segment's log decay (phase 0)
             total[a] = 0
         # the state at the start of this segment from its prefix, or phase 0's sum of the segment itself
-        p0, p1 = (c0, c1) if sums_only else (0, 0 if parts.shape[0] > 0 else c0)
+        # (a dynamic split's sum runs in the walk below, with a runner's arithmetic: see split_state)
+        p0, p1 = (c0, c1) if sums_only and not dynamic else (0, 0 if parts.shape[0] > 0 else c0)
         for ci in range(p0, p1):
             i0 = ci * chunk
             c = min(chunk, length - i0)
@@ -431,44 +502,51 @@ def _causal_forward(q, k, v, fm, fp, fa, eps, normalize, scale, lengths, chunk, 
                                                      decayed)
             if sums_only:
                 gate_log_sum(gates, total, c, G, R)
-        if sums_only:
-            segment_parts(sbuf[0], has_acc, acc_in_b, has_p, summing, parts[h], s, total, decayed)
+        if sums_only and not dynamic:
+            segment_parts(sbuf[0], has_acc, acc_in_b, has_p, sums_only, parts[h], s, total, decayed)
             keep_alive(sbuf)
-            item = take(counter)
             continue
-        gate_state_factors(gates, lam, fb)
-        _current(B, Bz, P, Pz, SV, Z, has_acc, has_p, fb, decayed)
+        if dynamic and kind == RUN_SPLIT:  # the state at the run's start, for later helpers
+            publish(parts, h, tb, acc, accz, int(STARTED))
+        outputs = not sums_only  # (a dynamic split's sum: the walk without outputs)
+        if outputs:
+            gate_state_factors(gates, lam, fb)
+            _current(B, Bz, P, Pz, SV, Z, has_acc, has_p, fb, decayed)
         for ci in range(c0, c1):
             i0 = ci * chunk
             c = min(chunk, length - i0)
             t = _rows_to_touch(ci, c0, c1, chunk, length)
             if t > 0:
-                touch_rows(qh, i0, t)
+                if outputs:
+                    touch_rows(qh, i0, t)
                 touch_rows(kh, i0, t)
                 touch_rows(vh, i0, t)
                 touch_gates(gates, h, i0, t)
-            if spread and ci + 1 < c1:
+            if spread and outputs and ci + 1 < c1:
                 cn = min(chunk, length - i0 - chunk)
                 prefetch_rows_for_writing(oh, i0 + chunk, cn)
-            if kept.shape[0] > 0:
+            if kept.shape[0] > 0 and outputs:
                 keep_state(SV, Z, d_, kept[ci], ST, sums)
             chunk_gates(gates, h, ld, i0, c, G, R, F, status)
-            load_features(qh, i0, c, mp, QA)
+            if sums_only:  # (a dynamic split's sum: its log decay)
+                gate_log_sum(gates, total, c, G, R)
             _load_kt(kh, i0, c, mp, Kf, KT, sums if decayed else Pz)  # gated keys add their sums later
             if v_apart:  # (rows apart are read many times by the products: copied side by side first)
                 _copy_rows(vh, i0, c, SV, d_)
             V = SV[d_:d_ + c] if v_apart else vh[i0:i0 + c]
-            gate_scores(gates, QA, KT, Kf, d_, c, G, R, F, X)  # A, lower triangle, decayed
-            gate_queries(gates, QA, d_, c, F)
-            if normalize:
-                _copy_row(Z, W)  # W[:d_] = Z
-            factors = _row_factors(i0, c, QA, W, d_ + c, eps, normalize, scale, keep, RF)
-            if has_acc or has_p:  # [phi(Q) | A] @ [S ; V], each row tile up to its last nonzero score
-                small_gemm_stacked(QA[:c, :d_ + c], SV[:d_], V, oh[i0:i0 + c], factors, d_, -1)
-            else:  # a zero state: the chunk's own part only
-                small_gemm_stacked(QA[:c, d_:d_ + c], V, V[:0], oh[i0:i0 + c], factors, 0, -1)
-            if ci == c1 - 1 and not ((last and S_out.shape[0] > 0) or summing):
-                break  # no one reads the state after the segment's last chunk (a tiny call: half its products)
+            if outputs:
+                load_features(qh, i0, c, mp, QA)
+                gate_scores(gates, QA, KT, Kf, d_, c, G, R, F, X)  # A, lower triangle, decayed
+                gate_queries(gates, QA, d_, c, F)
+                if normalize:
+                    _copy_row(Z, W)  # W[:d_] = Z
+                factors = _row_factors(i0, c, QA, W, d_ + c, eps, normalize, scale, keep, RF)
+                if has_acc or has_p:  # [phi(Q) | A] @ [S ; V], each row tile up to its last nonzero score
+                    small_gemm_stacked(QA[:c, :d_ + c], SV[:d_], V, oh[i0:i0 + c], factors, d_, -1)
+                else:  # a zero state: the chunk's own part only
+                    small_gemm_stacked(QA[:c, d_:d_ + c], V, V[:0], oh[i0:i0 + c], factors, 0, -1)
+                if ci == c1 - 1 and not ((last and S_out.shape[0] > 0) or summing):
+                    break  # no one reads the state after the segment's last chunk (a tiny call: half its products)
             beta = gate_pending(gates, P, Pz, lam, c, G, R, F, has_p)
             gate_key_columns(gates, KT, Kf, c, F, Pz)
             small_gemm(KT[:, :c], V, P, beta if has_p else 0, -1, -1)  # pending state update
@@ -476,8 +554,19 @@ def _causal_forward(q, k, v, fm, fp, fa, eps, normalize, scale, lengths, chunk, 
             if ci < c1 - 1:
                 has_acc, has_p, acc_in_b = pending_added(ci, acc, accz, B, Bz, P, Pz, has_acc, acc_in_b, lam,
                                                          decayed)
-                gate_state_factors(gates, lam, fb)
-                _current(B, Bz, P, Pz, SV, Z, has_acc, has_p, fb, decayed)
+                # a dynamic split's boundary (every fold): the state, just folded, published for helpers
+                if dynamic and outputs and (ci + 1) % FOLD_EVERY == 0 and not pass_boundary(
+                        parts, h, (ci + 1) // FOLD_EVERY, acc, accz):
+                    last = False  # a helper runs on from here
+                    break
+                if outputs:
+                    gate_state_factors(gates, lam, fb)
+                    _current(B, Bz, P, Pz, SV, Z, has_acc, has_p, fb, decayed)
+        if sums_only:  # a dynamic split's sum: its row, then the helper's next step
+            segment_parts(sbuf[0], has_acc, acc_in_b, has_p, sums_only, parts[h, nb:], s, total, decayed)
+            keep_alive(sbuf)
+            ch, ct, cy = h, tb, s  # (the helper's next step: next_job)
+            continue
         if last:
             oh[length:] = 0
             if S_out.shape[0] > 0:
@@ -485,7 +574,6 @@ def _causal_forward(q, k, v, fm, fp, fa, eps, normalize, scale, lengths, chunk, 
         elif summing:  # the first segment's final state for the others (its log decay: 0, never read)
             segment_parts(sbuf[0], has_acc, acc_in_b, has_p, summing, parts[h], s, total, decayed)
         keep_alive(sbuf)
-        item = take(counter)
     store_fence()  # the kept states' streaming stores, before the backward's threads read them
     keep_alive((owners, gbuf, mapper))
 

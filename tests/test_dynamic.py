@@ -1,0 +1,198 @@
+"""The causal forward's dynamic split of heads between threads (cpu/dynamic.py): helpers that sum back
+to a runner and run on from a claimed boundary, runners that stop there or take a boundary back, against
+the float64 reference; the segment sizes; and the public calls that take this path on two threads."""
+import numpy as np
+import pytest
+
+import linattn
+from linattn import attention, reference
+from linattn import gates as gates_mod
+from linattn.cpu import chunked, dynamic
+from linattn.cpu.runtime import chunk_size
+
+from conftest import assert_close, make_qkv
+
+N, D, DV = 1700, 5, 4  # 54 chunks of 32: 4 segments of 16 chunks (3 whole, one of 6)
+LENGTHS = np.array([1700, 1100, 0], np.int64)  # 4, 3 and no segments
+
+
+def _marks(parts, nseg):
+    return parts[:, :nseg + 1, 0, -1].view(np.int64)
+
+
+def _setup(rng, kind, layout="C"):
+    """The causal kernel's arguments for three heads (lengths LENGTHS, an initial state, gates of
+    ``kind``) with outputs, final state, denominators and chunk states NaN, and dynamic parts."""
+    q, k, v = make_qkv(rng, (1, 3), N, D, DV)
+    S0 = rng.random((3, D, DV)).astype(np.float32)
+    Z0 = rng.random((3, D)).astype(np.float32)
+    shape = (1, 3, N) + ((D,) if kind == gates_mod.VECTOR else ())
+    g = (-rng.random(shape) * 0.02).astype(np.float32)
+    g[0, 0, 700] = -np.inf  # a reset (every key dimension of head 0 at 700)
+    chunk = chunk_size(N)
+    parts = attention._forward_parts(True, 3, N, chunk, np.array([0.0, 0.5, 1.0]), D, DV)[0]
+    nseg = (parts.shape[1] - 1) // 2
+    arrays = dict(out=np.full((1, 3, N, DV), np.nan, np.float32), S=np.full((3, D, DV), np.nan, np.float32),
+                  Z=np.full((3, D), np.nan, np.float32), den=np.full((1, 3, N), np.nan, np.float32),
+                  states=np.full((1, 3, -(-N // chunk), DV + 1, D), np.nan, np.float32))
+    args = (q, k, v, 1, np.zeros(0, np.float32), 0, np.float32(1e-6), True, np.float32(1), LENGTHS, chunk,
+            np.array([0.0, 1.0]), S0, Z0, arrays["out"], arrays["S"], arrays["Z"],
+            g if kind else np.zeros(0, np.float32), np.zeros(3) if kind else np.zeros(0), np.zeros(3, np.int64),
+            arrays["den"], arrays["states"], 2, parts)
+    worker = chunked.causal_forward.get(np.float32, (layout, kind)).worker
+    ref = dict(q=q, k=k, v=v, S0=S0, Z0=Z0, g=g if kind else None, chunk=chunk)
+    return worker, args, arrays, parts, nseg, ref
+
+
+def _check(arrays, ref, rows=None):
+    """Each head's outputs (those from ``rows[h]`` on, where given), final state and chunk states against
+    the float64 reference (the states chunk by chunk through the textbook loop)."""
+    q, k, v, S0, Z0, g, chunk = (ref[x] for x in ("q", "k", "v", "S0", "Z0", "g", "chunk"))
+    for h, L in enumerate(LENGTHS):
+        gate = (lambda sl: {}) if g is None else (lambda sl: {"gate": g[0, h, sl]})
+        want = reference.masked(q[0, h, :L], k[0, h, :L], v[0, h, :L], initial_state=(S0[h], Z0[h]),
+                                **gate(slice(0, L)))
+        r0 = 0 if rows is None else rows[h]
+        assert_close(arrays["out"][0, h, r0:L], want[r0:], np.float32)
+        np.testing.assert_array_equal(arrays["out"][0, h, L:], 0)
+        state = (S0[h].astype(np.float64), Z0[h].astype(np.float64))
+        for ci in range(-(-L // chunk)):
+            if ci >= r0 // chunk:
+                assert_close(arrays["states"][0, h, ci], np.concatenate([state[0], state[1][:, None]], 1).T,
+                             np.float32)
+            sl = slice(ci * chunk, min((ci + 1) * chunk, L))
+            _, state = reference.loop(q[0, h, sl], k[0, h, sl], v[0, h, sl], initial_state=state, return_state=True,
+                                      **gate(sl))
+        assert_close(arrays["S"][h], state[0], np.float32)
+        assert_close(arrays["Z"][h], state[1], np.float32)
+
+
+KINDS = [0, gates_mod.SCALAR, gates_mod.VECTOR]
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_helpers_then_runners(rng, kind):
+    """A thread that finds no head left to take helps: here one thread first does all the helping
+    (each head's claims from the initial state, summed back to its start), then runs every head from
+    its start; each runner stops at the first boundary a helper started from. Every output, the final
+    state, the denominators and the chunk states equal the reference."""
+    worker, args, arrays, parts, nseg, ref = _setup(rng, kind)
+    assert nseg == 4
+    worker(*args, np.array([3], np.int64))  # (every head taken: helping only)
+    marks = _marks(parts, nseg)
+    assert (marks[0] == dynamic.STARTED).sum() >= 1 and (marks[1] == dynamic.STARTED).sum() == 1
+    assert np.isnan(arrays["out"][0, 0, 0]).all() and not np.isnan(arrays["out"][0, 0, -1]).any()  # (the ends alone)
+    worker(*args, np.array([0], np.int64))
+    _check(arrays, ref)
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_helpers_meet_published_states(rng, kind):
+    """After a whole run (every boundary's state published), the boundaries after the first are made
+    untouched again and the outputs after it NaN: a helper then sums back to the state published at
+    that boundary and runs on from its claim. What it ran equals the reference; what nobody ran (the
+    runner's part, too short to split) stays NaN."""
+    worker, args, arrays, parts, nseg, ref = _setup(rng, kind)
+    worker(*args, np.array([0], np.int64))
+    marks = _marks(parts, nseg)
+    assert (marks[0, 1:nseg] == dynamic.PASSED).all() and (marks[1, 1:3] == dynamic.PASSED).all()
+    per = chunked.FOLD_EVERY
+    marks[0, 2:] = dynamic.UNTOUCHED
+    arrays["out"][0, 0, per * 32:] = np.nan
+    worker(*args, np.array([3], np.int64))  # (head 0's part from boundary 1: 3 segments, split at 3)
+    assert list(marks[0, :nseg]) == [0, dynamic.PASSED, dynamic.UNTOUCHED, dynamic.STARTED]
+    start = 3 * per * ref["chunk"]
+    assert np.isnan(arrays["out"][0, 0, per * 32:start]).all()
+    _check(arrays, ref, rows=[start, 0, 0])
+
+
+@pytest.mark.parametrize("kind", KINDS + [gates_mod.CONSTANT])
+@pytest.mark.parametrize("apart", [False, True])
+def test_every_schedule_gives_the_same_bits(rng, kind, apart):
+    """Outputs, final state, denominators and chunk states do not depend on who ran what: one runner a
+    head, helpers first (their states summed back to the head's start) then runners, and helpers that
+    meet a runner's published state give the same bits (v's rows apart: a fused projection's views)."""
+    found = []
+    for order in ("runners", "helpers first", "meet"):
+        worker, args, arrays, parts, nseg, ref = _setup(np.random.default_rng(7), kind, "A" if apart else "C")
+        if kind == gates_mod.CONSTANT:  # a decay per head, no gates array
+            args = args[:17] + (np.zeros((0, 0), np.float32), np.log([0.999, 0.99, 0.9])) + args[19:]
+        if apart:
+            wide = np.zeros(args[2].shape[:-1] + (3 * DV,), np.float32)
+            wide[..., ::3] = args[2]
+            args = args[:2] + (wide[..., ::3],) + args[3:]
+        if order == "meet":  # (as test_helpers_meet_published_states, the whole head then run again)
+            worker(*args, np.array([0], np.int64))
+            _marks(parts, nseg)[0, 2:] = dynamic.UNTOUCHED
+            worker(*args, np.array([3], np.int64))
+        else:
+            if order == "helpers first":
+                worker(*args, np.array([3], np.int64))
+            worker(*args, np.array([0], np.int64))
+        found.append(arrays)
+    for arrays in found[1:]:
+        for name, x in arrays.items():
+            np.testing.assert_array_equal(x, found[0][name], err_msg=name)
+
+
+def test_runner_takes_back_a_claim_and_stops_at_a_start(rng):
+    """A runner that reaches a boundary a helper claimed but has not started from (still summing: a slow
+    thread) takes it back and runs on; one a helper started from ends its part."""
+    worker, args, arrays, parts, nseg, ref = _setup(rng, 0)
+    marks = _marks(parts, nseg)
+    marks[0, 2] = dynamic.SPLIT
+    marks[1, 2] = dynamic.STARTED
+    worker(*args, np.array([0], np.int64))
+    assert marks[0, 2] == dynamic.PASSED and marks[1, 2] == dynamic.STARTED
+    start = 2 * chunked.FOLD_EVERY * ref["chunk"]
+    assert np.isnan(arrays["out"][0, 1, start:LENGTHS[1]]).all()
+    assert_close(arrays["out"][0, 0], reference.masked(ref["q"][0, 0], ref["k"][0, 0], ref["v"][0, 0],
+                                                       initial_state=(ref["S0"][0], ref["Z0"][0])), np.float32)
+
+
+@pytest.mark.parametrize("bh, nchunks, dk, dv", [(1, 54, 5, 4), (1, 512, 64, 64), (1, 1 << 15, 64, 64),
+                                                 (3, 100, 8, 8), (64, 4096, 256, 256), (1, 5, 4, 4)])
+def test_segment_sizes(bh, nchunks, dk, dv):
+    """A segment is one fold's chunks (the last maybe fewer), unless the published states and sums would
+    take more than MAX_BYTES (0: the static split)."""
+    fold = chunked.FOLD_EVERY
+    nseg = dynamic.segments(bh, nchunks, dk, dv, fold)
+    need = bh * (2 * -(-nchunks // fold) + 1) * dk * (dv + 2) * 8
+    assert nseg == (-(-nchunks // fold) if need <= dynamic.MAX_BYTES else 0)
+
+
+@pytest.mark.parametrize("dtype", [np.float32, np.float64])
+def test_public_calls_on_two_threads(rng, monkeypatch, dtype):
+    """Heads split between two threads as they run (the plan forced to split three heads of 1700
+    positions, which takes the dynamic path) give the unsplit results, repeatedly: every kind of gate
+    and decay, lengths, an initial state, the final state, through the plain call's short path and the
+    vjp's forward (its kept denominators and chunk states, and so its gradients)."""
+    lead, n, d, dv = (3,), N, D, DV
+    q, k, v = make_qkv(rng, lead, n, d, dv, dtype)
+    S0 = linattn.State(rng.random(lead + (d, dv)).astype(dtype), rng.random(lead + (d,)).astype(dtype))
+    g_pos = (-rng.random(lead + (n,)) * 0.02).astype(dtype)
+    g_pos[1, 333] = -np.inf
+    g_dim = (-rng.random(lead + (n, d)) * 0.02).astype(dtype)
+    options = [{}, dict(initial_state=S0, lengths=np.array([1700, 1100, 1])), dict(gate=g_pos),
+               dict(gate=g_dim, initial_state=S0), dict(decay=np.full(lead, 0.999)),
+               dict(decay=np.full(lead, 0.999), gate=g_pos, normalize=False, scale=0.5)]
+    W = rng.standard_normal(lead + (n, dv)).astype(dtype)
+
+    def results():
+        attention._constants.clear()  # (the short path's plans)
+        found = [linattn.causal_linear_attention(q, k, v)]
+        for kw in options:
+            out, state = linattn.causal_linear_attention(q, k, v, return_state=True, **kw)
+            out2, _, vjp = linattn.causal_linear_attention_vjp(q, k, v, return_state=True, **kw)
+            np.testing.assert_array_equal(out2, out)
+            found += [out, state.S, state.Z] + [x for x in vjp(W)[:3]]
+        return found
+
+    monkeypatch.setattr(attention, "plan", lambda *a, **kw: (32, np.array([0.0, 1.0]), 1, False))
+    whole = results()
+    monkeypatch.setattr(attention, "plan", lambda *a, **kw: (32, np.array([0.0, 0.2, 0.6, 1.0]), 2, True))
+    assert isinstance(attention._forward_parts(True, 3, n, 32, None, d, dv), tuple)
+    for _ in range(3):
+        for got, want in zip(results(), whole):
+            assert_close(got, want, dtype)
+    attention._constants.clear()
