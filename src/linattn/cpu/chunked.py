@@ -30,7 +30,7 @@ from numba import types
 from .._jit import array, njit
 from .buffers import empty, zeros
 from . import gating
-from .dynamic import DONE, RUN_HEAD, RUN_SPLIT, STARTED, SUM, next_job, pass_boundary, publish, start_split
+from .dynamic import DONE, RUN_HEAD, RUN_SPLIT, SPLIT, STARTING, SUM, mark_swap, next_job, publish
 from .elementwise import exp_le0
 from .gating import (chunk_gates, gate_buffers, gate_key_columns, gate_key_rows, gate_log_sum, gate_pending,
                      gate_queries, gate_scores, gate_state_factors, touch_gates)
@@ -479,7 +479,7 @@ def _causal_forward(q, k, v, fm, fp, fa, eps, normalize, scale, lengths, chunk, 
                                               decayed)
         elif dynamic and kind == RUN_SPLIT:
             has_acc, acc_in_b = split_state(sbuf[0], parts, h, y, parts[h, nb + y:nb + tb], S0, Z0, decayed)
-            if not start_split(parts, h, tb):  # (the runner took tb back: other work)
+            if mark_swap(parts, h, tb, SPLIT, STARTING) != SPLIT:  # (the runner took tb back: other work)
                 keep_alive(sbuf)
                 continue
         for a in range(total.shape[0]):  # the segment's log decay (phase 0)
@@ -507,7 +507,7 @@ def _causal_forward(q, k, v, fm, fp, fa, eps, normalize, scale, lengths, chunk, 
             keep_alive(sbuf)
             continue
         if dynamic and kind == RUN_SPLIT:  # the state at the run's start, for later helpers
-            publish(parts, h, tb, acc, accz, int(STARTED))
+            publish(parts, h, tb, acc, accz, bool(True))
         outputs = not sums_only  # (a dynamic split's sum: the walk without outputs)
         if outputs:
             gate_state_factors(gates, lam, fb)
@@ -555,8 +555,8 @@ def _causal_forward(q, k, v, fm, fp, fa, eps, normalize, scale, lengths, chunk, 
                 has_acc, has_p, acc_in_b = pending_added(ci, acc, accz, B, Bz, P, Pz, has_acc, acc_in_b, lam,
                                                          decayed)
                 # a dynamic split's boundary (every fold): the state, just folded, published for helpers
-                if dynamic and outputs and (ci + 1) % FOLD_EVERY == 0 and not pass_boundary(
-                        parts, h, (ci + 1) // FOLD_EVERY, acc, accz):
+                if dynamic and outputs and (ci + 1) % FOLD_EVERY == 0 and not publish(
+                        parts, h, (ci + 1) // FOLD_EVERY, acc, accz, bool(False)):
                     last = False  # a helper runs on from here
                     break
                 if outputs:

@@ -127,110 +127,74 @@ def mark_write(typingctx, parts, h, j, value):
 
 
 @njit(helper=True)
-def publish(parts, h, j, acc, accz, mark):
-    """parts[h, j] = [S | Z] from the float64 accumulators acc, accz, then boundary j's mark = ``mark``."""
+def publish(parts, h, j, acc, accz, started):
+    """parts[h, j] = [S | Z] from the float64 accumulators acc, accz, the state at boundary j of head h:
+    a helper's at its claim (``started``: it then marks j STARTED), or a runner's as it passes j, which
+    returns False instead where a helper has started from j (the runner's part ends there). A boundary a
+    helper claimed but has not started from (it is still summing: a slow or descheduled thread) is
+    taken back: nobody waits for another thread. (Everything of the split that runs in the kernel is in
+    this function and next_job: each helper function costs a first call ~0.15 s to compile.)"""
+    if not started:
+        m = mark_swap(parts, h, j, UNTOUCHED, PASSING)
+        if m == SPLIT and mark_swap(parts, h, j, SPLIT, PASSING) == SPLIT:
+            m = UNTOUCHED  # (the helper finds its claim gone and looks for other work)
+        if m != UNTOUCHED:
+            return False
     row = parts[h, j]
     x = acc.shape[1]
     for a in range(acc.shape[0]):
         for e in range(x):
             row[a, e] = acc[a, e]
         row[a, x] = accz[a]
-    mark_write(parts, h, j, mark)
-
-
-@njit(helper=True)
-def pass_boundary(parts, h, j, acc, accz):
-    """A runner of head h at boundary j (acc, accz: its state there): publishes it and returns True,
-    or returns False where a helper has started from j (the runner's part ends there). A boundary a
-    helper claimed but has not started from (it is still summing: a slow or descheduled thread) is
-    taken back: nobody waits for another thread."""
-    m = mark_swap(parts, h, j, UNTOUCHED, PASSING)
-    if m == SPLIT and mark_swap(parts, h, j, SPLIT, PASSING) == SPLIT:
-        m = UNTOUCHED  # (the helper finds its claim gone and looks for other work)
-    if m != UNTOUCHED:
-        return False
-    publish(parts, h, j, acc, accz, int(PASSED))
+    mark_write(parts, h, j, STARTED if started else PASSED)
     return True
-
-
-@njit(helper=True)
-def start_split(parts, h, t):
-    """A helper about to run head h from its claimed boundary t: True where its claim still holds
-    (t is then STARTING: the runner stops there; the helper publishes its state and marks it STARTED)."""
-    return mark_swap(parts, h, t, SPLIT, STARTING) == SPLIT
-
-
-@njit(helper=True)
-def _claim(parts, lengths, chunk, per):
-    """(h, t): boundary t of head h claimed (SPLIT) in the part with the most segments left to run,
-    ``_split_at`` of them from its runner's segment; (-1, 0) where no part has MIN_SPLIT left."""
-    while True:
-        best, bh, bf = int(0), int(-1), int(0)  # (run-time ints: no literal types, see _jit)
-        for h in range(parts.shape[0]):
-            ns = -(-(-(-lengths[h] // chunk)) // per)
-            front = 0  # the segment the runner of the current part runs (its start until it passes one)
-            for j in range(1, ns + 1):
-                m = mark_read(parts, h, j) if j < ns else SPLIT
-                if m == PASSED or m == PASSING:
-                    front = j
-                elif m != UNTOUCHED:  # the part ends at j
-                    if j - front > best:
-                        best, bh, bf = j - front, h, front
-                    front = j
-        if best < MIN_SPLIT:
-            return -1, 0
-        t = bf + _split_at(best)
-        if mark_swap(parts, bh, t, UNTOUCHED, SPLIT) == UNTOUCHED:
-            return bh, t
-
-
-@njit(helper=True)
-def _split_at(r):
-    """Where a helper splits the r segments left of a part, from the runner's segment: the whole
-    number u of segments left to the runner that ends both soonest on cores of equal speed (the
-    runner's u against the helper's sums back to where they meet, a u / (1 + a), and its r - u: the
-    best u is r / (2 - a / (1 + a)), about 0.58 r, a = SUM_COST); a thread that ends first helps again."""
-    a = SUM_COST
-    lo = int(r / (2.0 - a / (1.0 + a)))
-    lo = min(max(lo, 1), r - 1)
-    hi = min(lo + 1, r - 1)
-    t_lo = max(lo, a * lo / (1.0 + a) + r - lo)
-    t_hi = max(hi, a * hi / (1.0 + a) + r - hi)
-    return lo if t_lo <= t_hi else hi
-
-
-@njit(helper=True)
-def _back_step(parts, h, t, y):
-    """A helper of head h that claimed t and summed segments [y, t): (SUM, y - 1) to sum the one
-    before, (RUN_SPLIT, y) where the state at y is known (published, or the initial state at 0), or
-    (DONE, 0) where the runner took t back. It never waits: a state being written is summed past."""
-    if mark_read(parts, h, t) != SPLIT:
-        return DONE, 0
-    if y == 0:
-        return RUN_SPLIT, 0
-    m = mark_read(parts, h, y) if y < t else UNTOUCHED
-    if m == PASSED or m == STARTED:
-        return RUN_SPLIT, y
-    return SUM, y - 1
 
 
 @njit(helper=True)
 def next_job(take_item, items, dynamic, parts, lengths, chunk, per, h, t, y):
     """The job (kind, item or head, segment or boundary, claimed boundary) of a thread that took
-    ``take_item`` from the counter: a head's run while items are left, else (``dynamic``) a step
-    toward a split (that of boundary t of head h after summing the segments from y where t > 0, else
-    a new one), else DONE."""
+    ``take_item`` from the counter: a head's run while items are left, else (``dynamic``) a helper's
+    next step: where t > 0, of its split of boundary t of head h with the segments from y summed, else
+    of a new split (a boundary claimed, SPLIT, in the part with the most segments left to run, if one
+    has MIN_SPLIT, u of them from its runner's segment); else DONE. A step: (SUM, y - 1)
+    to sum the segment before y, (RUN_SPLIT, y) where the state at y is known (published, or the initial
+    state at 0), or another split where the runner took t back. It never waits: a state being written
+    is summed past."""
     if take_item < items:
         return RUN_HEAD, take_item, 0, 0
     if not dynamic:
         return DONE, 0, 0, 0
     while True:
-        if t == 0:
-            h, t = _claim(parts, lengths, chunk, per)
-            if h < 0:
+        while t == 0:  # a new split
+            best, bh, bf = int(0), int(-1), int(0)  # (run-time ints: no literal types, see _jit)
+            for g in range(parts.shape[0]):
+                ns = -(-(-(-lengths[g] // chunk)) // per)
+                front = 0  # the segment the runner of the current part runs (its start until it passes one)
+                for j in range(1, ns + 1):
+                    m = mark_read(parts, g, j) if j < ns else SPLIT
+                    if m == PASSED or m == PASSING:
+                        front = j
+                    elif m != UNTOUCHED:  # the part ends at j
+                        if j - front > best:
+                            best, bh, bf = j - front, g, front
+                        front = j
+            if best < MIN_SPLIT:
                 return DONE, 0, 0, 0
-            y = t
-        kind, y = _back_step(parts, h, t, y)
-        if kind != DONE:
-            return kind, h, y, t
-        t = 0  # (taken back: another split)
+            # u: the whole number of segments left to the runner that ends both soonest on cores of equal
+            # speed (the runner's u against the helper's sums back to where they meet, a u / (1 + a), and
+            # its best - u: about 0.58 best, a = SUM_COST); a thread that ends first helps again
+            a = SUM_COST
+            lo = min(max(int(best / (2.0 - a / (1.0 + a))), 1), best - 1)
+            hi = min(lo + 1, best - 1)
+            u = lo if max(lo, a * lo / (1.0 + a) + best - lo) <= max(hi, a * hi / (1.0 + a) + best - hi) else hi
+            if mark_swap(parts, bh, bf + u, UNTOUCHED, SPLIT) == UNTOUCHED:
+                h, t, y = bh, bf + u, bf + u
+        if mark_read(parts, h, t) != SPLIT:
+            t = 0  # (taken back: another split)
+            continue
+        if y == 0:
+            return RUN_SPLIT, h, 0, t
+        m = mark_read(parts, h, y) if y < t else UNTOUCHED
+        if m == PASSED or m == STARTED:
+            return RUN_SPLIT, h, y, t
+        return SUM, h, y - 1, t
