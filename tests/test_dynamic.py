@@ -1,8 +1,13 @@
 """The causal forward's dynamic split of heads between threads (cpu/dynamic.py): helpers that sum back
 to a runner and run on from a claimed boundary, runners that stop there or take a boundary back, against
 the float64 reference; the segment sizes; and the public calls that take this path on two threads."""
+from contextlib import contextmanager
+from unittest import mock
+
 import numpy as np
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 import linattn
 from linattn import attention, reference
@@ -11,6 +16,7 @@ from linattn.cpu import chunked, dynamic
 from linattn.cpu.runtime import chunk_size
 
 from conftest import assert_close, make_qkv
+from test_combinations import GATINGS, MAPS, _layout, _options_together, _segments
 
 N, D, DV = 1700, 5, 4  # 54 chunks of 32: 4 segments of 16 chunks (3 whole, one of 6)
 LENGTHS = np.array([1700, 1100, 0], np.int64)  # 4, 3 and no segments
@@ -196,3 +202,72 @@ def test_public_calls_on_two_threads(rng, monkeypatch, dtype):
         for got, want in zip(results(), whole):
             assert_close(got, want, dtype)
     attention._constants.clear()
+
+
+_OPTIONS = dict(lead=st.sampled_from([(1,), (3,), (2, 1)]), n=st.integers(1025, 1500), d=st.integers(1, 4),
+                dv=st.integers(1, 3), dtype=st.sampled_from([np.float32, np.float64]),
+                map_name=st.sampled_from(sorted(MAPS)), gating=st.sampled_from(GATINGS), reset=st.booleans(),
+                with_state=st.booleans(), with_lengths=st.sampled_from([None, "leading"]),
+                scale=st.sampled_from([None, 0.5]), layout=st.sampled_from(["c", "transposed", "heads"]),
+                seed=st.integers(0, 2**31))
+
+
+@settings(max_examples=15, deadline=None)
+@given(split=st.floats(0, 1), **_OPTIONS)
+def test_options_together_split_as_they_run(lead, n, d, dv, dtype, map_name, gating, reset, with_state, with_lengths,
+                                            scale, layout, split, seed):
+    """test_combinations' every option drawn (maps of another width, gates and resets, a state, lengths,
+    views, out=, split/resume and steps, against the float64 reference) with heads long enough for the
+    dynamic split, on two threads."""
+    with _segments(([0.5], True)):
+        assert isinstance(attention._forward_parts(True, 1, n, chunk_size(n), None, d, dv), tuple)
+        _options_together(lead, n, d, dv, dtype, map_name, gating, reset, with_state, with_lengths, scale, layout,
+                          split, seed)
+
+
+@contextmanager
+def _threads(count):
+    """Causal calls split as they run (the plan forced to split) on ``count`` threads."""
+    forced = (lambda *a, **kw: (chunk_size(a[1]), np.array([0.0, 0.5, 1.0]), count, True))
+    attention._constants.clear()
+    try:
+        with mock.patch.object(attention, "plan", forced):
+            yield
+    finally:
+        attention._constants.clear()
+
+
+@settings(max_examples=15, deadline=None)
+@given(**_OPTIONS)
+def test_one_thread_or_two_the_same_bits(lead, n, d, dv, dtype, map_name, gating, reset, with_state, with_lengths,
+                                         scale, layout, seed):
+    """A head run by one thread alone and by two that split it as they run give the same bits (outputs
+    and final state), whatever the options."""
+    rng = np.random.default_rng(seed)
+    make_map, positive = MAPS[map_name]
+    fmap = make_map(d, rng)
+    q, k = ((rng.standard_normal(lead + (n, d)) * 0.5).astype(dtype) for _ in range(2))
+    v = rng.standard_normal(lead + (n, dv)).astype(dtype)
+    dk = linattn.feature_maps.as_map(fmap).out_dim(d)
+    kw = dict(feature_map=fmap, normalize=positive, scale=scale, return_state=True)
+    if "decay" in gating:
+        kw["decay"] = rng.uniform(0.8, 1.0, lead[-1:]).astype(dtype)
+    if gating in ("position", "decay+position", "dimension"):
+        gate = np.log(rng.uniform(0.7, 1.0, lead + (n,) + ((dk,) if gating == "dimension" else ()))).astype(dtype)
+        if reset:  # (a position, or one of its dimensions, that forgets everything before it)
+            gate[(Ellipsis, rng.integers(n)) + ((rng.integers(dk),) if gating == "dimension" else ())] = -np.inf
+        kw["gate"] = gate
+    if with_state:
+        kw["initial_state"] = linattn.State((rng.standard_normal(lead + (dk, dv)) * 0.3).astype(dtype),
+                                            rng.uniform(0.5, 1.5, lead + (dk,)).astype(dtype))
+    if with_lengths:
+        kw["lengths"] = rng.integers(0, n + 1, lead)
+    args = [_layout(x, layout) for x in (q, k, v)]
+    found = []
+    for count in (1, 2, 2):
+        with _threads(count):
+            found.append(linattn.causal_linear_attention(*args, **kw))
+    for out, state in found[1:]:
+        np.testing.assert_array_equal(out, found[0][0])
+        np.testing.assert_array_equal(state.S, found[0][1].S)
+        np.testing.assert_array_equal(state.Z, found[0][1].Z)
