@@ -80,3 +80,19 @@ def random_options(rng, lead, n, d, dv, dtype, fmap, gating, with_state, with_le
     if with_lengths and lead:
         kw["lengths"] = rng.integers(0, n + 1, lead)
     return fmap, dk, kw
+
+
+def causal_results(q, k, v, options, W):
+    """Everything the causal calls give for each keyword set in ``options`` (the plain call first): the
+    output and final state, and the vjp's gradients along W; the vjp's forward must equal the call's bit
+    for bit. The short path's cached plans are dropped first (a test may have forced the plan)."""
+    import linattn
+
+    linattn.attention._constants.clear()
+    found = [linattn.causal_linear_attention(q, k, v)]
+    for kw in options:
+        out, state = linattn.causal_linear_attention(q, k, v, return_state=True, **kw)
+        out2, _, vjp = linattn.causal_linear_attention_vjp(q, k, v, return_state=True, **kw)
+        np.testing.assert_array_equal(out2, out)
+        found += [out, state.S, state.Z] + [x for x in vjp(W)[:3]]
+    return found

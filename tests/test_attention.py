@@ -11,7 +11,7 @@ from linattn import attention, reference
 from linattn.cpu import chunked
 from linattn.cpu.runtime import chunk_size
 
-from conftest import assert_close, cancellation, make_qkv, rel_err
+from conftest import assert_close, cancellation, causal_results, make_qkv, rel_err
 
 LEADS = [(), (1,), (2, 3)]
 SIZES = [1, 63, 65, 1000]
@@ -286,14 +286,7 @@ def test_two_runs_equal_one_call(rng, monkeypatch, nseg):
     W = rng.standard_normal(lead + (n, dv))
 
     def results():
-        linattn.attention._constants.clear()  # (the short path's plans)
-        found = [linattn.causal_linear_attention(q, k, v)]
-        for kw in options:
-            out, state = linattn.causal_linear_attention(q, k, v, return_state=True, **kw)
-            out2, _, vjp = linattn.causal_linear_attention_vjp(q, k, v, return_state=True, **kw)
-            np.testing.assert_array_equal(out2, out)
-            found += [out, state.S, state.Z] + [x for x in vjp(W)[:3]]
-        return found
+        return causal_results(q, k, v, options, W)
 
     whole = results()
     real_plan = linattn.attention.plan

@@ -15,7 +15,7 @@ from linattn import gates as gates_mod
 from linattn.cpu import chunked, dynamic
 from linattn.cpu.runtime import chunk_size
 
-from conftest import assert_close, make_qkv
+from conftest import assert_close, causal_results, make_qkv
 from test_combinations import GATINGS, MAPS, _layout, _options_together, _segments
 
 N, D, DV = 1700, 5, 4  # 54 chunks of 32: 4 segments of 16 chunks (3 whole, one of 6)
@@ -185,14 +185,7 @@ def test_public_calls_on_two_threads(rng, monkeypatch, dtype):
     W = rng.standard_normal(lead + (n, dv)).astype(dtype)
 
     def results():
-        attention._constants.clear()  # (the short path's plans)
-        found = [linattn.causal_linear_attention(q, k, v)]
-        for kw in options:
-            out, state = linattn.causal_linear_attention(q, k, v, return_state=True, **kw)
-            out2, _, vjp = linattn.causal_linear_attention_vjp(q, k, v, return_state=True, **kw)
-            np.testing.assert_array_equal(out2, out)
-            found += [out, state.S, state.Z] + [x for x in vjp(W)[:3]]
-        return found
+        return causal_results(q, k, v, options, W)
 
     monkeypatch.setattr(attention, "plan", lambda *a, **kw: (32, np.array([0.0, 1.0]), 1, False))
     whole = results()
