@@ -355,8 +355,8 @@ def _fast(causal, q, k, v, feature_map, eps, normalize, keep=False, return_state
     else:
         args = (q4, k4, v4, code, fp, address, dt.type(eps), normalize, one if scale is None else dt.type(scale),
                 lens, qlens, chunk, frac, S0, Z0, o4, S, Z)
-    _launch(kernel, nthreads, args, _forward_parts(two_runs, bh, n, chunk, frac, dk, dv) if causal else
-            _parts(two_runs, bh, frac, dk, dv, False))
+    _launch(kernel, nthreads, args, None if not two_runs else _forward_parts(True, bh, n, chunk, frac, dk, dv)
+            if causal else _parts(True, bh, frac, dk, dv, False))
     if gates is not None:
         gates_mod.raise_bad_gate(status, shape[:-2])
     state = State(S.reshape(shape[:-2] + (dk, dv)), Z.reshape(shape[:-2] + (dk,))) if return_state else None
