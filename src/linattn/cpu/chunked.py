@@ -482,7 +482,7 @@ def _causal_forward(q, k, v, fm, fp, fa, eps, normalize, scale, lengths, chunk, 
             if mark_swap(parts, h, tb, SPLIT, STARTING) != SPLIT:  # (the runner took tb back: other work)
                 keep_alive(sbuf)
                 continue
-        for a in range(total.shape[0]):  # the segment's log decay (phase 0)
+        for a in range(total.shape[0]):  # the segment's log decay (phase 0, or a dynamic split's sum)
             total[a] = 0
         # the state at the start of this segment from its prefix, or phase 0's sum of the segment itself
         # (a dynamic split's sum runs in the walk below, with a runner's arithmetic: see split_state)

@@ -132,8 +132,7 @@ def publish(parts, h, j, acc, accz, started):
     a helper's at its claim (``started``: it then marks j STARTED), or a runner's as it passes j, which
     returns False instead where a helper has started from j (the runner's part ends there). A boundary a
     helper claimed but has not started from (it is still summing: a slow or descheduled thread) is
-    taken back: nobody waits for another thread. (Everything of the split that runs in the kernel is in
-    this function and next_job: each helper function costs a first call ~0.15 s to compile.)"""
+    taken back: nobody waits for another thread."""
     if not started:
         m = mark_swap(parts, h, j, UNTOUCHED, PASSING)
         if m == SPLIT and mark_swap(parts, h, j, SPLIT, PASSING) == SPLIT:
@@ -168,7 +167,7 @@ def next_job(take_item, items, dynamic, parts, lengths, chunk, per, h, t, y):
         while t == 0:  # a new split
             best, bh, bf = int(0), int(-1), int(0)  # (run-time ints: no literal types, see _jit)
             for g in range(parts.shape[0]):
-                ns = -(-(-(-lengths[g] // chunk)) // per)
+                ns = ((lengths[g] + chunk - 1) // chunk + per - 1) // per  # (its segments)
                 front = 0  # the segment the runner of the current part runs (its start until it passes one)
                 for j in range(1, ns + 1):
                     m = mark_read(parts, g, j) if j < ns else SPLIT
