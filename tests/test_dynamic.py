@@ -1,6 +1,7 @@
-"""The causal forward's dynamic split of heads between threads (cpu/dynamic.py): helpers that sum back
+"""The causal kernels' dynamic split of heads between threads (cpu/dynamic.py): helpers that sum back
 to a runner and run on from a claimed boundary, runners that stop there or take a boundary back, against
-the float64 reference; the segment sizes; and the public calls that take this path on two threads."""
+the float64 reference (the forward) and the unsplit kernel (the backward); the segment sizes; and the
+public calls that take this path on two threads."""
 from contextlib import contextmanager
 from unittest import mock
 
@@ -10,7 +11,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import linattn
-from linattn import attention, reference
+from linattn import attention, gradients, reference
 from linattn import gates as gates_mod
 from linattn.cpu import chunked, dynamic
 from linattn.cpu.runtime import chunk_size
@@ -36,7 +37,7 @@ def _setup(rng, kind, layout="C"):
     g = (-rng.random(shape) * 0.02).astype(np.float32)
     g[0, 0, 700] = -np.inf  # a reset (every key dimension of head 0 at 700)
     chunk = chunk_size(N)
-    parts = attention._forward_parts(True, 3, N, chunk, np.array([0.0, 0.5, 1.0]), D, DV)[0]
+    parts = attention._causal_parts(True, 3, N, chunk, np.array([0.0, 0.5, 1.0]), D, DV)[0]
     nseg = (parts.shape[1] - 1) // 2
     arrays = dict(out=np.full((1, 3, N, DV), np.nan, np.float32), S=np.full((3, D, DV), np.nan, np.float32),
                   Z=np.full((3, D), np.nan, np.float32), den=np.full((1, 3, N), np.nan, np.float32),
@@ -156,6 +157,119 @@ def test_runner_takes_back_a_claim_and_stops_at_a_start(rng):
                                                        initial_state=(ref["S0"][0], ref["Z0"][0])), np.float32)
 
 
+def _flat(grads):
+    """A vjp's gradients as a list of arrays (copies), those in tuples (a state's) and dicts (a map's
+    parameters) in order."""
+    if isinstance(grads, dict):
+        return _flat([grads[key] for key in sorted(grads)])
+    if isinstance(grads, (tuple, list)):
+        return [y for x in grads for y in _flat(x)]
+    return [np.array(grads)]
+
+
+def _vjp(rng, kind, plan):
+    """The causal vjp of three heads (lengths LENGTHS, an initial state, gates of ``kind``) along a random
+    output and final state gradient, with the backward's plan ``plan``: the gradients, and the backward
+    kernel's worker, arguments (before ``phase``) and parts as the vjp ran it."""
+    lead = (3,)
+    q, k, v = make_qkv(rng, lead, N, D, DV)
+    S0 = linattn.State(rng.random(lead + (D, DV)).astype(np.float32), rng.random(lead + (D,)).astype(np.float32))
+    kw = dict(initial_state=S0, lengths=LENGTHS, return_state=True)
+    if kind:
+        g = (-rng.random(lead + (N,) + ((D,) if kind == gates_mod.VECTOR else ())) * 0.02).astype(np.float32)
+        g[0, 700] = -np.inf  # a reset (every key dimension of head 0 at 700)
+        kw["gate"] = g
+    W = rng.standard_normal(lead + (N, DV)).astype(np.float32)
+    dstate = (rng.standard_normal(lead + (D, DV)).astype(np.float32),
+              rng.standard_normal(lead + (D,)).astype(np.float32))
+    ran = {}
+    real = gradients._run
+
+    def run(kernel, nthreads, args, parts):
+        ran.update(worker=kernel.worker, args=args, parts=parts)
+        return real(kernel, nthreads, args, parts)
+
+    with mock.patch.object(gradients, "plan", plan), mock.patch.object(gradients, "_run", run):
+        _, _, vjp = linattn.causal_linear_attention_vjp(q, k, v, **kw)
+        grads = _flat(vjp(W, dstate))
+    return grads, ran["worker"], ran["args"], ran["parts"]
+
+
+#: The backward kernel's outputs among its arguments: dq, dk, dv, the initial state's gradient (H_out,
+#: Z_out) and the gates' per-position terms (rq, rk).
+_BACKWARD_OUTPUTS = dict(dq=21, dk=22, dv=23, H=24, Z=25, rq=26, rk=27)
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_backward_every_schedule_gives_the_unsplit_bits(rng, kind):
+    """The backward splits heads as it runs, mirrored (a runner from a head's end, boundaries every fold
+    counted from there, helpers summing the adjoint's updates back toward the end). The vjp on two threads
+    gives the gradients of the unsplit kernel bit for bit, and so does the kernel driven by hand on one
+    thread whoever runs what: runners alone, helpers first (summed back to the head's end) then runners,
+    and a helper that meets a runner's published adjoint (what it ran; what nobody ran stays NaN)."""
+    seed = int(rng.integers(1 << 30))
+    unsplit, _, _, parts = _vjp(np.random.default_rng(seed), kind,
+                                lambda *a, **kw: (32, np.array([0.0, 1.0]), 1, False))
+    assert parts is None
+    grads, worker, args, parts = _vjp(np.random.default_rng(seed), kind,
+                                      lambda *a, **kw: (32, np.array([0.0, 0.5, 1.0]), 2, True))
+    assert isinstance(parts, tuple)
+    for got, want in zip(grads, unsplit):
+        np.testing.assert_array_equal(got, want)
+    parts = parts[0]
+    nseg = (parts.shape[1] - 1) // 2
+    assert nseg == 4
+    outputs = {name: args[i] for name, i in _BACKWARD_OUTPUTS.items() if args[i].size}
+    assert ("rq" in outputs) == bool(kind)
+    marks = _marks(parts, nseg)
+
+    def schedule(*counters, before=None):
+        marks[:] = dynamic.UNTOUCHED
+        if before is not None:  # (a whole run first, then boundaries from ``before`` untouched again)
+            worker(*args, 2, parts, np.array([0], np.int64))
+            marks[0, before:] = dynamic.UNTOUCHED
+        for x in outputs.values():
+            x[...] = np.nan
+        for first in counters:
+            worker(*args, 2, parts, np.array([first], np.int64))
+        return {name: x.copy() for name, x in outputs.items()}
+
+    runners = schedule(0)
+    for i, name in enumerate(("dq", "dk", "dv")):
+        np.testing.assert_array_equal(runners[name].reshape(3, N, -1), unsplit[i], err_msg=name)
+    helpers_first = schedule(3, 0)
+    assert (marks[0] == dynamic.STARTED).sum() >= 1 and (marks[1] == dynamic.STARTED).sum() == 1
+    for name, x in runners.items():
+        np.testing.assert_array_equal(helpers_first[name], x, err_msg=name)
+    met = schedule(3, before=2)  # (head 0's part from boundary 1: three segments, split at 3)
+    assert list(marks[0, :nseg]) == [0, dynamic.PASSED, dynamic.UNTOUCHED, dynamic.STARTED]
+    rows = (-(-N // 32) - 3 * chunked.FOLD_EVERY) * 32  # (the helper's: head 0's first rows in time)
+    for name in ("dq", "dk", "dv"):
+        got, want = met[name].reshape(3, N, -1), runners[name].reshape(3, N, -1)
+        np.testing.assert_array_equal(got[0, :rows], want[0, :rows], err_msg=name)
+        assert np.isnan(got[0, rows:]).all() and np.isnan(got[1:]).all()
+    np.testing.assert_array_equal(met["H"][0], runners["H"][0])
+
+
+def test_backward_runner_takes_back_a_claim_and_stops_at_a_start(rng):
+    """As the forward's: a backward runner takes back a boundary claimed but not started from, and ends
+    its part at one a helper started from (its rows before it in time stay NaN)."""
+    grads, worker, args, parts = _vjp(rng, 0, lambda *a, **kw: (32, np.array([0.0, 0.5, 1.0]), 2, True))
+    parts = parts[0]
+    marks = _marks(parts, 4)
+    marks[:] = dynamic.UNTOUCHED
+    marks[0, 2] = dynamic.SPLIT
+    marks[1, 2] = dynamic.STARTED
+    dq = args[_BACKWARD_OUTPUTS["dq"]]
+    dq[...] = np.nan
+    worker(*args, 2, parts, np.array([0], np.int64))
+    assert marks[0, 2] == dynamic.PASSED and marks[1, 2] == dynamic.STARTED
+    np.testing.assert_array_equal(dq[0, 0], grads[0][0])  # (dq: (1, 3, N, D), the vjp's: (3, N, D))
+    end = (-(-LENGTHS[1] // 32) - 2 * chunked.FOLD_EVERY) * 32  # (head 1: 35 chunks, the last 32 its runner's)
+    assert np.isnan(dq[0, 1, :end]).all() and not np.isnan(dq[0, 1, end:LENGTHS[1]]).any()
+    assert np.isnan(dq[0, 1, LENGTHS[1]:]).all()  # (the padding: zeroed by whoever runs the head's first chunk)
+
+
 @pytest.mark.parametrize("bh, nchunks, dk, dv", [(1, 54, 5, 4), (1, 512, 64, 64), (1, 1 << 15, 64, 64),
                                                  (3, 100, 8, 8), (64, 4096, 256, 256), (1, 5, 4, 4)])
 def test_segment_sizes(bh, nchunks, dk, dv):
@@ -169,10 +283,11 @@ def test_segment_sizes(bh, nchunks, dk, dv):
 
 @pytest.mark.parametrize("dtype", [np.float32, np.float64])
 def test_public_calls_on_two_threads(rng, monkeypatch, dtype):
-    """Heads split between two threads as they run (the plan forced to split three heads of 1700
-    positions, which takes the dynamic path) give the unsplit results, repeatedly: every kind of gate
-    and decay, lengths, an initial state, the final state, through the plain call's short path and the
-    vjp's forward (its kept denominators and chunk states, and so its gradients)."""
+    """Heads split between two threads as they run (the plans of the forward and the backward forced to
+    split three heads of 1700 positions, which takes the dynamic path) give the unsplit results,
+    repeatedly: every kind of gate and decay, lengths, an initial state, the final state, through the
+    plain call's short path and the vjp (its forward's kept denominators and chunk states, its
+    backward)."""
     lead, n, d, dv = (3,), N, D, DV
     q, k, v = make_qkv(rng, lead, n, d, dv, dtype)
     S0 = linattn.State(rng.random(lead + (d, dv)).astype(dtype), rng.random(lead + (d,)).astype(dtype))
@@ -187,10 +302,12 @@ def test_public_calls_on_two_threads(rng, monkeypatch, dtype):
     def results():
         return causal_results(q, k, v, options, W)
 
-    monkeypatch.setattr(attention, "plan", lambda *a, **kw: (32, np.array([0.0, 1.0]), 1, False))
+    for module in (attention, gradients):
+        monkeypatch.setattr(module, "plan", lambda *a, **kw: (32, np.array([0.0, 1.0]), 1, False))
     whole = results()
-    monkeypatch.setattr(attention, "plan", lambda *a, **kw: (32, np.array([0.0, 0.2, 0.6, 1.0]), 2, True))
-    assert isinstance(attention._forward_parts(True, 3, n, 32, None, d, dv), tuple)
+    for module in (attention, gradients):
+        monkeypatch.setattr(module, "plan", lambda *a, **kw: (32, np.array([0.0, 0.2, 0.6, 1.0]), 2, True))
+    assert isinstance(attention._causal_parts(True, 3, n, 32, None, d, dv), tuple)
     for _ in range(3):
         for got, want in zip(results(), whole):
             assert_close(got, want, dtype)
@@ -213,18 +330,19 @@ def test_options_together_split_as_they_run(lead, n, d, dv, dtype, map_name, gat
     views, out=, split/resume and steps, against the float64 reference) with heads long enough for the
     dynamic split, on two threads."""
     with _segments(([0.5], True)):
-        assert isinstance(attention._forward_parts(True, 1, n, chunk_size(n), None, d, dv), tuple)
+        assert isinstance(attention._causal_parts(True, 1, n, chunk_size(n), None, d, dv), tuple)
         _options_together(lead, n, d, dv, dtype, map_name, gating, reset, with_state, with_lengths, scale, layout,
                           split, seed)
 
 
 @contextmanager
 def _threads(count):
-    """Causal calls split as they run (the plan forced to split) on ``count`` threads."""
+    """Causal calls split as they run (the plans of the forward and the backward forced to split) on
+    ``count`` threads."""
     forced = (lambda *a, **kw: (chunk_size(a[1]), np.array([0.0, 0.5, 1.0]), count, True))
     attention._constants.clear()
     try:
-        with mock.patch.object(attention, "plan", forced):
+        with mock.patch.object(attention, "plan", forced), mock.patch.object(gradients, "plan", forced):
             yield
     finally:
         attention._constants.clear()
@@ -234,8 +352,8 @@ def _threads(count):
 @given(**_OPTIONS)
 def test_one_thread_or_two_the_same_bits(lead, n, d, dv, dtype, map_name, gating, reset, with_state, with_lengths,
                                          scale, layout, seed):
-    """A head run by one thread alone and by two that split it as they run give the same bits (outputs
-    and final state), whatever the options."""
+    """A head run by one thread alone and by two that split it as they run give the same bits (outputs,
+    final state and the vjp's gradients along a random output gradient), whatever the options."""
     rng = np.random.default_rng(seed)
     make_map, positive = MAPS[map_name]
     fmap = make_map(d, rng)
@@ -256,11 +374,13 @@ def test_one_thread_or_two_the_same_bits(lead, n, d, dv, dtype, map_name, gating
     if with_lengths:
         kw["lengths"] = rng.integers(0, n + 1, lead)
     args = [_layout(x, layout) for x in (q, k, v)]
+    W = rng.standard_normal(lead + (n, dv)).astype(dtype)
     found = []
     for count in (1, 2, 2):
         with _threads(count):
-            found.append(linattn.causal_linear_attention(*args, **kw))
-    for out, state in found[1:]:
-        np.testing.assert_array_equal(out, found[0][0])
-        np.testing.assert_array_equal(state.S, found[0][1].S)
-        np.testing.assert_array_equal(state.Z, found[0][1].Z)
+            out, state = linattn.causal_linear_attention(*args, **kw)
+            grads = linattn.causal_linear_attention_vjp(*args, **kw)[2](W)
+            found.append([out, state.S, state.Z] + _flat(grads))
+    for got in found[1:]:
+        for x, want in zip(got, found[0]):
+            np.testing.assert_array_equal(x, want)

@@ -82,7 +82,7 @@ def _run(kernel, nthreads, args, parts):
     """Run a kernel (the forward kernels, the causal backward's) with ``args`` (its arguments before
     ``phase``) on ``nthreads`` threads: once (phase 1) when ``parts`` is None, else twice with it: phase
     0, the segments' partial sums of the state, (heads, nseg, D', X) in float64; phase 1, the results
-    from them (see cpu/chunked.py). Or once, phase 2, with ``parts`` a tuple (the causal forward's
+    from them (see cpu/chunked.py). Or once, phase 2, with ``parts`` a tuple (the causal kernels'
     dynamic split: cpu/dynamic.py)."""
     with kernel_section(nthreads):
         if parts is None:
@@ -100,10 +100,10 @@ def _parts(two_runs, bh, frac, dk, dv, causal):
     return np.empty((bh, len(frac) - 1, dk, dv + (2 if causal else 1))) if two_runs else None
 
 
-def _forward_parts(two_runs, bh, n, chunk, frac, dk, dv):
-    """The causal forward's parts where its plan splits heads: the dynamic split's (a tuple: the
-    boundaries' states and marks, the segments' sums; see cpu/dynamic.py) where a head has enough
-    segments for it, else the two runs' (``_parts``)."""
+def _causal_parts(two_runs, bh, n, chunk, frac, dk, dv):
+    """The causal kernels' parts (the forward's, the backward's) where their plan splits heads: the
+    dynamic split's (a tuple: the boundaries' states and marks, the segments' sums; see cpu/dynamic.py)
+    where a head has enough segments for it, else the two runs' (``_parts``)."""
     if not two_runs:
         return None
     nseg = dynamic.segments(bh, -(-n // chunk), dk, dv, chunked.FOLD_EVERY)
@@ -355,7 +355,7 @@ def _fast(causal, q, k, v, feature_map, eps, normalize, keep=False, return_state
     else:
         args = (q4, k4, v4, code, fp, address, dt.type(eps), normalize, one if scale is None else dt.type(scale),
                 lens, qlens, chunk, frac, S0, Z0, o4, S, Z)
-    _launch(kernel, nthreads, args, None if not two_runs else _forward_parts(True, bh, n, chunk, frac, dk, dv)
+    _launch(kernel, nthreads, args, None if not two_runs else _causal_parts(True, bh, n, chunk, frac, dk, dv)
             if causal else _parts(True, bh, frac, dk, dv, False))
     if gates is not None:
         gates_mod.raise_bad_gate(status, shape[:-2])
@@ -771,7 +771,7 @@ def causal_with_denominators(q, k, v, feature_map="elu", eps=1e-6, normalize=Tru
                                     S0, Z0, o4, S, Z, g4, ld, status, _NO_DEN[comp] if den is None else den4,
                                     _NO_STATES[comp] if states is None else
                                     states.reshape(q4.shape[:2] + states.shape[-3:])),
-                 _forward_parts(two_runs, bh, n, chunk, frac, dk, dv))
+                 _causal_parts(two_runs, bh, n, chunk, frac, dk, dv))
             gates_mod.raise_bad_gate(status, lead)
             if copied[3]:  # res allowed no 4-D view with the inputs' split
                 res[...] = o4.reshape(res.shape)

@@ -35,7 +35,7 @@ import numpy as np
 from . import checks
 from . import gates as gates_mod
 from . import workspace
-from .attention import (_fast, _full_lengths, _gates_as_prepared, _keys_from_state, _no_state, _parts, _run,
+from .attention import (_causal_parts, _fast, _full_lengths, _gates_as_prepared, _keys_from_state, _no_state, _run,
                         _seq4, causal_with_denominators, linear_attention)
 from .cpu import backward, gate_sums, half, mapfns, noncausal_grad
 from .cpu.elementwise import IDENTITY
@@ -333,7 +333,7 @@ def _backward(q, k, v, fmap, code, lead, d, out_dt, normalize, s, initial_state,
                                     dvv.reshape(g12 + (n, dv)), H_out, Z_out, rq, rk,
                                     *(no_phi if code not in _PROJECTIONS else
                                       (qf.reshape(g12 + (n, d)), kf.reshape(g12 + (n, d)))), status),
-                 _parts(two_runs, bh, frac, d, dv, True))
+                 _causal_parts(two_runs, bh, n, chunk, frac, d, dv))
         elif has_state:
             H_out[...], Z_out[...] = (H0, Z0) if len(H0) else (0, 0)
         extra = []

@@ -33,8 +33,10 @@ from numba.np.numpy_support import as_dtype
 
 from .._jit import OVERLOAD_OPTIONS, array, njit
 from .buffers import empty, zeros
-from .chunked import (_copy_row, _current, _init_state, _rows_to_touch, _segment, _state_buffers, _write_state,
-                      pending_added, segment_parts, segment_role)
+from .chunked import (FOLD_EVERY, _copy_row, _current, _init_state, _rows_to_touch, _segment, _state_buffers,
+                      _write_state, pending_added, segment_parts, segment_role, split_state)
+from .dynamic import (BACKWARD_SUM_COST, DONE, RUN_HEAD, RUN_SPLIT, SPLIT, STARTING, SUM, mark_swap, next_job,
+                      publish)
 from .elementwise import ELU, RELU
 from .gating import (SUB, VECTOR, _kind, _stub, chunk_gates, gate_buffers, gate_key_rows, gate_log_sum, gate_pending,
                      gate_queries, gate_scores, gate_state_factors, masked_product, one_product, prepare_kernel,
@@ -392,8 +394,9 @@ def _causal_backward(q, k, v, g, out, den, fm, fp, fa, da, normalize, s, lengths
     q, k, v, g, out, den, gates = unowned((q, k, v, g, out, den, gates))
     dq, dk, dv, rq, rk, states, parts, qf, kf = unowned((dq, dk, dv, rq, rk, states, parts, qf, kf))
     keep = bool(qf.shape[0] > 0)
-    summing = bool(parts.shape[0] > 0 and phase == 0)  # (phase 0: the segments' own sums)
-    total = zeros(d if summing and decayed else 0, np.float64)  # a segment's log decay (phase 0)
+    two_runs = bool(parts.shape[0] > 0 and phase != 2)
+    summing = bool(two_runs and phase == 0)  # (phase 0: the segments' own sums)
+    total = zeros(d if (summing or phase == 2) and decayed else 0, np.float64)  # a segment's log decay
     H0, Z0, H_out, Z_out = unowned((H0, Z0, H_out, Z_out))
     owners = (empty((chunk, e + chunk), dt), empty((chunk, d + chunk), dt), empty((e, chunk), dt),
               empty((d, chunk), dt), empty((chunk, e), dt), empty((chunk, d), dt), empty((chunk, d), dt),
@@ -409,19 +412,34 @@ def _causal_backward(q, k, v, g, out, den, fm, fp, fa, da, normalize, s, lengths
     G, Rg, F, X = unowned(gbuf)
     W = unowned(wbuf)
     nseg = frac.shape[0] - 1
-    items = q.shape[0] * g2 * nseg
-    item = take(counter)
-    while item < items:
-        length = lengths[item // nseg]
-        nch = (length + chunk - 1) // chunk
-        h, sg, f0, f1 = _segment(item, nseg, frac, nch)  # mirrored: a segment's prefix is the chunks after it
-        h1, h2 = h // g2, h % g2
-        last = sg == nseg - 1
-        r = h if has_r else 0
-        whole, sums_only, idle = segment_role(sg, parts.shape[0] > 0, summing)  # (whole: from H0)
+    dynamic = bool(phase == 2)
+    items = q.shape[0] * g2 * (1 if dynamic else nseg)
+    nb = (parts.shape[1] + 1) // 2  # (dynamic: the boundaries' rows, then the segments' sums)
+    per = int(FOLD_EVERY)  # (a dynamic split's segment: one fold's chunks, counted from a head's end)
+    ch, ct, cy = int(0), int(0), int(0)  # a helper's split under way: head, claimed boundary, next boundary
+    while True:
+        kind, item, y, tb = next_job(take(counter) if ct == 0 else items, items, dynamic, parts, lengths, chunk, per,
+                                     BACKWARD_SUM_COST, ch, ct, cy)
+        ch = ct = cy = 0  # (a new job next, unless a helper's sum sets them)
+        if kind == DONE:
+            break
+        if dynamic:  # a head from its end, a sum toward a runner, or a run from a claimed boundary
+            h = item
+            length = lengths[h]
+            nch = (length + chunk - 1) // chunk
+            sg, last, whole, sums_only, idle = y, kind != SUM, kind == RUN_HEAD, kind == SUM, bool(False)
+            f0 = y * per if kind == SUM else (tb * per if kind == RUN_SPLIT else 0)
+            f1 = min(f0 + per, nch) if kind == SUM else nch
+        else:
+            length = lengths[item // nseg]
+            nch = (length + chunk - 1) // chunk
+            h, sg, f0, f1 = _segment(item, nseg, frac, nch)  # mirrored: a segment's prefix is the chunks after it
+            last = sg == nseg - 1
+            whole, sums_only, idle = segment_role(sg, two_runs, summing)  # (whole: from H0)
         if (summing and last) or idle or not (summing or f0 < f1 or last):
-            item = take(counter)
             continue
+        h1, h2 = h // g2, h % g2
+        r = h if has_r else 0
         # the segment: chunks [c0, c1) of head h from the adjoint after them, the update alone of the
         # chunks [c1, nch) first, from H0[h], Z0[h] (the final state's gradient; none when H0 has no
         # rows). The adjoint [C | Cz] is kept as the forward keeps its state [S | Z]. The last segment
@@ -437,10 +455,16 @@ def _causal_backward(q, k, v, g, out, den, fm, fp, fa, da, normalize, s, lengths
         has_acc = _init_state(H0, Z0, h, B, accz, Bz) if whole else bool(False)
         acc_in_b = has_acc  # (acc is filled from B when first read: see _init_state)
         has_p = bool(False)
-        if parts.shape[0] > 0 and not summing:
+        if two_runs and not summing:
             has_acc, acc_in_b = segment_parts(sbuf[0], has_acc, acc_in_b, has_p, summing, parts[h], sg, total,
                                               decayed)
-        for a in range(total.shape[0]):  # the segment's log decay (phase 0)
+        elif dynamic and kind == RUN_SPLIT:
+            has_acc, acc_in_b = split_state(sbuf[0], parts, h, y, parts[h, nb + y:nb + tb], H0, Z0, decayed)
+            if mark_swap(parts, h, tb, SPLIT, STARTING) != SPLIT:  # (the runner took tb back: other work)
+                keep_alive(sbuf)
+                continue
+            publish(parts, h, tb, acc, accz, bool(True))  # (the adjoint at the run's start, for later helpers)
+        for a in range(total.shape[0]):  # the segment's log decay (phase 0, or a dynamic split's sum)
             total[a] = 0
         gate_state_factors(gates, lam, fb)
         _current(B, Bz, P, Pz, C, Z, has_acc, has_p, fb, decayed)
@@ -466,7 +490,7 @@ def _causal_backward(q, k, v, g, out, den, fm, fp, fa, da, normalize, s, lengths
             _chunk(qh, kh, vh, gh, oh, denh, mp, da, normalize, s, one, i0, c, kept[ci], has_st, C, Z, has_c, own,
                    gates, dqh, dkh, dvh, rq[r], rk[r], has_r, qfh, kfh, keep, QA, QA2, KT, KT2, V1, KF, KW, QE, R, CT,
                    sums, G, Rg, F, X, W, XB)
-            if ci == c0 and not (summing or (last and H_out.shape[0] > 0)):
+            if ci == c0 and not (summing or sums_only or (last and H_out.shape[0] > 0)):
                 break  # no one reads the adjoint before the segment's first chunk
             beta = gate_pending(gates, P, Pz, lam, c, G, Rg, F, has_p)
             qe = QE if decayed else QA2  # ef qs in qe[:c, :D]
@@ -480,12 +504,21 @@ def _causal_backward(q, k, v, g, out, den, fm, fp, fa, da, normalize, s, lengths
             if sums_only:
                 gate_log_sum(gates, total, c, G, Rg)
                 continue
+            # a dynamic split's boundary (every fold): the adjoint, just folded, published for helpers
+            if dynamic and ci > c0 and (j + 1) % per == 0 and not publish(
+                    parts, h, (j + 1) // per, acc, accz, bool(False)):
+                last = False  # a helper runs on from here
+                break
             gate_state_factors(gates, lam, fb)
             _current(B, Bz, P, Pz, C, Z, has_acc, has_p, fb, decayed)
+        if sums_only and dynamic:  # a dynamic split's sum: its row, then the helper's next step
+            segment_parts(sbuf[0], has_acc, acc_in_b, has_p, sums_only, parts[h, nb:], sg, total, decayed)
+            keep_alive(sbuf)
+            ch, ct, cy = h, tb, sg  # (the helper's next step: next_job)
+            continue
         if summing:
             segment_parts(sbuf[0], has_acc, acc_in_b, has_p, summing, parts[h], sg, total, decayed)
             keep_alive(sbuf)
-            item = take(counter)
             continue
         if last:
             for x in (dqh, dkh, dvh):
@@ -493,7 +526,6 @@ def _causal_backward(q, k, v, g, out, den, fm, fp, fa, da, normalize, s, lengths
             if H_out.shape[0] > 0:
                 _write_state(acc, accz, B, P, Pz, h, H_out, Z_out, has_acc, acc_in_b, has_p, lam, decayed)
         keep_alive(sbuf)
-        item = take(counter)
     keep_alive((owners, gbuf, wbuf, mapper))
 
 

@@ -30,7 +30,7 @@ from numba import types
 from .._jit import array, njit
 from .buffers import empty, zeros
 from . import gating
-from .dynamic import DONE, RUN_HEAD, RUN_SPLIT, SPLIT, STARTING, SUM, mark_swap, next_job, publish
+from .dynamic import DONE, RUN_HEAD, RUN_SPLIT, SPLIT, STARTING, SUM, SUM_COST, mark_swap, next_job, publish
 from .elementwise import exp_le0
 from .gating import (chunk_gates, gate_buffers, gate_key_columns, gate_key_rows, gate_log_sum, gate_pending,
                      gate_queries, gate_scores, gate_state_factors, touch_gates)
@@ -446,7 +446,7 @@ def _causal_forward(q, k, v, fm, fp, fa, eps, normalize, scale, lengths, chunk, 
     ch, ct, cy = int(0), int(0), int(0)  # a helper's split under way: head, claimed boundary, next boundary
     while True:
         kind, item, y, tb = next_job(take(counter) if ct == 0 else items, items, dynamic, parts, lengths, chunk, per,
-                                     ch, ct, cy)
+                                     SUM_COST, ch, ct, cy)
         ch = ct = cy = 0  # (a new job next, unless a helper's sum sets them)
         if kind == DONE:
             break

@@ -55,6 +55,9 @@ MIN_SPLIT = 3
 #: about 41 segments summed besides the 32 run, 0.36 each).
 SUM_COST = 0.36
 
+#: The same for the backward kernel (its segments' sums: the adjoint's updates alone).
+BACKWARD_SUM_COST = 0.29
+
 
 def segments(bh, nchunks, dk, dv, fold):
     """Segments a head of ``nchunks`` chunks is cut into (one a fold of the kernel: ``fold`` chunks,
@@ -150,12 +153,13 @@ def publish(parts, h, j, acc, accz, started):
 
 
 @njit(helper=True)
-def next_job(take_item, items, dynamic, parts, lengths, chunk, per, h, t, y):
+def next_job(take_item, items, dynamic, parts, lengths, chunk, per, cost, h, t, y):
     """The job (kind, item or head, segment or boundary, claimed boundary) of a thread that took
     ``take_item`` from the counter: a head's run while items are left, else (``dynamic``) a helper's
     next step: where t > 0, of its split of boundary t of head h with the segments from y summed, else
     of a new split (a boundary claimed, SPLIT, in the part with the most segments left to run, if one
-    has MIN_SPLIT, u of them from its runner's segment); else DONE. A step: (SUM, y - 1)
+    has MIN_SPLIT, u of them from its runner's segment, ``cost``: a segment's sum over its run, as
+    SUM_COST); else DONE. A step: (SUM, y - 1)
     to sum the segment before y, (RUN_SPLIT, y) where the state at y is known (published, or the initial
     state at 0), or another split where the runner took t back. It never waits: a state being written
     is summed past."""
@@ -182,7 +186,7 @@ def next_job(take_item, items, dynamic, parts, lengths, chunk, per, h, t, y):
             # u: the whole number of segments left to the runner that ends both soonest on cores of equal
             # speed (the runner's u against the helper's sums back to where they meet, a u / (1 + a), and
             # its best - u: about 0.58 best, a = SUM_COST); a thread that ends first helps again
-            a = SUM_COST
+            a = cost
             lo = min(max(int(best / (2.0 - a / (1.0 + a))), 1), best - 1)
             hi = min(lo + 1, best - 1)
             u = lo if max(lo, a * lo / (1.0 + a) + best - lo) <= max(hi, a * hi / (1.0 + a) + best - hi) else hi
