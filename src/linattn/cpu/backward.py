@@ -2,7 +2,8 @@
 per-position terms of the gates' gradient) in one chunkwise scan per head, backwards in time, from the
 states at the chunk boundaries that the vjp's forward kept (cpu/chunked.py's ``states``). When heads
 are few the scan is cut into segments as the forward kernel's are (a segment first sums the adjoint
-entering it: the adjoint updates alone of the chunks after it).
+entering it: the adjoint updates alone of the chunks after it), or split between the threads as they
+run (cpu/dynamic.py, mirrored: boundaries every fold counted from a head's end).
 
 Per head, with the state augmented by Z as one more value column ([S | Z], D x e, e = Dv + 1; v1 =
 [v, 1]), the output gradient g, the forward's outputs and denominators: ab_t = [a_t, b_t] = [g_t /
@@ -35,14 +36,14 @@ from .._jit import OVERLOAD_OPTIONS, array, njit
 from .buffers import empty, zeros
 from .chunked import (FOLD_EVERY, _copy_row, _current, _init_state, _rows_to_touch, _segment, _state_buffers,
                       _write_state, pending_added, segment_parts, segment_role, split_state)
-from .dynamic import (BACKWARD_SUM_COST, DONE, RUN_HEAD, RUN_SPLIT, SPLIT, STARTING, SUM, mark_swap, next_job,
-                      publish)
+from .dynamic import DONE, RUN_HEAD, RUN_SPLIT, SPLIT, STARTING, SUM, mark_swap, next_job, publish
 from .elementwise import ELU, RELU
 from .gating import (SUB, VECTOR, _kind, _stub, chunk_gates, gate_buffers, gate_key_rows, gate_log_sum, gate_pending,
                      gate_queries, gate_scores, gate_state_factors, masked_product, one_product, prepare_kernel,
                      touch_gates)
 from .map_grad import times_map_derivative
 from .mapfns import load_features, map_state, mapped_dim
+from .runtime import BACKWARD_PREFIX_COST
 from .schedule import take
 from .smallgemm import small_gemm, small_gemm_tn, small_gemm_tn_lower
 from .threaded import ThreadedKernel
@@ -380,7 +381,10 @@ def _causal_backward(q, k, v, g, out, den, fm, fp, fa, da, normalize, s, lengths
     with no rows, ``phase`` 1), or in two runs with ``parts``
     (heads, nseg, D, Dv + 2): phase 0, the last segment in time runs whole from H0, Z0 and leaves its adjoint
     before it in parts[head, 0], while each other segment but the first in time sums its own chunks' adjoint
-    updates from zero; phase 1, each but the last in time starts from the parts after it.
+    updates from zero; phase 1, each but the last in time starts from the parts after it. Or, with ``phase``
+    2 and parts (heads, 2 * nseg + 1, D, Dv + 2) (``frac`` unused), the dynamic split (cpu/dynamic.py) in
+    the walk's order: each head an item run from its end, a boundary every fold counted from there, a
+    helper's sum the adjoint's updates of one fold (the walk without gradients).
     """
     g2, n, d = q.shape[1], q.shape[2], mapped_dim(fm, fp, q.shape[3])  # (d: D', the features)
     e, dt = v.shape[3] + 1, dq.dtype
@@ -418,8 +422,9 @@ def _causal_backward(q, k, v, g, out, den, fm, fp, fa, da, normalize, s, lengths
     per = int(FOLD_EVERY)  # (a dynamic split's segment: one fold's chunks, counted from a head's end)
     ch, ct, cy = int(0), int(0), int(0)  # a helper's split under way: head, claimed boundary, next boundary
     while True:
+        # (a helper's sum of a fold is the walk a prefix takes: its cost over a fold's run, runtime's)
         kind, item, y, tb = next_job(take(counter) if ct == 0 else items, items, dynamic, parts, lengths, chunk, per,
-                                     BACKWARD_SUM_COST, ch, ct, cy)
+                                     BACKWARD_PREFIX_COST, ch, ct, cy)
         ch = ct = cy = 0  # (a new job next, unless a helper's sum sets them)
         if kind == DONE:
             break

@@ -1,6 +1,8 @@
-"""The causal forward kernel's dynamic split of heads between threads: who runs which part of a head
-is decided while the kernel runs, so that a thread slowed down (a core shared with another program, one
-that wakes late) does less of it instead of holding the call up with a fixed share.
+"""The causal kernels' dynamic split of heads between threads: who runs which part of a head is decided
+while the kernel runs, so that a thread slowed down (a core shared with another program, one that wakes
+late) does less of it instead of holding the call up with a fixed share. Written below for the forward
+kernel (cpu/chunked.py); the backward's (cpu/backward.py) is the same in its walk's order, from a head's
+end back to its start: "before" a boundary there means later in time, its state the adjoint.
 
 A head is cut into segments of one fold each (the kernel folds its float32 pending sums into the
 float64 state every FOLD_EVERY chunks). A thread that takes a head from the shared counter (a runner)
@@ -54,9 +56,6 @@ MIN_SPLIT = 3
 #: sums cost here (one thread helping alone through a head of N = 16384 took 7.3 ms, a runner 5.0 ms:
 #: about 41 segments summed besides the 32 run, 0.36 each).
 SUM_COST = 0.36
-
-#: The same for the backward kernel (its segments' sums: the adjoint's updates alone).
-BACKWARD_SUM_COST = 0.29
 
 
 def segments(bh, nchunks, dk, dv, fold):
