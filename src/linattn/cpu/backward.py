@@ -398,9 +398,10 @@ def _causal_backward(q, k, v, g, out, den, fm, fp, fa, da, normalize, s, lengths
     q, k, v, g, out, den, gates = unowned((q, k, v, g, out, den, gates))
     dq, dk, dv, rq, rk, states, parts, qf, kf = unowned((dq, dk, dv, rq, rk, states, parts, qf, kf))
     keep = bool(qf.shape[0] > 0)
-    two_runs = bool(parts.shape[0] > 0 and phase != 2)
+    dynamic = bool(phase == 2)
+    two_runs = bool(parts.shape[0] > 0 and not dynamic)
     summing = bool(two_runs and phase == 0)  # (phase 0: the segments' own sums)
-    total = zeros(d if (summing or phase == 2) and decayed else 0, np.float64)  # a segment's log decay
+    total = zeros(d if (summing or dynamic) and decayed else 0, np.float64)  # a segment's log decay
     H0, Z0, H_out, Z_out = unowned((H0, Z0, H_out, Z_out))
     owners = (empty((chunk, e + chunk), dt), empty((chunk, d + chunk), dt), empty((e, chunk), dt),
               empty((d, chunk), dt), empty((chunk, e), dt), empty((chunk, d), dt), empty((chunk, d), dt),
@@ -416,7 +417,6 @@ def _causal_backward(q, k, v, g, out, den, fm, fp, fa, da, normalize, s, lengths
     G, Rg, F, X = unowned(gbuf)
     W = unowned(wbuf)
     nseg = frac.shape[0] - 1
-    dynamic = bool(phase == 2)
     items = q.shape[0] * g2 * (1 if dynamic else nseg)
     nb = (parts.shape[1] + 1) // 2  # (dynamic: the boundaries' rows, then the segments' sums)
     per = int(FOLD_EVERY)  # (a dynamic split's segment: one fold's chunks, counted from a head's end)

@@ -184,7 +184,7 @@ def next_job(take_item, items, dynamic, parts, lengths, chunk, per, cost, h, t, 
                 return DONE, 0, 0, 0
             # u: the whole number of segments left to the runner that ends both soonest on cores of equal
             # speed (the runner's u against the helper's sums back to where they meet, a u / (1 + a), and
-            # its best - u: about 0.58 best, a = SUM_COST); a thread that ends first helps again
+            # its best - u: about 0.58 best, a = cost); a thread that ends first helps again
             a = cost
             lo = min(max(int(best / (2.0 - a / (1.0 + a))), 1), best - 1)
             hi = min(lo + 1, best - 1)
