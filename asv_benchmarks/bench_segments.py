@@ -54,7 +54,7 @@ class SegmentWork:
         gradients.plan = lambda *a, **kw: (real_g(*a, **kw)[0], fb, 1, twob)
         # the two runs as planned, not the dynamic split (which the kernels take where a plan splits)
         attention._causal_parts = gradients._causal_parts = real_parts if scheme == "as they run" else (
-            lambda two_runs, bh, n, chunk, frac, dk, dv: attention._parts(two_runs, bh, frac, dk, dv, True))
+            lambda two_runs, bh, n, chunk, frac, dk, dv, nthreads: attention._parts(two_runs, bh, frac, dk, dv, True))
         if which == "forward":
             return best_of(lambda: linattn.causal_linear_attention(self.q, self.k, self.v), 7)
         _, vjp = linattn.causal_linear_attention_vjp(self.q, self.k, self.v)

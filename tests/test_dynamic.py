@@ -37,7 +37,7 @@ def _setup(rng, kind, layout="C"):
     g = (-rng.random(shape) * 0.02).astype(np.float32)
     g[0, 0, 700] = -np.inf  # a reset (every key dimension of head 0 at 700)
     chunk = chunk_size(N)
-    parts = attention._causal_parts(True, 3, N, chunk, np.array([0.0, 0.5, 1.0]), D, DV)[0]
+    parts = attention._causal_parts(True, 3, N, chunk, np.array([0.0, 0.5, 1.0]), D, DV, 2)[0]
     nseg = (parts.shape[1] - 1) // 2
     arrays = dict(out=np.full((1, 3, N, DV), np.nan, np.float32), S=np.full((3, D, DV), np.nan, np.float32),
                   Z=np.full((3, D), np.nan, np.float32), den=np.full((1, 3, N), np.nan, np.float32),
@@ -272,13 +272,28 @@ def test_backward_runner_takes_back_a_claim_and_stops_at_a_start(rng):
 
 @pytest.mark.parametrize("bh, nchunks, dk, dv", [(1, 54, 5, 4), (1, 512, 64, 64), (1, 1 << 15, 64, 64),
                                                  (3, 100, 8, 8), (64, 4096, 256, 256), (1, 5, 4, 4)])
-def test_segment_sizes(bh, nchunks, dk, dv):
+@pytest.mark.parametrize("nthreads", [1, 2, 3, 8, 16])
+def test_segment_sizes(bh, nchunks, dk, dv, nthreads):
     """A segment is one fold's chunks (the last maybe fewer), unless the published states and sums would
-    take more than MAX_BYTES (0: the static split)."""
+    take more than MAX_BYTES or the threads are more than two a head (0: the static split)."""
     fold = chunked.FOLD_EVERY
-    nseg = dynamic.segments(bh, nchunks, dk, dv, fold)
+    nseg = dynamic.segments(bh, nchunks, dk, dv, fold, nthreads)
     need = bh * (2 * -(-nchunks // fold) + 1) * dk * (dv + 2) * 8
-    assert nseg == (-(-nchunks // fold) if need <= dynamic.MAX_BYTES else 0)
+    fits = need <= dynamic.MAX_BYTES and nthreads <= 2 * bh
+    assert nseg == (-(-nchunks // fold) if fits else 0)
+
+
+@pytest.mark.parametrize("bh, nthreads, dynamic_split", [(1, 2, True), (1, 3, False), (1, 16, False), (2, 4, True),
+                                                         (3, 8, False), (5, 8, True), (9, 16, True)])
+def test_many_threads_a_head_split_the_static_way(bh, nthreads, dynamic_split):
+    """The causal kernels split heads as they run only with at most two threads a head (more helpers on
+    one head sum the same segments back to states nobody has written yet: docs/schedule_model.py); else
+    their plan's two runs, whose parts are an array of the plan's segments."""
+    frac = np.array([0.0, 0.25, 0.5, 1.0])
+    parts = attention._causal_parts(True, bh, 16384, 32, frac, 64, 64, nthreads)
+    assert isinstance(parts, tuple) == dynamic_split
+    if not dynamic_split:
+        assert parts.shape == (bh, 3, 64, 66)
 
 
 @pytest.mark.parametrize("dtype", [np.float32, np.float64])
@@ -307,7 +322,7 @@ def test_public_calls_on_two_threads(rng, monkeypatch, dtype):
     whole = results()
     for module in (attention, gradients):
         monkeypatch.setattr(module, "plan", lambda *a, **kw: (32, np.array([0.0, 0.2, 0.6, 1.0]), 2, True))
-    assert isinstance(attention._causal_parts(True, 3, n, 32, None, d, dv), tuple)
+    assert isinstance(attention._causal_parts(True, 3, n, 32, None, d, dv, 2), tuple)
     for _ in range(3):
         for got, want in zip(results(), whole):
             assert_close(got, want, dtype)
@@ -330,7 +345,7 @@ def test_options_together_split_as_they_run(lead, n, d, dv, dtype, map_name, gat
     views, out=, split/resume and steps, against the float64 reference) with heads long enough for the
     dynamic split, on two threads."""
     with _segments(([0.5], True)):
-        assert isinstance(attention._causal_parts(True, 1, n, chunk_size(n), None, d, dv), tuple)
+        assert isinstance(attention._causal_parts(True, 1, n, chunk_size(n), None, d, dv, 2), tuple)
         _options_together(lead, n, d, dv, dtype, map_name, gating, reset, with_state, with_lengths, scale, layout,
                           split, seed)
 

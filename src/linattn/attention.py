@@ -100,13 +100,13 @@ def _parts(two_runs, bh, frac, dk, dv, causal):
     return np.empty((bh, len(frac) - 1, dk, dv + (2 if causal else 1))) if two_runs else None
 
 
-def _causal_parts(two_runs, bh, n, chunk, frac, dk, dv):
+def _causal_parts(two_runs, bh, n, chunk, frac, dk, dv, nthreads):
     """The causal kernels' parts (the forward's, the backward's) where their plan splits heads: the
     dynamic split's (a tuple: the boundaries' states and marks, the segments' sums; see cpu/dynamic.py)
-    where a head has enough segments for it, else the two runs' (``_parts``)."""
+    where a head has enough segments for it and ``nthreads`` suit it, else the two runs' (``_parts``)."""
     if not two_runs:
         return None
-    nseg = dynamic.segments(bh, -(-n // chunk), dk, dv, chunked.FOLD_EVERY)
+    nseg = dynamic.segments(bh, -(-n // chunk), dk, dv, chunked.FOLD_EVERY, nthreads)
     if nseg < dynamic.MIN_SPLIT:
         return _parts(two_runs, bh, frac, dk, dv, True)
     parts = workspace.empty((bh, 2 * nseg + 1, dk, dv + 2), np.float64)  # (pooled: no page faults a call)
@@ -355,8 +355,9 @@ def _fast(causal, q, k, v, feature_map, eps, normalize, keep=False, return_state
     else:
         args = (q4, k4, v4, code, fp, address, dt.type(eps), normalize, one if scale is None else dt.type(scale),
                 lens, qlens, chunk, frac, S0, Z0, o4, S, Z)
-    _launch(kernel, nthreads, args, None if not two_runs else _causal_parts(True, bh, n, chunk, frac, dk, dv)
-            if causal else _parts(True, bh, frac, dk, dv, False))
+    parts = None if not two_runs else (_causal_parts(True, bh, n, chunk, frac, dk, dv, nthreads) if causal
+                                       else _parts(True, bh, frac, dk, dv, False))
+    _launch(kernel, nthreads, args, parts)
     if gates is not None:
         gates_mod.raise_bad_gate(status, shape[:-2])
     state = State(S.reshape(shape[:-2] + (dk, dv)), Z.reshape(shape[:-2] + (dk,))) if return_state else None
@@ -771,7 +772,7 @@ def causal_with_denominators(q, k, v, feature_map="elu", eps=1e-6, normalize=Tru
                                     S0, Z0, o4, S, Z, g4, ld, status, _NO_DEN[comp] if den is None else den4,
                                     _NO_STATES[comp] if states is None else
                                     states.reshape(q4.shape[:2] + states.shape[-3:])),
-                 _causal_parts(two_runs, bh, n, chunk, frac, dk, dv))
+                 _causal_parts(two_runs, bh, n, chunk, frac, dk, dv, nthreads))
             gates_mod.raise_bad_gate(status, lead)
             if copied[3]:  # res allowed no 4-D view with the inputs' split
                 res[...] = o4.reshape(res.shape)

@@ -333,7 +333,7 @@ def _backward(q, k, v, fmap, code, lead, d, out_dt, normalize, s, initial_state,
                                     dvv.reshape(g12 + (n, dv)), H_out, Z_out, rq, rk,
                                     *(no_phi if code not in _PROJECTIONS else
                                       (qf.reshape(g12 + (n, d)), kf.reshape(g12 + (n, d)))), status),
-                 _causal_parts(two_runs, bh, n, chunk, frac, d, dv))
+                 _causal_parts(two_runs, bh, n, chunk, frac, d, dv, nthreads))
         elif has_state:
             H_out[...], Z_out[...] = (H0, Z0) if len(H0) else (0, 0)
         extra = []

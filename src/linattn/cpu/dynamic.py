@@ -58,12 +58,25 @@ MIN_SPLIT = 3
 SUM_COST = 0.36
 
 
-def segments(bh, nchunks, dk, dv, fold):
+#: The most threads a head for the dynamic split; a call with more takes the static split (cpu/runtime.plan's
+#: two runs). Helpers that start together on one head each sum back to the nearest published state,
+#: and with many of them the nearest is another helper's that is not written yet, so they sum the same
+#: segments over and over: in a model of the schedule on equal cores (docs/schedule_model.py) one head
+#: of 32 folds takes 1.19x the ideal time on 2 threads (the fixed parts 1.15x), but 1.54x on 4 (1.25x),
+#: 1.77x on 8 (1.32x) and 2.44x on 16 (1.36x); with at most two threads a head the dynamic split
+#: matches or beats the fixed parts (5 heads on 8 threads 1.22x against 1.30x; 3 on 8: 1.36x against
+#: 1.32x).
+THREADS_PER_HEAD = 2
+
+
+def segments(bh, nchunks, dk, dv, fold, nthreads):
     """Segments a head of ``nchunks`` chunks is cut into (one a fold of the kernel: ``fold`` chunks,
-    the last maybe shorter) for ``bh`` heads of states (dk, dv), or 0 where their published states and
-    sums would take more than MAX_BYTES."""
+    the last maybe shorter) for ``bh`` heads of states (dk, dv) on ``nthreads`` threads, or 0 where
+    their published states and sums would take more than MAX_BYTES or the threads are more than
+    THREADS_PER_HEAD a head (the static split then)."""
     nseg = -(-nchunks // fold)
-    return nseg if bh * (2 * nseg + 1) * dk * (dv + 2) * 8 <= MAX_BYTES else 0
+    fits = bh * (2 * nseg + 1) * dk * (dv + 2) * 8 <= MAX_BYTES
+    return nseg if fits and nthreads <= THREADS_PER_HEAD * bh else 0
 
 
 def _mark_pointer(context, builder, aty, value, h, j):
