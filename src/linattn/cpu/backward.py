@@ -36,7 +36,7 @@ from .._jit import OVERLOAD_OPTIONS, array, njit
 from .buffers import empty, zeros
 from .chunked import (FOLD_EVERY, _copy_row, _current, _init_state, _rows_to_touch, _segment, _state_buffers,
                       _write_state, pending_added, segment_parts, segment_role, split_state)
-from .dynamic import DONE, RUN_HEAD, RUN_SPLIT, SPLIT, STARTING, SUM, mark_swap, next_job, publish
+from .dynamic import DONE, RUN_SPLIT, SPLIT, STARTING, job_chunks, mark_swap, next_job, publish
 from .elementwise import ELU, RELU
 from .gating import (SUB, VECTOR, _kind, _stub, chunk_gates, gate_buffers, gate_key_rows, gate_log_sum, gate_pending,
                      gate_queries, gate_scores, gate_state_factors, masked_product, one_product, prepare_kernel,
@@ -429,12 +429,10 @@ def _causal_backward(q, k, v, g, out, den, fm, fp, fa, da, normalize, s, lengths
         if kind == DONE:
             break
         if dynamic:  # a head from its end, a sum toward a runner, or a run from a claimed boundary
-            h = item
+            h, sg, idle = item, y, bool(False)
             length = lengths[h]
             nch = (length + chunk - 1) // chunk
-            sg, last, whole, sums_only, idle = y, kind != SUM, kind == RUN_HEAD, kind == SUM, bool(False)
-            f0 = y * per if kind == SUM else (tb * per if kind == RUN_SPLIT else 0)
-            f1 = min(f0 + per, nch) if kind == SUM else nch
+            f0, f1, last, whole, sums_only = job_chunks(kind, y, tb, length, chunk, per)
         else:
             length = lengths[item // nseg]
             nch = (length + chunk - 1) // chunk

@@ -30,7 +30,7 @@ from numba import types
 from .._jit import array, njit
 from .buffers import empty, zeros
 from . import gating
-from .dynamic import DONE, RUN_HEAD, RUN_SPLIT, SPLIT, STARTING, SUM, SUM_COST, mark_swap, next_job, publish
+from .dynamic import DONE, RUN_SPLIT, SPLIT, STARTING, SUM_COST, job_chunks, mark_swap, next_job, publish
 from .elementwise import exp_le0
 from .gating import (chunk_gates, gate_buffers, gate_key_columns, gate_key_rows, gate_log_sum, gate_pending,
                      gate_queries, gate_scores, gate_state_factors, touch_gates)
@@ -451,11 +451,9 @@ def _causal_forward(q, k, v, fm, fp, fa, eps, normalize, scale, lengths, chunk, 
         if kind == DONE:
             break
         if dynamic:  # a head from its start, a sum toward a runner, or a run from a claimed boundary
-            h = item
+            h, s, idle = item, y, bool(False)
             length = lengths[h]
-            s, last, whole, sums_only, idle = y, kind != SUM, kind == RUN_HEAD, kind == SUM, bool(False)
-            c0 = y * per if kind == SUM else (tb * per if kind == RUN_SPLIT else 0)
-            c1 = min(c0 + per, (length + chunk - 1) // chunk) if kind == SUM else (length + chunk - 1) // chunk
+            c0, c1, last, whole, sums_only = job_chunks(kind, y, tb, length, chunk, per)
         else:
             length = lengths[item // nseg]
             h, s, c0, c1 = _segment(item, nseg, frac, (length + chunk - 1) // chunk)

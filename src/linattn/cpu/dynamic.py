@@ -213,3 +213,16 @@ def next_job(take_item, items, dynamic, parts, lengths, chunk, per, cost, h, t, 
         if m == PASSED or m == STARTED:
             return RUN_SPLIT, h, y, t
         return SUM, h, y - 1, t
+
+
+@njit(helper=True)
+def job_chunks(kind, y, tb, length, chunk, per):
+    """A job of next_job on a head of ``length`` positions, as a kernel runs it: (first chunk, end,
+    last, whole, sums_only) in the kernel's walk order (the backward's from a head's end): a head's run
+    from its first chunk to its end, a sum of segment y's ``per`` chunks, a run from the claimed
+    boundary tb to the end; ``last``, the run may reach the head's end (unless a helper started ahead),
+    ``whole``, it starts from the initial state, ``sums_only``, a helper's sum."""
+    nch = (length + chunk - 1) // chunk
+    c0 = y * per if kind == SUM else (tb * per if kind == RUN_SPLIT else 0)
+    c1 = min(c0 + per, nch) if kind == SUM else nch
+    return c0, c1, kind != SUM, kind == RUN_HEAD, kind == SUM
