@@ -213,6 +213,34 @@ def test_states_through_the_short_path(rng, causal, dtype, monkeypatch):
         fn(*rest, initial_state=linattn.State(first.S.astype(np.float16), first.Z))
 
 
+@pytest.mark.parametrize("gating", [None, "position", "dimension"])
+def test_a_head_cut_for_one_run_gives_the_unsplit_bits(rng, monkeypatch, gating):
+    """Segments that run once each walk the chunks before them as the unsplit run does, only without
+    outputs (the forward from a head's start, the backward from its end), so over several folds the
+    outputs, the final state and the vjp's gradients are the unsplit call's bit for bit."""
+    from linattn import gradients
+    lead, n, d, dv = (2,), 1700, 5, 4
+    q, k, v = make_qkv(rng, lead, n, d, dv)
+    kw = dict(initial_state=linattn.State(rng.random(lead + (d, dv)).astype(np.float32),
+                                          rng.random(lead + (d,)).astype(np.float32)),
+              lengths=np.array([1700, 1300]), return_state=True)
+    if gating:
+        kw["gate"] = np.log(rng.uniform(0.95, 1.0, lead + (n,) + ((d,) if gating == "dimension" else ()))
+                            ).astype(np.float32)
+    W = rng.standard_normal(lead + (n, dv)).astype(np.float32)
+    found = []
+    for frac, threads in (([0.0, 1.0], 1), ([0.0, 0.3, 0.55, 1.0], 2)):
+        for module in (attention, gradients):
+            monkeypatch.setattr(module, "plan", lambda *a, **k: (32, np.array(frac), threads, False))
+        attention._constants.clear()
+        out, state = linattn.causal_linear_attention(q, k, v, **kw)
+        grads = linattn.causal_linear_attention_vjp(q, k, v, **kw)[2](W)
+        found.append([out, state.S, state.Z, *grads[:3], *grads[3]])
+    attention._constants.clear()
+    for got, want in zip(*found):
+        np.testing.assert_array_equal(got, want)
+
+
 _SPLITS = [[0, 0.5, 1], [0, 0.2, 0.21, 0.9, 1], [0, 0, 0, 1], [0, 1, 1, 1],
            [0, 0.1, 0.2, 0.3, 0.4, 0.5, 0.6, 0.7, 0.8, 0.9, 1]]
 

@@ -16,7 +16,8 @@ folded into a float64 accumulator every FOLD_EVERY chunks, so float32 results do
 millions of positions while the per-chunk work stays in float32.
 
 A segment's item first sums phi(K)^T V over the chunks before its segment (the "prefix": about
-0.36 of a chunk's full cost), so items need no barrier; segment lengths shrink geometrically so
+0.36 of a chunk's full cost; walked as the unsplit run walks them, without outputs, so its state is
+the unsplit run's bit for bit), so items need no barrier; segment lengths shrink geometrically so
 that every item does the same work. Or the kernel runs twice: first the head's first segment runs
 whole while each of the others but the last sums its own chunks, then each of the others starts from
 the first's final state and the parts between (runtime.plan chooses: two runs from two threads on a
@@ -32,8 +33,8 @@ from .buffers import empty, zeros
 from . import gating
 from .dynamic import DONE, RUN_SPLIT, SPLIT, STARTING, SUM_COST, job_chunks, mark_swap, next_job, publish
 from .elementwise import exp_le0
-from .gating import (chunk_gates, gate_buffers, gate_key_columns, gate_key_rows, gate_log_sum, gate_pending,
-                     gate_queries, gate_scores, gate_state_factors, touch_gates)
+from .gating import (chunk_gates, gate_buffers, gate_key_columns, gate_log_sum, gate_pending, gate_queries,
+                     gate_scores, gate_state_factors, touch_gates)
 from .mapfns import load_features, map_state, mapped_dim
 from .schedule import take
 from .smallgemm import noinline, small_gemm, small_gemm_stacked, small_gemm_tn
@@ -87,14 +88,16 @@ def _adjacent_rows(x):
 
 
 @njit(helper=True)
-def _add_prefix(k, v, i0, c, mp, Kf, V, P, Pz, beta, gates, F):
+def _add_keys(k, v, i0, c, mp, Kf, V, P, Pz, beta):
     """P = beta P + phi(K)^T V (beta 0: P holds nothing yet) and Pz += phi(K)^T 1 for positions
-    [i0, i0 + c) of one head (no outputs; phi(K) is used as it is, not transposed), each key times
-    its factor at the chunk's end when there are gates (F: the chunk's factors). Rows of v apart in
-    memory (a fused projection's head views) are copied first: read in place by the product they cost
-    the non-causal call on such views 5% more (B8 H8 N512: 2.44 ms against 2.31)."""
+    [i0, i0 + c) of one head (phi(K) used as it is, not transposed). Rows of v apart in memory (a fused
+    projection's head views) are copied first: read in place by the product they cost the non-causal
+    call on such views 5% more (B8 H8 N512: 2.44 ms against 2.31)."""
     load_features(k, i0, c, mp, Kf)
-    gate_key_rows(gates, Kf, c, F, Pz)
+    for s in range(c):
+        row = Kf[s]
+        for a in range(Kf.shape[1]):
+            Pz[a] += row[a]
     if _adjacent_rows(v):  # (adjacent rows serve as they are)
         small_gemm_tn(Kf[:c], v[i0:i0 + c], P, beta)
     else:
@@ -482,57 +485,40 @@ def _causal_forward(q, k, v, fm, fp, fa, eps, normalize, scale, lengths, chunk, 
                 continue
         for a in range(total.shape[0]):  # the segment's log decay (phase 0, or a dynamic split's sum)
             total[a] = 0
-        # the state at the start of this segment from its prefix, or phase 0's sum of the segment itself
-        # (a dynamic split's sum runs in the walk below, with a runner's arithmetic: see split_state)
-        p0, p1 = (c0, c1) if sums_only and not dynamic else (0, 0 if parts.shape[0] > 0 else c0)
-        for ci in range(p0, p1):
-            i0 = ci * chunk
-            c = min(chunk, length - i0)
-            t = _rows_to_touch(ci, p0, p1, chunk, length)
-            if t > 0:
-                touch_rows(kh, i0, t)
-                touch_rows(vh, i0, t)
-                touch_gates(gates, h, i0, t)
-            chunk_gates(gates, h, ld, i0, c, G, R, F, status)
-            beta = gate_pending(gates, P, Pz, lam, c, G, R, F, has_p)
-            _add_prefix(kh, vh, i0, c, mp, Kf, SV, P, Pz, beta if has_p else 0, gates, F)
-            has_acc, has_p, acc_in_b = pending_added(ci, acc, accz, B, Bz, P, Pz, has_acc, acc_in_b, lam,
-                                                     decayed)
-            if sums_only:
-                gate_log_sum(gates, total, c, G, R)
-        if sums_only and not dynamic:
-            segment_parts(sbuf[0], has_acc, acc_in_b, has_p, sums_only, parts[h], s, total, decayed)
-            keep_alive(sbuf)
-            continue
         if dynamic and kind == RUN_SPLIT:  # the state at the run's start, for later helpers
             publish(parts, h, tb, acc, accz, bool(True))
-        outputs = not sums_only  # (a dynamic split's sum: the walk without outputs)
-        if outputs:
+        # the walk: a segment's sums alone (phase 0's, a dynamic split's: no outputs), or the chunks before
+        # the segment without outputs (its prefix, where it runs once from the head's start) and then its
+        # own with them; one arithmetic, so a prefix gives the unsplit run's state bit for bit
+        outputs = not sums_only
+        start = c0 if sums_only or parts.shape[0] > 0 else 0
+        if outputs and start == c0:
             gate_state_factors(gates, lam, fb)
             _current(B, Bz, P, Pz, SV, Z, has_acc, has_p, fb, decayed)
-        for ci in range(c0, c1):
+        for ci in range(start, c1):
             i0 = ci * chunk
             c = min(chunk, length - i0)
-            t = _rows_to_touch(ci, c0, c1, chunk, length)
+            emit = outputs and ci >= c0
+            t = _rows_to_touch(ci, start, c1, chunk, length)
             if t > 0:
-                if outputs:
+                if emit:
                     touch_rows(qh, i0, t)
                 touch_rows(kh, i0, t)
                 touch_rows(vh, i0, t)
                 touch_gates(gates, h, i0, t)
-            if spread and outputs and ci + 1 < c1:
+            if spread and emit and ci + 1 < c1:
                 cn = min(chunk, length - i0 - chunk)
                 prefetch_rows_for_writing(oh, i0 + chunk, cn)
-            if kept.shape[0] > 0 and outputs:
+            if kept.shape[0] > 0 and emit:
                 keep_state(SV, Z, d_, kept[ci], ST, sums)
             chunk_gates(gates, h, ld, i0, c, G, R, F, status)
-            if sums_only:  # (a dynamic split's sum: its log decay)
+            if sums_only:  # (its log decay)
                 gate_log_sum(gates, total, c, G, R)
             _load_kt(kh, i0, c, mp, Kf, KT, sums if decayed else Pz)  # gated keys add their sums later
             if v_apart:  # (rows apart are read many times by the products: copied side by side first)
                 _copy_rows(vh, i0, c, SV, d_)
             V = SV[d_:d_ + c] if v_apart else vh[i0:i0 + c]
-            if outputs:
+            if emit:
                 load_features(qh, i0, c, mp, QA)
                 gate_scores(gates, QA, KT, Kf, d_, c, G, R, F, X)  # A, lower triangle, decayed
                 gate_queries(gates, QA, d_, c, F)
@@ -557,13 +543,15 @@ def _causal_forward(q, k, v, fm, fp, fa, eps, normalize, scale, lengths, chunk, 
                         parts, h, (ci + 1) // FOLD_EVERY, acc, accz, bool(False)):
                     last = False  # a helper runs on from here
                     break
-                if outputs:
+                if outputs and ci + 1 >= c0:  # (the state the next chunk's outputs read)
                     gate_state_factors(gates, lam, fb)
                     _current(B, Bz, P, Pz, SV, Z, has_acc, has_p, fb, decayed)
-        if sums_only:  # a dynamic split's sum: its row, then the helper's next step
-            segment_parts(sbuf[0], has_acc, acc_in_b, has_p, sums_only, parts[h, nb:], s, total, decayed)
+        if sums_only:  # a segment's sums: its row (then, a dynamic split's, the helper's next step)
+            segment_parts(sbuf[0], has_acc, acc_in_b, has_p, sums_only, parts[h, nb:] if dynamic else parts[h], s,
+                          total, decayed)
             keep_alive(sbuf)
-            ch, ct, cy = h, tb, s  # (the helper's next step: next_job)
+            if dynamic:
+                ch, ct, cy = h, tb, s  # (the helper's next step: next_job)
             continue
         if last:
             oh[length:] = 0
@@ -605,17 +593,13 @@ def _pending_sums(k, v, mp, chunk, g0, g1, c0, c1, Kf, V, P, Pz):
     """P = phi(K)^T V and Pz += phi(K)^T 1 over chunks [g0, g1) (at most FOLD_EVERY: one fold's) of a walk
     over chunks [c0, c1) of one head's keys (views (N, X)), in the compute dtype."""
     n = k.shape[0]
-    owner = empty(0, P.dtype)
-    no_gates = unowned(owner)  # (views of an owned array: an atomic add and subtract each)
-    no_f = (no_gates, no_gates, no_gates, no_gates)
     for ci in range(g0, g1):
         i0 = ci * chunk
         t = _rows_to_touch(ci, c0, c1, chunk, n)
         if t > 0:
             touch_rows(k, i0, t)
             touch_rows(v, i0, t)
-        _add_prefix(k, v, i0, min(chunk, n - i0), mp, Kf, V, P, Pz, 1.0 if ci > g0 else 0.0, no_gates, no_f)
-    keep_alive(owner)
+        _add_keys(k, v, i0, min(chunk, n - i0), mp, Kf, V, P, Pz, 1.0 if ci > g0 else 0.0)
 
 
 @njit(helper=True)

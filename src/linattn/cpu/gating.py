@@ -500,7 +500,7 @@ def _gate_key_columns(gates, KT, Kf, c, F, Pz):
 
 @overload(gate_key_rows, jit_options=OVERLOAD_OPTIONS)
 def _gate_key_rows(gates, Kf, c, F, Pz):
-    """The same for phi(K) as rows (a segment's prefix): row s times its factor; Pz += column sums."""
+    """The same for phi(K) as rows (the backward's keys): row s times its factor; Pz += column sums."""
     kind = _kind(gates)
 
     def impl(gates, Kf, c, F, Pz):
