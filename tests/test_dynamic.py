@@ -283,6 +283,22 @@ def test_segment_sizes(bh, nchunks, dk, dv, nthreads):
     assert nseg == (-(-nchunks // fold) if fits else 0)
 
 
+def test_the_schedule_model_behind_two_threads_a_head():
+    """docs/schedule_model.py, the model THREADS_PER_HEAD rests on: with at most two threads a head the
+    dynamic split is within 5% of the fixed parts or better, and one head on more threads falls behind
+    them more the more threads share it."""
+    import importlib.util
+    from pathlib import Path
+    path = Path(__file__).parents[1] / "docs" / "schedule_model.py"
+    spec = importlib.util.spec_from_file_location("schedule_model", path)
+    model = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(model)
+    for threads, heads in ((2, 1), (2, 3), (4, 2), (8, 5)):
+        assert model.dynamic_time(threads, heads, 16) <= 1.05 * model.fixed_time(threads, heads, 16)
+    behind = [model.dynamic_time(t, 1, 32) / model.fixed_time(t, 1, 32) for t in (4, 8, 16)]
+    assert 1.1 < behind[0] < behind[1] < behind[2]
+
+
 @pytest.mark.parametrize("bh, nthreads, dynamic_split", [(1, 2, True), (1, 3, False), (1, 16, False), (2, 4, True),
                                                          (3, 8, False), (5, 8, True), (9, 16, True)])
 def test_many_threads_a_head_split_the_static_way(bh, nthreads, dynamic_split):
