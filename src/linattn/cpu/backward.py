@@ -34,9 +34,9 @@ from numba.np.numpy_support import as_dtype
 
 from .._jit import OVERLOAD_OPTIONS, array, njit
 from .buffers import empty, zeros
-from .chunked import (FOLD_EVERY, _copy_row, _current, _init_state, _rows_to_touch, _segment, _state_buffers,
-                      _write_state, pending_added, segment_parts, segment_role, split_state)
-from .dynamic import DONE, RUN_SPLIT, SPLIT, STARTING, job_chunks, mark_swap, next_job, publish
+from .chunked import (FOLD_EVERY, _copy_row, _current, _init_state, _rows_to_touch, _state_buffers, _write_state,
+                      job_of, pending_added, segment_parts, split_state)
+from .dynamic import DONE, RUN_SPLIT, SPLIT, STARTING, mark_swap, next_job, publish
 from .elementwise import ELU, RELU
 from .gating import (SUB, VECTOR, _kind, _stub, chunk_gates, gate_buffers, gate_key_rows, gate_log_sum, gate_pending,
                      gate_queries, gate_scores, gate_state_factors, masked_product, one_product, prepare_kernel,
@@ -428,17 +428,11 @@ def _causal_backward(q, k, v, g, out, den, fm, fp, fa, da, normalize, s, lengths
         ch = ct = cy = 0  # (a new job next, unless a helper's sum sets them)
         if kind == DONE:
             break
-        if dynamic:  # a head from its end, a sum toward a runner, or a run from a claimed boundary
-            h, sg, idle = item, y, bool(False)
-            length = lengths[h]
-            nch = (length + chunk - 1) // chunk
-            f0, f1, last, whole, sums_only = job_chunks(kind, y, tb, length, chunk, per)
-        else:
-            length = lengths[item // nseg]
-            nch = (length + chunk - 1) // chunk
-            h, sg, f0, f1 = _segment(item, nseg, frac, nch)  # mirrored: a segment's prefix is the chunks after it
-            last = sg == nseg - 1
-            whole, sums_only, idle = segment_role(sg, two_runs, summing)  # (whole: from H0)
+        # a head from its end, a sum toward a runner, a run from a claimed boundary, or a fixed segment, in
+        # the walk's order (mirrored: a segment's prefix is the chunks after it; whole: from H0)
+        h, sg, length, f0, f1, last, whole, sums_only, idle = job_of(kind, item, y, tb, dynamic, lengths, chunk, nseg,
+                                                                     frac, two_runs, summing)
+        nch = (length + chunk - 1) // chunk
         if (summing and last) or idle or not (summing or f0 < f1 or last):
             continue
         h1, h2 = h // g2, h % g2

@@ -62,6 +62,22 @@ def _segment(item, nseg, frac, nchunks):
 
 
 @njit(helper=True)
+def job_of(kind, item, y, tb, dynamic, lengths, chunk, nseg, frac, two_runs, summing):
+    """A thread's job (next_job's kind, item, y, tb) as a causal kernel runs it: (head, segment, length,
+    first chunk, end chunk, last, whole, sums_only, idle) in the kernel's walk order (the backward's
+    from a head's end): a dynamic split's (dynamic.job_chunks: segments of FOLD_EVERY chunks) or a
+    fixed segment's (_segment, segment_role; ``two_runs``, ``summing``: its kernel's run)."""
+    if dynamic:
+        length = lengths[item]
+        c0, c1, last, whole, sums_only = job_chunks(kind, y, tb, length, chunk, int(FOLD_EVERY))
+        return item, y, length, c0, c1, last, whole, sums_only, False
+    length = lengths[item // nseg]
+    h, s, c0, c1 = _segment(item, nseg, frac, (length + chunk - 1) // chunk)
+    whole, sums_only, idle = segment_role(s, two_runs, summing)
+    return h, s, length, c0, c1, s == nseg - 1, whole, sums_only, idle
+
+
+@njit(helper=True)
 def _load_kt(k, i0, c, mp, Kf, KT, Pz):
     """KT[:, :c] = phi(k[i0:i0+c])^T (one head) and Pz += its row sums (the chunk's part of Z); a short
     chunk's next columns of KT zero (vector.transpose_padded)."""
@@ -453,15 +469,9 @@ def _causal_forward(q, k, v, fm, fp, fa, eps, normalize, scale, lengths, chunk, 
         ch = ct = cy = 0  # (a new job next, unless a helper's sum sets them)
         if kind == DONE:
             break
-        if dynamic:  # a head from its start, a sum toward a runner, or a run from a claimed boundary
-            h, s, idle = item, y, bool(False)
-            length = lengths[h]
-            c0, c1, last, whole, sums_only = job_chunks(kind, y, tb, length, chunk, per)
-        else:
-            length = lengths[item // nseg]
-            h, s, c0, c1 = _segment(item, nseg, frac, (length + chunk - 1) // chunk)
-            last = s == nseg - 1
-            whole, sums_only, idle = segment_role(s, two_runs, summing)
+        # a head from its start, a sum toward a runner, a run from a claimed boundary, or a fixed segment
+        h, s, length, c0, c1, last, whole, sums_only, idle = job_of(kind, item, y, tb, dynamic, lengths, chunk, nseg,
+                                                                    frac, two_runs, summing)
         if (summing and last) or idle or not (summing or c0 < c1 or (last and (S_out.shape[0] > 0 or length < n))):
             continue
         # the segment: outputs of chunks [c0, c1) of head h from the state before chunk c0
