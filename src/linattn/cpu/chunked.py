@@ -493,10 +493,9 @@ def _causal_forward(q, k, v, fm, fp, fa, eps, normalize, scale, lengths, chunk, 
             if mark_swap(parts, h, tb, SPLIT, STARTING) != SPLIT:  # (the runner took tb back: other work)
                 keep_alive(sbuf)
                 continue
+            publish(parts, h, tb, acc, accz, bool(True))  # (the state at the run's start, for later helpers)
         for a in range(total.shape[0]):  # the segment's log decay (phase 0, or a dynamic split's sum)
             total[a] = 0
-        if dynamic and kind == RUN_SPLIT:  # the state at the run's start, for later helpers
-            publish(parts, h, tb, acc, accz, bool(True))
         # the walk: a segment's sums alone (phase 0's, a dynamic split's: no outputs), or the chunks before
         # the segment without outputs (its prefix, where it runs once from the head's start) and then its
         # own with them; one arithmetic, so a prefix gives the unsplit run's state bit for bit

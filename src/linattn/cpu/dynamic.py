@@ -57,7 +57,6 @@ MIN_SPLIT = 3
 #: about 41 segments summed besides the 32 run, 0.36 each).
 SUM_COST = 0.36
 
-
 #: The most threads a head for the dynamic split; a call with more takes the static split (cpu/runtime.plan's
 #: two runs). Helpers that start together on one head each sum back to the nearest published state,
 #: and with many of them the nearest is another helper's that is not written yet, so they sum the same
@@ -171,10 +170,9 @@ def next_job(take_item, items, dynamic, parts, lengths, chunk, per, cost, h, t, 
     next step: where t > 0, of its split of boundary t of head h with the segments from y summed, else
     of a new split (a boundary claimed, SPLIT, in the part with the most segments left to run, if one
     has MIN_SPLIT, u of them from its runner's segment, ``cost``: a segment's sum over its run, as
-    SUM_COST); else DONE. A step: (SUM, y - 1)
-    to sum the segment before y, (RUN_SPLIT, y) where the state at y is known (published, or the initial
-    state at 0), or another split where the runner took t back. It never waits: a state being written
-    is summed past."""
+    SUM_COST); else DONE. A step: (SUM, y - 1) to sum the segment before y, (RUN_SPLIT, y) where the
+    state at y is known (published, or the initial state at 0), or another split where the runner took
+    t back. It never waits: a state being written is summed past."""
     if take_item < items:
         return RUN_HEAD, take_item, 0, 0
     if not dynamic:
