@@ -139,8 +139,8 @@ class MapOverIdentity:
 
 class MapGradientOverIdentity(MapOverIdentity):
     """The same, forward and backward (``causal_linear_attention_vjp``, then ``vjp(dout)``): what
-    differentiating through the map costs (the elementwise maps' and Taylor's and DPFP's derivatives inside
-    the backward kernel, ReBased's and the learned maps' vjps after it)."""
+    differentiating through the map costs (the elementwise maps' and the pair maps' derivatives inside the
+    backward kernel, ReBased's but its norm's, which follows it as the learned maps' vjps do)."""
     params = ["gelu", "Taylor D16", "ReBased D16", "DPFP nu1 D32", "Performer m64", "Hedgehog m32", "T2R m64"]
 
     def setup(self, name):

@@ -626,9 +626,10 @@ class _Outside:
 @pytest.mark.parametrize("dtype", [np.float32, np.float64])
 def test_maps_in_the_backward_kernels(rng, dtype, monkeypatch):
     """The backward kernels apply the elementwise maps and their derivatives themselves (mapfns's and
-    map_grad's C functions) and Taylor's and DPFP's with their vjp (pair_grad's C function, in the scratch of
-    mapfns.work_size), the causal one the other maps' features too (written out for the projection maps'
-    vjps; the others' vjps after it): the same bits as the map applied before the kernel and its vjp after,
+    map_grad's C functions) and the pair maps' with their vjp (pair_grad's C function, in the scratch of
+    mapfns.work_size; ReBased's but its norm's, which follows the kernel), the causal one the projection
+    maps' features too (written out for their vjps, which follow it): the same bits as the map applied
+    before the kernel and its vjp after,
     causal (lengths with NaN padding, gates per position and per key dimension, a decay, an initial state,
     a head long enough to be cut into segments) and non-causal (heads of few positions from their scores,
     longer ones from the sums, right-padded queries and keys, an initial state, heads cut into segments)."""
@@ -638,7 +639,8 @@ def test_maps_in_the_backward_kernels(rng, dtype, monkeypatch):
         [fm.Elementwise("elu").scaled(0.5), fm.Elementwise("relu").scaled(2.0), fm.Elementwise("identity").scaled(0.3),
          fm.Elementwise("gelu").scaled(0.7)]
     pairs = [fm.Taylor(), fm.Taylor().scaled(0.4), fm.DPFP(2).scaled(1.5),
-             fm.ReBased(rng.random(5) + 0.5, rng.standard_normal(5))]
+             fm.ReBased(rng.random(5) + 0.5, rng.standard_normal(5)),
+             fm.ReBased(rng.random(5) + 0.5, rng.standard_normal(5)).scaled(0.6)]
 
     def learned(i, d):  # (the projection maps for inputs of d features)
         return [lambda: fm.Hedgehog(rng.standard_normal((d, 3))),
@@ -650,12 +652,13 @@ def test_maps_in_the_backward_kernels(rng, dtype, monkeypatch):
         assert gradients._map_and_code(fmap)[1] == fmap.kernel_code()
     assert gradients._map_and_code(_Outside(maps[0]))[1] is None
     from linattn.cpu import mapfns, pair_grad
-    for fmap, after in zip(pairs, (False, False, False, True)):  # (the kernel's dq, dk: D wide, or D' for ReBased)
+    for fmap in pairs:  # (the kernel's dq, dk: D wide; ReBased's the gradients of its u, its norm's vjp after)
         code = fmap.kernel_code()
-        assert gradients._vjp_after(code) is after
-        assert (gradients._kernel_map(fmap, code, 5, dtype)[3] == 0) is after
+        assert not gradients._vjp_after(code)
+        assert gradients._kernel_map(fmap, code, 5, dtype)[3] != 0
     for d in range(1, 40):  # pair_grad's C function: its scratch within the kernel's map work buffer
-        for nu, dk in [(d + 1, fm.Taylor().out_dim(d))] + [(2 * d, fm.DPFP(n).out_dim(d)) for n in (1, 2, 3, 8)]:
+        for nu, dk in [(d + 1, fm.Taylor().out_dim(d)), (d, d * (d + 1) // 2)] + \
+                [(2 * d, fm.DPFP(n).out_dim(d)) for n in (1, 2, 3, 8)]:
             assert (2 * nu + dk) * mapfns.PAIR_ROWS + max(nu, dk, mapfns.PAIR_ROWS) <= mapfns.work_size.py_func(d, dk)
     assert pair_grad.PAIR_ROWS == mapfns.PAIR_ROWS
     for fmap in projections:  # (the kernel writes phi out: their vjps read it)
@@ -668,9 +671,9 @@ def test_maps_in_the_backward_kernels(rng, dtype, monkeypatch):
         assert gradients._noncausal_code(code, few, few) == code
         costly = fmap.name in ("gelu", "silu", "sigmoid", "softplus")
         assert gradients._noncausal_code(code, many, many) == (None if costly else code)
-    for fmap in pairs + projections:  # (there ReBased's and the projections' phi before the kernel, their vjps after)
+    for fmap in pairs + projections:  # (there the projections' phi before the kernel, their vjps after)
         code = fmap.kernel_code()
-        assert gradients._noncausal_code(code, many, many) == (None if fmap in pairs[3:] + projections else code)
+        assert gradients._noncausal_code(code, many, many) == (None if fmap in projections else code)
     causal_cases = [((2,), 70, 3, 2, dict(lengths=np.array([70, 33]))),
                     ((2, 2), 40, 4, 3, dict(gate="position", decay=0.9, initial_state=True)),
                     ((2,), 50, 5, 1, dict(gate="dimension", lengths=np.array([17, 50]))),
@@ -686,7 +689,7 @@ def test_maps_in_the_backward_kernels(rng, dtype, monkeypatch):
             maps + pairs + [learned(j, d) for j in range(3)]  # (long: three)
         for fmap in chosen:
             if isinstance(fmap, fm.ReBased) and fmap.gamma.shape[0] != d:
-                fmap = fm.ReBased(rng.random(d) + 0.5, rng.standard_normal(d))
+                fmap = fm.ReBased(rng.random(d) + 0.5, rng.standard_normal(d)).scaled(fmap.input_scale)
             kw, dk = dict(case), fmap.out_dim(d)  # (the state and a gate per key dimension: D' wide)
             if kw.pop("initial_state", False):
                 kw["initial_state"] = linattn.State(rng.random(lead + (dk, dv)).astype(dtype),
@@ -713,7 +716,9 @@ def test_maps_in_the_backward_kernels(rng, dtype, monkeypatch):
         q = (rng.standard_normal(lead + (n, d)) * 0.5).astype(dtype)
         k, v = ((rng.standard_normal(lead + (nk, x)) * 0.5).astype(dtype) for x in (d, dv))
         W = rng.standard_normal(lead + (n, dv)).astype(dtype)
-        for fmap in ([maps[i], pairs[i % 3]] if n > 1000 else maps + pairs[:3]):  # (Taylor, DPFP: in the kernel)
+        for fmap in ([maps[i], pairs[i % len(pairs)]] if n > 1000 else maps + pairs):  # (the pairs: in the kernel)
+            if isinstance(fmap, fm.ReBased) and fmap.gamma.shape[0] != d:
+                fmap = fm.ReBased(rng.random(d) + 0.5, rng.standard_normal(d)).scaled(fmap.input_scale)
             kw, dk = dict(case), fmap.out_dim(d)
             if kw.pop("initial_state", False):
                 kw["initial_state"] = linattn.State(rng.random(lead + (dk, dv)).astype(dtype),
@@ -723,6 +728,14 @@ def test_maps_in_the_backward_kernels(rng, dtype, monkeypatch):
             np.testing.assert_array_equal(got[0], want[0])
             for a, b in zip(*(_flat(vjp(W)) for vjp in (got[1], want[1]))):
                 np.testing.assert_array_equal(a, b, err_msg=f"{fmap!r} {kw}")
+            if fmap.param_names:  # (ReBased's gamma and beta: against its vjp after a kernel given phi)
+                with monkeypatch.context() as patch:
+                    patch.setattr(gradients, "_map_and_code", lambda f: (f, None))
+                    outside = linattn.linear_attention_vjp(q, k, v, feature_map=fmap, **kw)[1](W)[-1]
+                inside = got[1](W)[-1]
+                assert sorted(inside) == sorted(outside) == sorted(fmap.param_names)
+                for name in inside:
+                    np.testing.assert_array_equal(inside[name], outside[name], err_msg=f"{fmap!r} {kw} {name}")
 
 
 def test_feature_map_vjps(rng):

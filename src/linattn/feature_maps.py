@@ -362,13 +362,26 @@ class ReBased(FeatureMap):
     param_names = ("gamma", "beta")
 
     def _vjps(self, x, dphi, y=None):
-        """(dx, {"gamma": ..., "beta": ...}): the norm again, the pair map's vjp (du, the gradient of
-        u = gamma n + beta), then the norm's (cpu/norm_grad.py: compiled passes over the rows)."""
+        """(dx, {"gamma": ..., "beta": ...}): the pair map's vjp (du, the gradient of u = gamma n + beta,
+        u formed as the kernels form it: cpu/pair_grad.py), then the norm's (cpu/norm_grad.py: compiled
+        passes over the rows)."""
         xs, dphi, _ = self._prepared(x, dphi, need_y=False)
-        dt, d = dphi.dtype, xs.shape[-1]
+        d = xs.shape[-1]
+        du = pair_grad.pairs_vjp(xs, dphi, self._family_table(d, 1 + 2 * d), pair_grad.REBASED, 1.0,
+                                 self.params(d, dphi.dtype))  # (u formed there, as the kernels form it)
+        return self._norm_vjps(xs, du)
+
+    def _vjps_of_u(self, x, du):
+        """_vjps from du (..., D), the gradient of u = gamma LN(s x) + beta (in the computation's dtype):
+        what the causal backward kernel gives, its pair map's vjp made there."""
+        return self._norm_vjps(np.asarray(x).astype(du.dtype, copy=False) * du.dtype.type(self.input_scale), du)
+
+    def _norm_vjps(self, xs, du):
+        """(dx, {"gamma": ..., "beta": ...}) from du for the scaled inputs xs (of du's dtype): the norm again
+        (eps as the kernels read it, rounded to that dtype), then its vjp."""
+        dt = xs.dtype
         gamma = self.gamma.astype(dt)
-        u, n, r = norm_grad.norm(xs, gamma, self.beta.astype(dt), self.eps)
-        du = pair_grad.pairs_vjp(u, dphi, self._family_table(d, 1 + 2 * d))
+        _, n, r = norm_grad.norm(xs, gamma, self.beta.astype(dt), float(dt.type(self.eps)))
         dx, dgamma, dbeta = norm_grad.norm_vjp(n, r, du, gamma, self.input_scale)
         return dx, {"gamma": dgamma, "beta": dbeta}
 

@@ -18,9 +18,10 @@ backwards in time, chunk by chunk, from those states (no O(N^2) memory; the adjo
 accumulators), applying phi' as it writes: dq = dQ_f phi'(q), dk = dK_f phi'(k). Non-causal: the
 same sums over all positions, G and H then constant: the cpu/noncausal_grad.py kernel sums [S | Z]
 and [G | H] over each head, then writes the three gradients row by row. Both kernels apply phi and phi'
-of the elementwise maps themselves (cpu/map_grad.py) and Taylor's and DPFP's phi and vjp (cpu/pair_grad.py),
-the causal one every built-in map's phi (ReBased's ``vjp`` after it, and the projection maps', from the phi
-the kernel writes out); other maps' features are their inputs, the maps' ``vjp`` applied after.
+of the elementwise maps themselves (cpu/map_grad.py) and the pair maps' phi and vjp (cpu/pair_grad.py:
+Taylor, DPFP, ReBased, whose norm's vjp follows the kernel: the gradients of gamma and beta need every
+row), the causal one the projection maps' phi too (their vjps after it, from the phi it writes out); other
+maps' features are their inputs, the maps' ``vjp`` applied after.
 
 With decay and gates (log factor lam_t of the state before t, per position or per position and key
 dimension), the kernel decays the adjoint as the forward decays the state, and d lam_t = sum_{i >= t}
@@ -52,9 +53,9 @@ _NO_R = np.empty((1, 0, 1))  # no gates: the backward kernel's per-position term
 def _map_and_code(feature_map):
     """(the map, its code in the backward kernels, or None: then phi is applied before the kernel and
     the map's ``vjp`` after it). The kernels differentiate the elementwise maps (with any input scale);
-    the causal one computes the other built-in maps' features too (codes from TAYLOR) and Taylor's and
-    DPFP's vjp; the others' vjps are applied after it (see _vjp_after). A callable needs a
-    ``vjp(x, dphi)`` of its own."""
+    they compute the pair maps' features and vjp too (Taylor, DPFP, ReBased but its norm's vjp), the
+    causal one the projection maps' features, whose vjps are applied after it (see _vjp_after). A callable
+    needs a ``vjp(x, dphi)`` of its own."""
     fmap = as_map(feature_map)
     if isinstance(fmap, FeatureMap):
         code = fmap.kernel_code()
@@ -65,10 +66,11 @@ def _map_and_code(feature_map):
     return fmap, None
 
 
-#: The pair maps' codes: the causal backward kernel computes their features (phi(q), phi(k) not made and
-#: read again: Taylor's backward at B1 H8 N2048 D16 17.1-17.3 -> 15.6 ms) and Taylor's and DPFP's vjp
-#: (pair_grad's C function: dphi not written and read again; D16: 10.1-10.8 -> 7.9-8.0 ms, DPFP(2) at D64
-#: 24.9-25.9 -> 21.3-21.4); ReBased's vjp (its norm's, and its parameters' gradients) follows the kernel.
+#: The pair maps' codes: the backward kernels compute their features (phi(q), phi(k) not made and
+#: read again: Taylor's backward at B1 H8 N2048 D16 17.1-17.3 -> 15.6 ms) and their vjp (pair_grad's C
+#: function: dphi not written and read again; D16: 10.1-10.8 -> 7.9-8.0 ms, DPFP(2) at D64 24.9-25.9 ->
+#: 21.3-21.4); for ReBased the gradient of its u = gamma LN(s x) + beta, its norm's vjp (and the
+#: parameters' gradients, sums over every row) following the kernel (ReBased._vjps_of_u).
 _PAIRS = (mapfns.TAYLOR, mapfns.REBASED, mapfns.DPFP)
 #: The projection maps' codes: the causal backward kernel computes their features and writes them out for
 #: their vjps, which read them (not made before it by two calls of their own: the tiny backward, B1 H1 N16
@@ -78,7 +80,13 @@ _PROJECTIONS = (mapfns.PERFORMER, mapfns.HEDGEHOG, mapfns.T2R)
 
 def _vjp_after(code):
     """Whether the map's vjp follows the backward kernel (which then gives the gradients of phi(q), phi(k))."""
-    return code is None or code == mapfns.REBASED or code in _PROJECTIONS
+    return code is None or code in _PROJECTIONS
+
+
+def _norm_after(code):
+    """Whether a vjp follows the non-causal backward kernel (for the code it runs with, _noncausal_code's): a
+    map's, or ReBased's norm's (the kernel then gives the gradients of its u)."""
+    return code is None or code == mapfns.REBASED
 
 
 def _kernel_map(fmap, code, d, comp):
@@ -98,9 +106,9 @@ _RECOMPUTED, _RECOMPUTE_ABOVE = (mapfns.GELU, mapfns.SILU, mapfns.SIGMOID, mapfn
 
 def _noncausal_code(code, q, k):
     """The map's code in the non-causal backward kernel for these queries and keys (_map_and_code's, or None
-    for a costly map on many values, see _RECOMPUTED, and for ReBased and the projection maps: their vjps
-    follow the kernel)."""
-    if code == mapfns.REBASED or code in _PROJECTIONS:
+    for a costly map on many values, see _RECOMPUTED, and for the projection maps: their vjps follow the
+    kernel)."""
+    if code in _PROJECTIONS:
         return None
     return None if code in _RECOMPUTED and q.size + k.size > _RECOMPUTE_ABOVE else code
 
@@ -119,15 +127,16 @@ def _map_vjp(fmap, x, dphi, y):
     return dx
 
 
-def _map_grads(fmap, xs, dphis, ys):
+def _map_grads(fmap, xs, dphis, ys, of_u=False):
     """([dx for each application (x, dphi, y = phi(x)) of the map], the gradients of its parameters
     summed over them as a dict by name (FeatureMap.param_vjp), or None for a map without parameters);
-    a map's vjp and param_vjp share their work (FeatureMap._vjps)."""
+    a map's vjp and param_vjp share their work (FeatureMap._vjps). ``of_u``: ReBased's, from the gradients
+    of its u in place of dphi (ReBased._vjps_of_u)."""
     if not (isinstance(fmap, FeatureMap) and fmap.param_names):
         return [_map_vjp(fmap, x, dphi, y) for x, dphi, y in zip(xs, dphis, ys)], None
     dxs, total = [], {}
     for x, dphi, y in zip(xs, dphis, ys):
-        dx, grads = fmap._vjps(x, dphi, y)
+        dx, grads = fmap._vjps_of_u(x, dphi) if of_u else fmap._vjps(x, dphi, y)
         dxs.append(dx)
         for name, grad in grads.items():
             total[name] = total[name] + grad if name in total else grad
@@ -340,14 +349,14 @@ def _backward(q, k, v, fmap, code, lead, d, out_dt, normalize, s, initial_state,
         if gated:
             extra = _gate_gradients(rq, rk, lens_all, dS, dZ, final, gate, vector, decay_arr, ld, lead, comp)
         dmap = None
-        if _vjp_after(code):  # dq, dk: the gradients of phi(q), phi(k) so far
+        if _vjp_after(code) or code == mapfns.REBASED:  # dq, dk: the gradients of phi(q), phi(k) (ReBased's u)
             # (padding past a length may hold NaN, which a map's vjp would spread: into the parameters'
             # gradients too, through phi there; the kernel's dphi is 0 past a length)
             xs, ys = (q, k), (qf, kf)
             if valid is not None:
                 xs = tuple(np.where(valid, x, 0) for x in xs)
                 ys = ys if qf is None else tuple(np.where(valid, y, 0) for y in ys)
-            (dq, dk), dmap = _map_grads(fmap, xs, (dq, dk), ys)
+            (dq, dk), dmap = _map_grads(fmap, xs, (dq, dk), ys, of_u=code == mapfns.REBASED)
             if valid is not None:
                 dq, dk = np.where(valid, dq, 0), np.where(valid, dk, 0)
         grads = [half.astype(x, out_dt) for x in (dq, dk, dvv)]
@@ -392,8 +401,9 @@ def linear_attention_vjp(q, k=None, v=None, *, feature_map="elu", eps=1e-6, norm
         lens, qlens = (None if ls is None else checks.check_lengths(ls, lead, n, what, name)  # (as _fast's)
                        for ls, what, name in ((lengths, "Nk", "lengths"), (query_lengths, "N", "query_lengths")))
         code = _noncausal_code(code, q, k)
-        valid, qvalid = (None if ls is None or code is not None else (np.arange(n) < ls.reshape(lead + (1,)))[..., None]
-                         for ls in (lens, qlens))  # (read for the maps the kernel does not know only)
+        valid, qvalid = (None if ls is None or not _norm_after(code) else
+                         (np.arange(n) < ls.reshape(lead + (1,)))[..., None]
+                         for ls in (lens, qlens))  # (read where a map's vjp or ReBased's norm's follows the kernel)
     else:
         k, v = _keys_from_state(q, k, v, initial_state, "cpu")
         q, k, v, lead, n, _, dv, comp, out_dt = checks.check_qkv(q, k, v, cross=True)
@@ -418,11 +428,12 @@ def linear_attention_vjp(q, k=None, v=None, *, feature_map="elu", eps=1e-6, norm
         g = _check_grad(dout, "dout", lead + (n, dv), comp)
         # the kernel computes phi and phi' of the maps it knows (code); other maps' features are its inputs
         # and their vjp is applied after it
-        if code is not None:
-            src = (q, k)
-        else:  # (a map's vjp reads the queries and keys: padding as 0)
+        if _norm_after(code):  # (a map's vjp reads the queries and keys: padding as 0)
             qq, kk = (x if m is None else np.where(m, x, 0).astype(comp, copy=False)
                       for x, m in ((q, qvalid), (k, valid)))
+        if code is not None:
+            src = (q, k)
+        else:
             src = (_mapped(fmap, qq, comp), _mapped(fmap, kk, comp))
         # (D', the features; the kernel's dq, dk: of q, k, or of phi(q), phi(k) computed here)
         dk_, nk = src[0].shape[-1] if code is None else fmap.out_dim(q.shape[-1]), k.shape[-2]
@@ -447,10 +458,10 @@ def linear_attention_vjp(q, k=None, v=None, *, feature_map="elu", eps=1e-6, norm
                                         _full_lengths(bh, n) if qlens is None else qlens, chunk, frac, *arrays[5:],
                                         base=base)
         dmap = None
-        if code is not None:
+        if not _norm_after(code):
             grads = [dqf, dkf, dvv]
-        else:
-            (dq, dk), dmap = _map_grads(fmap, (qq, kk), (dqf, dkf), src)
+        else:  # (ReBased: the kernel's dq, dk are those of its u)
+            (dq, dk), dmap = _map_grads(fmap, (qq, kk), (dqf, dkf), src, of_u=code is not None)
             grads = [dq if qvalid is None else np.where(qvalid, dq, 0), dk if valid is None else np.where(valid, dk, 0),
                      dvv]
         grads = [half.astype(x, out_dt) for x in grads]

@@ -14,9 +14,7 @@ once, not into every kernel variant).
 """
 import numba
 import numpy as np
-from llvmlite import ir
 from numba import carray, types
-from numba.extending import intrinsic
 
 from .._jit import array, njit
 from . import symbols
@@ -24,7 +22,7 @@ from .elementwise import ELU, IDENTITY, RELU, exp_le0, load_rows, relu
 from .gating import like
 from .mapfns import (DPFP, FIRST, GELU, HEDGEHOG, PERFORMER, REBASED, SCALED_ELU, SCALED_IDENTITY, SCALED_RELU,
                      SIGMOID, SILU, SOFTPLUS, SQUARED_RELU, T2R, TAYLOR, address as map_address, normal_cdf)
-from .pair_grad import derivative_address as pair_derivative_address, derivative_signature
+from .pair_grad import call_derivative, derivative_address as pair_derivative_address, derivative_signature
 from .runtime import kernel_section, threads_for
 from .schedule import take
 from .smallgemm import noinline
@@ -147,8 +145,9 @@ _INLINE = {}  # (code, dtype) -> kernel_map's tuple, for the codes the kernels a
 def kernel_map(code, fp, dtype):
     """(code, fp, map address, derivative address): the backward kernels' map arguments for map ``code``
     with parameters ``fp`` (FeatureMap.params; None for the codes the kernels apply inline); addresses 0
-    where they are not called (ReBased's and the projection maps' derivatives: the causal kernel computes
-    their features, their vjps follow the kernel; Taylor's and DPFP's through pair_grad's C function)."""
+    where they are not called (the projection maps' derivatives: the causal kernel computes their features,
+    their vjps follow the kernel; Taylor's, DPFP's and ReBased's through pair_grad's C function, ReBased's
+    norm's vjp after the kernel)."""
     dtype = np.dtype(dtype)
     if code < FIRST:
         inline = _INLINE.get((code, dtype))
@@ -158,32 +157,9 @@ def kernel_map(code, fp, dtype):
     if code >= TAYLOR:
         if code not in (TAYLOR, REBASED, DPFP, PERFORMER, HEDGEHOG, T2R):
             raise ValueError(f"no backward kernel computes the features of map code {code}")
-        return code, fp, map_address(dtype, code), (pair_derivative_address(dtype) if code in (TAYLOR, DPFP) else 0)
+        return code, fp, map_address(dtype, code), (pair_derivative_address(dtype) if code in (TAYLOR, DPFP, REBASED)
+                                                    else 0)
     return code, fp, map_address(dtype, code), symbols.address(_SYMBOLS[numba.from_dtype(dtype)])
-
-
-@intrinsic
-def _call_derivative(typingctx, addr, xm, rm, om, c, code, s, t, fp, work):
-    """Call the derivative's C function at ``addr`` for xm[:c], rm[:c], om[:c] (2-D, C-contiguous rows), with
-    the map's parameters ``fp`` and scratch ``work`` (1-D, contiguous)."""
-    sig = types.void(addr, xm, rm, om, c, code, s, t, fp, work)
-
-    def codegen(context, builder, sig, args):
-        dtype = sig.args[1].dtype
-        size = context.get_abi_sizeof(context.get_data_type(dtype))
-        intp = context.get_value_type(types.intp)
-        xa, ra, oa, fa, wa = (context.make_array(sig.args[j])(context, builder, args[j]) for j in (1, 2, 3, 8, 9))
-        xrs, rrs, ors = (builder.sdiv(builder.extract_value(a.strides, 0), ir.Constant(intp, size))
-                         for a in (xa, ra, oa))
-        values = [xa.data, xrs, ra.data, rrs, oa.data, ors, context.cast(builder, args[4], sig.args[4], types.intp),
-                  builder.extract_value(xa.shape, 1), context.cast(builder, args[5], sig.args[5], types.intp),
-                  context.cast(builder, args[6], sig.args[6], dtype),
-                  context.cast(builder, args[7], sig.args[7], dtype), fa.data, builder.extract_value(fa.shape, 0),
-                  wa.data]
-        symbols.emit_call_address(builder, context.cast(builder, args[0], sig.args[0], types.intp), values)
-        return context.get_dummy_value()
-
-    return sig, codegen
 
 
 @njit(helper=True)
@@ -196,4 +172,4 @@ def times_map_derivative(src, i0, c, mp, da, XO, R, t):
     if c > 0:
         half = XO.shape[0] // 2
         load_rows(src, i0, c, int(IDENTITY), XO[:half])  # (int(): a run-time value, not a literal: see _jit)
-        _call_derivative(da, XO[:half], R, XO[half:], c, mp[0], mp[1][0], t, mp[1], mp[3])
+        call_derivative(da, XO[:half], R, XO[half:], c, mp[0], mp[1][0], t, mp[1], mp[3])

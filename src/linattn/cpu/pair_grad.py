@@ -1,8 +1,10 @@
 """The vector-Jacobian product of the pair maps (Taylor, ReBased, DPFP): features y_f = u[I_f] u[J_f] C_f
 of a vector u, so du[I_f] += g_f C_f u[J_f] and du[J_f] += g_f C_f u[I_f], compiled (threads take
 blocks of rows). For DPFP and Taylor the kernel also forms u from x (DPFP's [relu(x), relu(-x)], Taylor's
-[s x, 1]) and turns du into dx. The same rows' code is a C function too, which the causal backward kernel
-calls for Taylor and DPFP chunk by chunk (as map_grad's for the elementwise maps).
+[s x, 1]) and turns du into dx. The same rows' code is a C function too, which the backward kernels call
+chunk by chunk (as map_grad's for the elementwise maps): for Taylor and DPFP, and for ReBased, whose u
+(gamma LN(s x) + beta) it forms too and whose du it returns (the norm's vjp follows the kernels); ReBased's
+own vjp calls it too, so that both give the same bits.
 
 Computed transposed, as the forward (mapfns._pairs), PAIR_ROWS rows at a time: u^T and g^T (one row
 per element of u, per feature), then per feature two products of contiguous rows added into du^T
@@ -12,13 +14,15 @@ Taylor at D = 16, float32); compiled 2.5-2.8 ms on two threads, most of it readi
 """
 import numba
 import numpy as np
+from llvmlite import ir
 from numba import carray, types
+from numba.extending import intrinsic
 
 from .._jit import array, njit
 from . import mapfns, symbols
 from .buffers import empty
 from .gating import like
-from .mapfns import HEAD, PAIR_ROWS
+from .mapfns import HEAD, PAIR_ROWS, rebased_norm, work_size
 from .runtime import kernel_section, threads_for
 from .schedule import take
 from .threaded import ThreadedKernel
@@ -26,10 +30,11 @@ from .vector import transpose_rows
 from .views import keep_alive, unit_rows, unowned
 
 #: What the rows given as u hold (``pairs_vjp``'s ``form``): u itself; DPFP's x (u = [relu(x), relu(-x)]);
-#: Taylor's x (u = [s x, 1]).
-PAIRS, DPFP, TAYLOR = 0, 1, 2
+#: Taylor's x (u = [s x, 1]); ReBased's x (u = gamma LN(s x) + beta, formed as its forward forms it).
+PAIRS, DPFP, TAYLOR, REBASED = 0, 1, 2, 3
 #: Rows per work item.
 ROWS = 256
+_NO_PARAMS = {np.dtype(dt): np.empty(0, dt) for dt in (np.float32, np.float64)}
 #: Features per thread below which fewer threads run (waking one costs more than this much work).
 WORK_PER_THREAD = 1 << 16
 
@@ -131,15 +136,22 @@ def _pair_count(form, d):
     return 2 * d if form == DPFP else d + 1 if form == TAYLOR else d
 
 
-def _pairs_vjp(u, g, table, form, s, du, counter):
+def _pairs_vjp(u, g, table, form, s, du, fp, da, counter):
     """du[r] from u[r] and g[r] (rows of (R, len(u)) and (R, D') arrays, unit column stride; du
     C-contiguous) and table = I, J, C (D' each, float64), ROWS rows per work item taken from
     ``counter`` (threaded.ThreadedKernel). ``form`` DPFP: u holds DPFP's scaled input x instead (D values),
     the kernel forms [relu(x), relu(-x)], and du is the gradient of x times s; TAYLOR: u holds x, the
-    kernel forms [s x, 1], du is the gradient of x (times s)."""
-    u, g, du, table = unowned((u, g, du, table))  # (views not reference-counted: both threads would count on one)
+    kernel forms [s x, 1], du is the gradient of x (times s); REBASED: u holds x, and du, the gradient of
+    ReBased's u = gamma LN(s x) + beta, comes from the backward kernels' C function (at ``da``, with the
+    map's parameters ``fp``): the same code, so the same bits, as the kernels'."""
+    u, g, du, table, fp = unowned((u, g, du, table, fp))  # (views not counted: both threads would count on one)
     rows, dk = u.shape[0], g.shape[1]
     nu = _pair_count(form, u.shape[1])
+    rebased = form == REBASED  # (its rows copied, as the C function forms u in place; its scratch)
+    xs = (empty((ROWS if rebased else 0, u.shape[1]), du.dtype),
+          empty(work_size(u.shape[1], dk) if rebased else 0, du.dtype))
+    X, work = unowned(xs)
+    one = like(1.0, du)
     coefs = empty(dk, du.dtype)
     coef = unowned(coefs)
     for f in range(dk):
@@ -151,25 +163,35 @@ def _pairs_vjp(u, g, table, form, s, du, counter):
     item = take(counter)
     while item < items:
         r0, r1 = item * ROWS, min(rows, (item + 1) * ROWS)
-        rows_vjp(u[r0:r1], g[r0:r1], table, coef, form, s, du[r0:r1], UT, GT, DT, colsum)
+        if rebased:
+            for t in range(r0, r1):
+                src, row = u[t], X[t - r0]
+                for a in range(row.shape[0]):
+                    row[a] = src[a]
+            call_derivative(da, X[:r1 - r0], g[r0:r1], du[r0:r1], r1 - r0, mapfns.REBASED, s, one, fp, work)
+        else:
+            rows_vjp(u[r0:r1], g[r0:r1], table, coef, form, s, du[r0:r1], UT, GT, DT, colsum)
         item = take(counter)
-    keep_alive((owners, coefs))
+    keep_alive((owners, coefs, xs))
 
 
 def _signature(dt, variant):
     rows = array(dt, 2, "A", readonly=True)
-    return types.void(rows, rows, array(types.float64, 1, readonly=True), types.int64, dt, array(dt, 2))
+    return types.void(rows, rows, array(types.float64, 1, readonly=True), types.int64, dt, array(dt, 2),
+                      array(dt, 1, readonly=True), types.int64)
 
 
-#: (nthreads, u, g, table, form, s, du): u and g with unit-stride rows, du C-contiguous.
+#: (nthreads, u, g, table, form, s, du, fp, da): u and g with unit-stride rows, du C-contiguous.
 pairs_vjp_kernel = ThreadedKernel(_pairs_vjp, _signature)
 
 
-def pairs_vjp(u, g, table, form=PAIRS, scale=1.0):
+def pairs_vjp(u, g, table, form=PAIRS, scale=1.0, params=None):
     """du (..., len(u)) for the features f = u[I] u[J] C (``table``: I, J, C concatenated) from their
     gradient g (..., D'): u and g float32 or float64, of the same dtype and leading shape. ``form``
     DPFP: u is DPFP's scaled input x (..., D) and the result dx times ``scale`` (the pairs of [relu(x),
-    relu(-x)]); TAYLOR: u is Taylor's input x (..., D), the pairs those of [scale x, 1], the result dx."""
+    relu(-x)]); TAYLOR: u is Taylor's input x (..., D), the pairs those of [scale x, 1], the result dx;
+    REBASED: u is ReBased's input x, the pairs those of its gamma LN(scale x) + beta (``params``: the map's
+    parameters, FeatureMap.params in u's dtype), the result the gradient of that u."""
     nu, dk = u.shape[-1], g.shape[-1]
     u2, g2 = unit_rows(u).reshape(-1, nu), unit_rows(g).reshape(-1, dk)
     du = np.empty(u.shape, u.dtype)
@@ -178,36 +200,74 @@ def pairs_vjp(u, g, table, form=PAIRS, scale=1.0):
         nthreads = threads_for(rows * dk, WORK_PER_THREAD)
         with kernel_section(nthreads):
             pairs_vjp_kernel.get(du.dtype, None)(nthreads, u2, g2, np.ascontiguousarray(table, np.float64),
-                                                 int(form), du.dtype.type(scale), du.reshape(-1, nu))
+                                                 int(form), du.dtype.type(scale), du.reshape(-1, nu),
+                                                 _NO_PARAMS[du.dtype] if params is None else params,
+                                                 derivative_address(du.dtype) if form == REBASED else 0)
     return du
 
 
 def _derivative_c(x, xrs, r, rrs, o, ors, c, d, code, s, t, fp, nfp, work):
-    """The C function of Taylor's and DPFP's vjp in the causal backward kernel (map_grad's signature):
-    o[i, :d] = dx of the row x[i, :d] from dphi = t r[i, :D'] (r scaled in place), for c rows (row strides
-    xrs, rrs, ors); the map's parameters ``fp`` (nfp values: input scale s, D', the pairs' I, J, C: as
-    Taylor.vjp and DPFP.vjp read them); ``work``: mapfns.work_size(d, D') values, which hold the scratch
-    (2 len(u) + D') PAIR_ROWS + max(len(u), D', PAIR_ROWS) with len(u) <= 2 d. DPFP's input s x is formed in x."""
+    """The C function of Taylor's, DPFP's and ReBased's vjp in the backward kernels (map_grad's signature):
+    o[i, :d] = dx of the row x[i, :d] from dphi = t r[i, :D'] (r scaled in place unless t is 1), for c rows
+    (row strides xrs, rrs, ors); for ReBased du instead, the gradient of its u = gamma LN(s x) + beta (its
+    norm's vjp follows the kernel: ReBased._vjps_of_u). The map's parameters ``fp`` (nfp values: input
+    scale s, D', then ReBased's eps, gamma, beta, then the pairs' I, J, C: as the maps' vjps read them);
+    ``work``: mapfns.work_size(d, D') values, which hold the scratch (2 len(u) + D') PAIR_ROWS +
+    max(len(u), D', PAIR_ROWS) with len(u) <= 2 d. DPFP's input s x and ReBased's u are formed in x."""
     xm, rm, om, fpa = carray(x, (c, xrs)), carray(r, (c, rrs)), carray(o, (c, ors)), carray(fp, nfp)
     dk = np.intp(fpa[1])
-    form = TAYLOR if code == mapfns.TAYLOR else DPFP
+    form = TAYLOR if code == mapfns.TAYLOR else (DPFP if code == mapfns.DPFP else PAIRS)
     nu = _pair_count(form, d)
-    for i in range(c):
-        row = rm[i]
-        for f in range(dk):
-            row[f] = t * row[f]
+    if t != 1:  # (1: r is only read, as pairs_vjp's g)
+        for i in range(c):
+            row = rm[i]
+            for f in range(dk):
+                row[f] = t * row[f]
+    first = HEAD
     if form == DPFP:  # (as DPFP.vjp: u = x s)
         for i in range(c):
             row = xm[i]
             for a in range(d):
                 row[a] = row[a] * s
-    table = fpa[HEAD:HEAD + 3 * dk]
+    elif form == PAIRS:  # ReBased: its u = gamma LN(s x) + beta, with its forward's code
+        for i in range(c):
+            row = xm[i]
+            for a in range(d):
+                row[a] = s * row[a]
+        rebased_norm(xm[:c, :d], fpa)
+        first = HEAD + 1 + 2 * d
+    table = fpa[first:first + 3 * dk]
     w = carray(work, (2 * nu + dk) * PAIR_ROWS + max(nu, dk, PAIR_ROWS))
     UT = w[:nu * PAIR_ROWS].reshape(nu, PAIR_ROWS)
     GT = w[nu * PAIR_ROWS:(nu + dk) * PAIR_ROWS].reshape(dk, PAIR_ROWS)
     DT = w[(nu + dk) * PAIR_ROWS:(2 * nu + dk) * PAIR_ROWS].reshape(nu, PAIR_ROWS)
     colsum = w[(2 * nu + dk) * PAIR_ROWS:]
     rows_vjp(xm[:, :d], rm[:, :dk], table, table[2 * dk:], form, s, om[:, :d], UT, GT, DT, colsum)
+
+
+@intrinsic
+def call_derivative(typingctx, addr, xm, rm, om, c, code, s, t, fp, work):
+    """Call a map derivative's C function (this module's or map_grad's, of derivative_signature) at ``addr``
+    for xm[:c], rm[:c], om[:c] (2-D, unit-stride rows), with the map's parameters ``fp`` and scratch ``work``
+    (1-D, contiguous). Only callable from Numba code."""
+    sig = types.void(addr, xm, rm, om, c, code, s, t, fp, work)
+
+    def codegen(context, builder, sig, args):
+        dtype = sig.args[1].dtype
+        size = context.get_abi_sizeof(context.get_data_type(dtype))
+        intp = context.get_value_type(types.intp)
+        xa, ra, oa, fa, wa = (context.make_array(sig.args[j])(context, builder, args[j]) for j in (1, 2, 3, 8, 9))
+        xrs, rrs, ors = (builder.sdiv(builder.extract_value(a.strides, 0), ir.Constant(intp, size))
+                         for a in (xa, ra, oa))
+        values = [xa.data, xrs, ra.data, rrs, oa.data, ors, context.cast(builder, args[4], sig.args[4], types.intp),
+                  builder.extract_value(xa.shape, 1), context.cast(builder, args[5], sig.args[5], types.intp),
+                  context.cast(builder, args[6], sig.args[6], dtype),
+                  context.cast(builder, args[7], sig.args[7], dtype), fa.data, builder.extract_value(fa.shape, 0),
+                  wa.data]
+        symbols.emit_call_address(builder, context.cast(builder, args[0], sig.args[0], types.intp), values)
+        return context.get_dummy_value()
+
+    return sig, codegen
 
 
 def derivative_signature(dt):
