@@ -29,6 +29,7 @@ dimension), the kernel decays the adjoint as the forward decays the state, and d
 gated kernels use; Z counts as one more value column), per key dimension the same with the
 elementwise products and row j of the final state.
 """
+import functools
 import math
 
 import numpy as np
@@ -95,6 +96,13 @@ def _kernel_map(fmap, code, d, comp):
     if code is None or code < mapfns.FIRST:
         return kernel_map(IDENTITY if code is None else code, None, comp)
     return kernel_map(code, fmap.params(d, comp), comp)
+
+
+def _lazy_kernel_map(fmap, code, d, comp):
+    """_kernel_map's result, made at the first call of the returned function: a vjp's first ``vjp(dout)``,
+    which compiles the backward kernel, also compiles the map's derivative, not its forward call (a
+    ReBased vjp's cold forward 14.0-14.6 s with it, about 12 s without)."""
+    return functools.cache(lambda: _kernel_map(fmap, code, d, comp))
 
 
 #: The elementwise maps whose phi costs more than a pass over memory (an exp or erf per value), and the
@@ -297,7 +305,7 @@ def _backward(q, k, v, fmap, code, lead, d, out_dt, normalize, s, initial_state,
     no_grad = _no_state(comp, d, dv)[:2]  # no final state's gradient (read-only arrays with no rows)
     no_phi = (np.empty((0, 0, 0, 0), comp),) * 2  # (phi(q), phi(k) not written by the kernel)
     ld = np.zeros(bh) if log_decay is None else np.ascontiguousarray(log_decay, np.float64).reshape(bh)
-    kmap = _kernel_map(fmap, code, q.shape[-1], comp)
+    kmap = _lazy_kernel_map(fmap, code, q.shape[-1], comp)
     dx = d if _vjp_after(code) else q.shape[-1]  # (the kernel's dq, dk: the gradients of phi(q), phi(k) or of q, k)
     # the inputs as the kernel reads them, when they and every dout are C-contiguous (else per call);
     # (B, H, N, X) as they are (the kernel's (G1, G2, N, X), as the forward's short path passes them)
@@ -336,7 +344,7 @@ def _backward(q, k, v, fmap, code, lead, d, out_dt, normalize, s, initial_state,
             nthreads = min(nthreads, bh * (len(frac) - 1))
             kernel = backward.causal_backward.get(comp, 2 if vector else int(gated))
             lam4 = (lam.reshape(g12 + (n,) + ((d,) if vector else ())) if gated else np.empty(0, comp))
-            _run(kernel, nthreads, (q4, k4, v4, g4, o4, den.reshape(g12 + (n,)), *kmap, normalize, comp.type(s),
+            _run(kernel, nthreads, (q4, k4, v4, g4, o4, den.reshape(g12 + (n,)), *kmap(), normalize, comp.type(s),
                                     lens_all, chunk, frac, states.reshape(g12 + states.shape[-3:]), has_state, H0, Z0,
                                     lam4, ld, dq.reshape(g12 + (n, dx)), dk.reshape(g12 + (n, dx)),
                                     dvv.reshape(g12 + (n, dv)), H_out, Z_out, rq, rk,
@@ -422,7 +430,7 @@ def linear_attention_vjp(q, k=None, v=None, *, feature_map="elu", eps=1e-6, norm
         # the keys and the queries past a length (padding: it may hold NaN), as masks (..., Nk or N, 1)
         valid, qvalid = (None if ls is None else (np.arange(m) < ls.reshape(lead + (1,)))[..., None]
                          for ls, m in ((lens, k.shape[-2]), (qlens, n)))
-    kmap = _kernel_map(fmap, code, q.shape[-1], comp)  # (the identity over phi computed before, for code None)
+    kmap = _lazy_kernel_map(fmap, code, q.shape[-1], comp)  # (the identity over phi computed before, for code None)
 
     def vjp(dout, dstate=None):
         g = _check_grad(dout, "dout", lead + (n, dv), comp)
@@ -453,7 +461,7 @@ def linear_attention_vjp(q, k=None, v=None, *, feature_map="elu", eps=1e-6, norm
         if bh and (n or nk):  # (cpu/noncausal_grad.py)
             arrays, _, _ = _seq4(src + (v, g, out, dqf, dkf, dvv), lead)
             chunk, frac, nthreads, _ = plan(bh, max(n, nk), dk_, dv, causal=False)
-            G = noncausal_grad.backward(nthreads, *arrays[:5], kmap, comp.type(s), comp.type(eps), normalize,
+            G = noncausal_grad.backward(nthreads, *arrays[:5], kmap(), comp.type(s), comp.type(eps), normalize,
                                         _full_lengths(bh, nk) if lens is None else lens,
                                         _full_lengths(bh, n) if qlens is None else qlens, chunk, frac, *arrays[5:],
                                         base=base)
