@@ -373,7 +373,7 @@ class ReBased(FeatureMap):
 
     def _vjps_of_u(self, x, du):
         """_vjps from du (..., D), the gradient of u = gamma LN(s x) + beta (in the computation's dtype):
-        what the causal backward kernel gives, its pair map's vjp made there."""
+        what the backward kernels give, its pair map's vjp made there."""
         return self._norm_vjps(np.asarray(x).astype(du.dtype, copy=False) * du.dtype.type(self.input_scale), du)
 
     def _norm_vjps(self, xs, du):
