@@ -21,6 +21,7 @@ from numba.extending import intrinsic
 from .._jit import array, njit
 from . import mapfns, symbols
 from .buffers import empty
+from .elementwise import IDENTITY, load_rows
 from .gating import like
 from .mapfns import HEAD, PAIR_ROWS, rebased_norm, work_size
 from .runtime import kernel_section, threads_for
@@ -164,10 +165,7 @@ def _pairs_vjp(u, g, table, form, s, du, fp, da, counter):
     while item < items:
         r0, r1 = item * ROWS, min(rows, (item + 1) * ROWS)
         if rebased:
-            for t in range(r0, r1):
-                src, row = u[t], X[t - r0]
-                for a in range(row.shape[0]):
-                    row[a] = src[a]
+            load_rows(u, r0, r1 - r0, int(IDENTITY), X)  # (int(): a run-time value, not a literal: see _jit)
             call_derivative(da, X[:r1 - r0], g[r0:r1], du[r0:r1], r1 - r0, mapfns.REBASED, s, one, fp, work)
         else:
             rows_vjp(u[r0:r1], g[r0:r1], table, coef, form, s, du[r0:r1], UT, GT, DT, colsum)
@@ -224,16 +222,12 @@ def _derivative_c(x, xrs, r, rrs, o, ors, c, d, code, s, t, fp, nfp, work):
             for f in range(dk):
                 row[f] = t * row[f]
     first = HEAD
-    if form == DPFP:  # (as DPFP.vjp: u = x s)
+    if form != TAYLOR:  # (DPFP's u from s x, as DPFP.vjp forms it, and ReBased's: Taylor's scales in rows_vjp)
         for i in range(c):
             row = xm[i]
             for a in range(d):
                 row[a] = row[a] * s
-    elif form == PAIRS:  # ReBased: its u = gamma LN(s x) + beta, with its forward's code
-        for i in range(c):
-            row = xm[i]
-            for a in range(d):
-                row[a] = s * row[a]
+    if form == PAIRS:  # ReBased: its u = gamma LN(s x) + beta, with its forward's code
         rebased_norm(xm[:c, :d], fpa)
         first = HEAD + 1 + 2 * d
     table = fpa[first:first + 3 * dk]
