@@ -363,8 +363,8 @@ class ReBased(FeatureMap):
 
     def _vjps(self, x, dphi, y=None):
         """(dx, {"gamma": ..., "beta": ...}): the pair map's vjp (du, the gradient of u = gamma n + beta,
-        u formed as the kernels form it: cpu/pair_grad.py), then the norm's (cpu/norm_grad.py: compiled
-        passes over the rows)."""
+        u formed as the kernels form it: cpu/pair_grad.py), then the norm's (cpu/norm_grad.py: one compiled
+        pass over the rows)."""
         xs, dphi, _ = self._prepared(x, dphi, need_y=False)
         d = xs.shape[-1]
         du = pair_grad.pairs_vjp(xs, dphi, self._family_table(d, 1 + 2 * d), pair_grad.REBASED, 1.0,
@@ -377,12 +377,11 @@ class ReBased(FeatureMap):
         return self._norm_vjps(np.asarray(x).astype(du.dtype, copy=False) * du.dtype.type(self.input_scale), du)
 
     def _norm_vjps(self, xs, du):
-        """(dx, {"gamma": ..., "beta": ...}) from du for the scaled inputs xs (of du's dtype): the norm again
-        (eps as the kernels read it, rounded to that dtype), then its vjp."""
+        """(dx, {"gamma": ..., "beta": ...}) from du for the scaled inputs xs (of du's dtype): the norm's vjp
+        (its n made again, eps as the kernels read it, rounded to that dtype)."""
         dt = xs.dtype
-        gamma = self.gamma.astype(dt)
-        _, n, r = norm_grad.norm(xs, gamma, self.beta.astype(dt), float(dt.type(self.eps)))
-        dx, dgamma, dbeta = norm_grad.norm_vjp(n, r, du, gamma, self.input_scale)
+        dx, dgamma, dbeta = norm_grad.norm_vjp(xs, du, self.gamma.astype(dt), float(dt.type(self.eps)),
+                                               self.input_scale)
         return dx, {"gamma": dgamma, "beta": dbeta}
 
     def vjp(self, x, dphi, y=None):
