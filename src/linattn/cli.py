@@ -35,7 +35,7 @@ def info():
 
     from . import _jit, _tuning
     from .attention import causal_linear_attention
-    from .cpu import chunked
+    from .cpu import chunked, cpu_quota, runtime
 
     causal_linear_attention(np.ones((2, 2, 8, 2), np.float32), np.ones((2, 2, 8, 2), np.float32),
                             np.ones((2, 2, 8, 2), np.float32))  # starts the thread pool, loads a kernel
@@ -47,6 +47,9 @@ def info():
         "cpu": _tuning.describe(),
         "threads": numba.get_num_threads(),
         "NUMBA_NUM_THREADS": numba.config.NUMBA_NUM_THREADS,
+        "cpu_quota": cpu_quota.cpus(),
+        "linattn_threads": runtime.num_threads(),
+        "threads_cap_by": runtime.cap_source,
         "threading_layer": layer,
         "cache_dir": cache if _jit.cache_problem is None else None,
         "cache_problem": _jit.cache_problem,
@@ -61,10 +64,12 @@ def _blas_report():
     threaded one cannot: its idle threads would spin on the cores linattn's kernels need next."""
     from threadpoolctl import threadpool_info
 
+    from .cpu import cpu_quota
     from .cpu.runtime import blas_sharing
 
     shared = blas_sharing()
     libs, advice = [], []
+    quota = cpu_quota.threads()
     for lib in threadpool_info():
         if lib.get("user_api") != "blas":
             continue
@@ -72,6 +77,13 @@ def _blas_report():
         sharing = shared.get(path, False)
         libs.append(f"{os.path.basename(path)} ({api} {lib.get('version')}, {threads} threads"
                     f"{', runs on linattn pool' if sharing else ''})")
+        if quota is not None and threads > quota:
+            variable = {"openblas": "OPENBLAS_NUM_THREADS", "mkl": "MKL_NUM_THREADS"}.get(api, "OMP_NUM_THREADS")
+            cpus = cpu_quota.cpus()
+            advice.append(f"this process may use {cpus:g} CPU{'' if cpus == 1 else 's'} (its cgroup's CPU quota) "
+                          f"but {os.path.basename(path)} runs {threads} threads, which use up the quota early in "
+                          f"each period and then stand still until the next: start Python with {variable}={quota} "
+                          "(linattn's own kernels keep to the quota)")
         if threads <= 1 or sharing:
             continue
         if api == "openblas":

@@ -8,7 +8,7 @@ from contextlib import contextmanager, nullcontext
 import numba
 import numpy as np
 
-from . import blas_pool
+from . import blas_pool, cpu_quota
 
 #: Multiply-adds of chunk products (about N * (D' + chunk) * Dv per head) below which one more thread
 #: does not pay for waking it (tens of microseconds): the work per thread is at least this much, beyond
@@ -64,7 +64,8 @@ _layer = None
 _layer_lock = threading.Lock()
 _plans = {}  # plan() results by arguments
 _get_num_threads = numba.get_num_threads  # replaced by start_threads
-_cap = None  # LINATTN_NUM_THREADS (see num_threads)
+_cap = None  # LINATTN_NUM_THREADS, else the CPU quota's threads (see num_threads)
+cap_source = None  # what set _cap: "LINATTN_NUM_THREADS" or "CPU quota"
 _blas_sharing = {}
 
 
@@ -192,13 +193,17 @@ os.register_at_fork(after_in_child=_after_fork_in_child)
 
 
 def num_threads():
-    """Threads a kernel may use: Numba's number for this thread, at most LINATTN_NUM_THREADS (1 in a
-    child forked from a process whose GNU OpenMP pool ran: ``forked_from_openmp``).
+    """Threads a kernel may use: Numba's number for this thread, at most LINATTN_NUM_THREADS, or without
+    it at most the CPUs of this process's CPU quota, rounded up (cpu/cpu_quota.py: a container's
+    ``--cpus``, which Numba's pool does not see); 1 in a child forked from a process whose GNU OpenMP pool
+    ran (``forked_from_openmp``).
 
     LINATTN_NUM_THREADS (read when the pool starts) caps linattn's threads without touching Numba's
     pool: where NUMBA_NUM_THREADS cannot be set before Numba is imported (a Dask worker's environment
     is set after its process imported the user's modules), it keeps several workers on one machine
-    from running a thread per core each.
+    from running a thread per core each. A quota caps the same way: under a quota of 1 CPU on two cores,
+    two threads ran B1 H8 N2048 at 168 calls/s, 55 ms at the 99th percentile (the process stopped for
+    the rest of each 100 ms period), one thread 184 calls/s, 7.4 ms (docs/performance.md, stop 63).
     """
     if forked_from_openmp:
         return 1
@@ -240,7 +245,7 @@ def start_threads():
     threading layer. Called before a parallel kernel is compiled or loaded, which would launch the
     pool: libgomp reads its environment when the pool loads it, so the variable is set only for that
     moment. A pool that user code already started is left as it is."""
-    global _layer, _get_num_threads, _blas_sharing, _cap
+    global _layer, _get_num_threads, _blas_sharing, _cap, cap_source
     if _layer is not None:
         return
     with _layer_lock:
@@ -257,7 +262,11 @@ def start_threads():
         finally:
             if ours and not all_shared:
                 del os.environ["GOMP_SPINCOUNT"]
-        _cap = _read_cap()
+        _cap, cap_source = _read_cap(), "LINATTN_NUM_THREADS"
+        if _cap is None:
+            _cap, cap_source = cpu_quota.threads(), "CPU quota"
+        if _cap is None:
+            cap_source = None
         layer = numba.threading_layer()
         if layer in ("omp", "tbb"):  # layers that take parallel work from several threads at once
             blas_pool.share([path for path, ok in sharable.items() if ok], layer)
