@@ -38,10 +38,12 @@ def test_bench_quick():
     text = buf.getvalue()
     assert "x GEMM" in text and "speed-up" in text
     from linattn import _tuning
+    from linattn.cpu import cpu_quota, runtime
     from linattn.cpu.runtime import num_threads
 
-    assert (f"This machine: {os.cpu_count()} CPUs ({_tuning.describe()}); linattn on {num_threads()} threads ("
-            in text), text
+    quota = f", a CPU quota of {cpu_quota.cpus():g}" if runtime.cap_source == "CPU quota" else ""
+    threads = f"{num_threads()} thread{'' if num_threads() == 1 else 's'}"
+    assert f"This machine: {os.cpu_count()} CPUs ({_tuning.describe()}{quota}); linattn on {threads} (" in text, text
 
 
 def test_bench_times_after_its_warm_up_calls(monkeypatch):

@@ -114,7 +114,11 @@ def test_info_advises_a_blas_over_the_quota(monkeypatch):
     monkeypatch.setattr(cpu_quota, "threads", lambda root="/": 1)
     monkeypatch.setattr(threadpoolctl, "threadpool_info", lambda: [
         {"user_api": "blas", "internal_api": "openblas", "filepath": "/x/libopenblas.so", "num_threads": 4,
-         "version": "0.3.30"}])
-    libs, advice = cli._blas_report()
-    assert libs[0].startswith("libopenblas.so (openblas 0.3.30, 4 threads")
-    assert any("may use 1 CPU (its cgroup's CPU quota)" in a and "OPENBLAS_NUM_THREADS=1" in a for a in advice)
+         "version": "0.3.30"},
+        {"user_api": "blas", "internal_api": "mkl", "filepath": "/x/libmkl_rt.so", "num_threads": 1}])
+    advice = cli._quota_advice()
+    assert len(advice) == 1
+    assert "may use 1 CPU (its cgroup's CPU quota) but libopenblas.so runs 4 threads" in advice[0]
+    assert "OPENBLAS_NUM_THREADS=1" in advice[0]
+    monkeypatch.setattr(cpu_quota, "threads", lambda root="/": None)
+    assert cli._quota_advice() == []

@@ -55,8 +55,33 @@ def info():
         "cache_problem": _jit.cache_problem,
         "cuda": _cuda_status(),
     })
-    facts["blas"], facts["advice"] = _blas_report()
+    facts["blas"], advice = _blas_report()
+    advice = (advice or []) + _quota_advice()
+    facts["advice"] = advice or None
     return facts
+
+
+def _quota_advice():
+    """What to set where a BLAS runs more threads than the process's CPU quota allows (its threads would use
+    up the quota early in each period, then stand still until the next; linattn's keep to it)."""
+    from threadpoolctl import threadpool_info
+
+    from .cpu import cpu_quota
+
+    quota, advice = cpu_quota.threads(), []
+    if quota is None:
+        return advice
+    cpus = cpu_quota.cpus()
+    for lib in threadpool_info():
+        threads, api = lib.get("num_threads", 1), lib.get("internal_api")
+        if lib.get("user_api") != "blas" or threads <= quota:
+            continue
+        variable = {"openblas": "OPENBLAS_NUM_THREADS", "mkl": "MKL_NUM_THREADS"}.get(api, "OMP_NUM_THREADS")
+        advice.append(f"this process may use {cpus:g} CPU{'' if cpus == 1 else 's'} (its cgroup's CPU quota) "
+                      f"but {os.path.basename(lib['filepath'])} runs {threads} threads, which use up the quota "
+                      f"early in each period and then stand still until the next: start Python with "
+                      f"{variable}={quota} (linattn's own kernels keep to the quota)")
+    return advice
 
 
 def _blas_report():
@@ -64,12 +89,10 @@ def _blas_report():
     threaded one cannot: its idle threads would spin on the cores linattn's kernels need next."""
     from threadpoolctl import threadpool_info
 
-    from .cpu import cpu_quota
     from .cpu.runtime import blas_sharing
 
     shared = blas_sharing()
     libs, advice = [], []
-    quota = cpu_quota.threads()
     for lib in threadpool_info():
         if lib.get("user_api") != "blas":
             continue
@@ -77,13 +100,6 @@ def _blas_report():
         sharing = shared.get(path, False)
         libs.append(f"{os.path.basename(path)} ({api} {lib.get('version')}, {threads} threads"
                     f"{', runs on linattn pool' if sharing else ''})")
-        if quota is not None and threads > quota:
-            variable = {"openblas": "OPENBLAS_NUM_THREADS", "mkl": "MKL_NUM_THREADS"}.get(api, "OMP_NUM_THREADS")
-            cpus = cpu_quota.cpus()
-            advice.append(f"this process may use {cpus:g} CPU{'' if cpus == 1 else 's'} (its cgroup's CPU quota) "
-                          f"but {os.path.basename(path)} runs {threads} threads, which use up the quota early in "
-                          f"each period and then stand still until the next: start Python with {variable}={quota} "
-                          "(linattn's own kernels keep to the quota)")
         if threads <= 1 or sharing:
             continue
         if api == "openblas":
@@ -221,10 +237,12 @@ def _threading_layer():
 def _machine_line(blas_shares):
     """What a figure of ``bench`` depends on, in a line: CPUs, linattn's threads and layer, BLAS's threads."""
     from . import _tuning
+    from .cpu import runtime
     from .cpu.runtime import num_threads
 
-    return (f"This machine: {os.cpu_count()} CPUs ({_tuning.describe()}); "
-            f"linattn on {num_threads()} threads ({_threading_layer()} layer); "
+    quota = f", a CPU quota of {runtime.cpu_quota.cpus():g}" if runtime.cap_source == "CPU quota" else ""
+    return (f"This machine: {os.cpu_count()} CPUs ({_tuning.describe()}{quota}); "
+            f"linattn on {num_threads()} thread{'' if num_threads() == 1 else 's'} ({_threading_layer()} layer); "
             + ("every threaded BLAS runs on linattn's pool." if blas_shares else
                "a BLAS keeps threads of its own (python -m linattn info says what to set)."))
 
