@@ -49,9 +49,13 @@ def _claim(marks, ns, a):
             return bh, bf + u
 
 
-def dynamic_time(threads, heads, ns, a=SUM_COST, dt=0.002):
-    """The dynamic split's time for ``heads`` heads of ``ns`` folds on ``threads`` equal threads."""
+def dynamic_time(threads, heads, ns, a=SUM_COST, dt=0.002, cooperative=False):
+    """The dynamic split's time for ``heads`` heads of ``ns`` folds on ``threads`` equal threads.
+    ``cooperative``: a helper skips the folds another helper sums or has summed (their sums kept, as the
+    kernel keeps them in a head's parts) and, at a published state, waits until every fold up to its
+    claim is summed (not built: docs/performance.md, stop 63)."""
     marks = [[UNTOUCHED] * (ns + 1) for _ in range(heads)]
+    summed = [[0] * ns for _ in range(heads)]  # (cooperative: 0 not yet, 1 being summed, 2 summed)
     taken = [0]
 
     def next_job(th):
@@ -68,12 +72,22 @@ def dynamic_time(threads, heads, ns, a=SUM_COST, dt=0.002):
 
     def helper_step(th):
         h, t, y = th["h"], th["t"], th["y"]
+        if cooperative and th.get("fold") is not None:
+            summed[h][th.pop("fold")] = 2
         if marks[h][t] != SPLIT:  # (taken back)
             next_job(th)
         elif y == 0 or (y < t and marks[h][y] in (PASSED, STARTED)):
+            if cooperative and any(summed[h][f] != 2 for f in range(y, t)):
+                th.update(left=dt)  # (another helper's sums not ready yet)
+                return
             marks[h][t] = STARTED
             th.update(kind="run", pos=t, left=1.0)
+        elif cooperative and summed[h][y - 1] != 0:  # (summed, or being summed, by another helper)
+            th["y"] = y - 1
+            helper_step(th)
         else:
+            if cooperative:
+                summed[h][y - 1], th["fold"] = 1, y - 1
             th.update(y=y - 1, left=a)
 
     threads = [{} for _ in range(threads)]
@@ -123,11 +137,12 @@ def fixed_time(threads, heads, ns, a=SUM_COST):
 
 
 if __name__ == "__main__":
-    print("threads heads folds | fixed parts / ideal | dynamic / ideal")
+    print("threads heads folds | fixed parts / ideal | dynamic / ideal | cooperative / ideal")
     for threads, cases in ((2, [(1, 32), (3, 16)]), (3, [(1, 32)]), (4, [(1, 32), (2, 16), (3, 16), (5, 16)]),
-                           (8, [(1, 32), (3, 16), (5, 16), (9, 16)]), (16, [(1, 32), (5, 16), (17, 16)])):
+                           (8, [(1, 32), (3, 16), (5, 16), (9, 16)]), (16, [(1, 32), (1, 64), (5, 16), (17, 16)])):
         for heads, ns in cases:
             fixed = fixed_time(threads, heads, ns)
             ideal = heads * ns / threads
             fixed = "-" if fixed is None else f"{fixed / ideal:.2f}"
-            print(f"{threads:7d} {heads:5d} {ns:5d} | {fixed:>19} | {dynamic_time(threads, heads, ns) / ideal:.2f}")
+            dyn, coop = (dynamic_time(threads, heads, ns, cooperative=c) / ideal for c in (False, True))
+            print(f"{threads:7d} {heads:5d} {ns:5d} | {fixed:>19} | {dyn:15.2f} | {coop:.2f}")
