@@ -16,9 +16,10 @@ def test_info_subprocess():
                          timeout=300)
     assert res.returncode == 0, res.stderr
     facts = json.loads(res.stdout)
-    for key in ("linattn", "numpy", "numba", "cpu", "threads", "threading_layer", "cache_dir", "cuda"):
+    for key in ("linattn", "numpy", "numba", "cpu", "threads", "threading_layer", "cache_dir", "cuda", "cpu_quota",
+                "linattn_threads", "threads_cap_by"):
         assert key in facts
-    assert facts["threads"] >= 1
+    assert facts["threads"] >= 1 and 1 <= facts["linattn_threads"] <= facts["threads"]
     assert facts["threading_layer"] in ("omp", "tbb", "workqueue")
 
 

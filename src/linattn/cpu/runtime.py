@@ -202,8 +202,8 @@ def num_threads():
     pool: where NUMBA_NUM_THREADS cannot be set before Numba is imported (a Dask worker's environment
     is set after its process imported the user's modules), it keeps several workers on one machine
     from running a thread per core each. A quota caps the same way: under a quota of 1 CPU on two cores,
-    two threads ran B1 H8 N2048 at 168 calls/s, 55 ms at the 99th percentile (the process stopped for
-    the rest of each 100 ms period), one thread 184 calls/s, 7.4 ms (docs/performance.md, stop 63).
+    two threads ran B1 H8 N2048 at 159-182 calls/s, 55 ms at the 99th percentile (the process stopped for
+    the rest of each 100 ms period), one thread 194-199 calls/s, 6.0 ms (docs/performance.md, stop 63).
     """
     if forked_from_openmp:
         return 1
