@@ -15,7 +15,10 @@ V2_MOUNT = "30 23 0:26 / /sys/fs/cgroup rw,nosuid,nodev,noexec,relatime shared:4
 
 
 def _tree(tmp_path, cgroup, mountinfo, files):
+    """The files under tmp_path (/proc/self/cgroup and mountinfo left out where None)."""
     for path, text in {"proc/self/cgroup": cgroup, "proc/self/mountinfo": mountinfo, **files}.items():
+        if text is None:
+            continue
         full = tmp_path / path
         full.parent.mkdir(parents=True, exist_ok=True)
         full.write_text(text)
@@ -74,15 +77,8 @@ def test_escaped_mount_points_and_the_smallest_of_both_versions(tmp_path):
 @pytest.mark.parametrize("cgroup, mountinfo", [(None, V2_MOUNT), ("0::/\n", None), ("garbage\n", V2_MOUNT),
                                                ("0::/\n", "not a mountinfo line\n")])
 def test_nothing_to_read(tmp_path, cgroup, mountinfo):
-    files = {"sys/fs/cgroup/cpu.max": "100000 100000\n"}
-    if cgroup is not None:
-        files["proc/self/cgroup"] = cgroup
-    if mountinfo is not None:
-        files["proc/self/mountinfo"] = mountinfo
-    for path, text in files.items():
-        (tmp_path / path).parent.mkdir(parents=True, exist_ok=True)
-        (tmp_path / path).write_text(text)
-    assert cpu_quota.cpus(str(tmp_path)) is None
+    root = _tree(tmp_path, cgroup, mountinfo, {"sys/fs/cgroup/cpu.max": "100000 100000\n"})
+    assert cpu_quota.cpus(root) is None
 
 
 _CAP_PROBE = """

@@ -237,10 +237,10 @@ def _threading_layer():
 def _machine_line(blas_shares):
     """What a figure of ``bench`` depends on, in a line: CPUs, linattn's threads and layer, BLAS's threads."""
     from . import _tuning
-    from .cpu import runtime
+    from .cpu import cpu_quota, runtime
     from .cpu.runtime import num_threads
 
-    quota = f", a CPU quota of {runtime.cpu_quota.cpus():g}" if runtime.cap_source == "CPU quota" else ""
+    quota = f", a CPU quota of {cpu_quota.cpus():g}" if runtime.cap_source == "CPU quota" else ""
     return (f"This machine: {os.cpu_count()} CPUs ({_tuning.describe()}{quota}); "
             f"linattn on {num_threads()} thread{'' if num_threads() == 1 else 's'} ({_threading_layer()} layer); "
             + ("every threaded BLAS runs on linattn's pool." if blas_shares else
