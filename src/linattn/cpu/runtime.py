@@ -264,9 +264,8 @@ def start_threads():
                 del os.environ["GOMP_SPINCOUNT"]
         _cap, cap_source = _read_cap(), "LINATTN_NUM_THREADS"
         if _cap is None:
-            _cap, cap_source = cpu_quota.threads(), "CPU quota"
-        if _cap is None:
-            cap_source = None
+            _cap = cpu_quota.threads()
+            cap_source = None if _cap is None else "CPU quota"
         layer = numba.threading_layer()
         if layer in ("omp", "tbb"):  # layers that take parallel work from several threads at once
             blas_pool.share([path for path, ok in sharable.items() if ok], layer)
