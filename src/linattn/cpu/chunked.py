@@ -341,8 +341,19 @@ def split_state(sbuf, parts, h, y, sums, S0, Z0, decayed):
             accz[a] = 0.0
     for j in range(sums.shape[0]):
         row = sums[j]
-        fold_sums(acc, accz, row[:, :x], row[:, x], has, row[:, x + 1], decayed)
+        # the row in P, Pz and lam, as the runner held them (its values are theirs exactly: float32 sums
+        # of one fold widened), so that this is the runner's own fold, one compiled fold_sums for both
+        for a in range(acc.shape[0]):
+            src = row[a]
+            for e in range(x):
+                P[a, e] = src[e]
+            Pz[a] = src[x]
+            lam[a] = src[x + 1]
+        fold_sums(acc, accz, P, Pz, has, lam, decayed)
         has = True
+    for a in range(acc.shape[0]):  # (Pz and lam start at zero: see _state_buffers)
+        Pz[a] = 0
+        lam[a] = 0.0
     for a in range(acc.shape[0]):
         for e in range(x):
             B[a, e] = acc[a, e]
