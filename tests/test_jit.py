@@ -1,6 +1,6 @@
 """Compilation: kernels still work when no cache directory is writable, the disk cache never serves
-a kernel compiled from other sources, helpers are compiled only into the kernels that call them, and a
-Numba older than linattn runs on is refused by name."""
+a kernel compiled from other sources nor another signature's (processes compiling at once), helpers are
+compiled only into the kernels that call them, and a Numba older than linattn runs on is refused by name."""
 import os
 import re
 import shutil
@@ -117,9 +117,11 @@ def test_pruning_deletes_only_other_stamps(tmp_path):
     other = "0123456789ab" if _jit.SOURCE_STAMP != "0123456789ab" else "ba9876543210"
     keep = [f"chunked._causal_forward_{_jit.SOURCE_STAMP}-237.py311.nbi",
             f"chunked._causal_forward_{_jit.SOURCE_STAMP}-237.py312.2.nbc",
+            f"chunked._causal_forward_0a1b2c3d4e_{_jit.SOURCE_STAMP}-237.py311.1.nbc",  # (a signature's tag)
             "blas_pool._run_jobs-88.py311.nbi", "chunked.cpython-311.pyc", f"x_{other}.txt",
             f"step_{other}-12.py311.nbi.tmp"]
     stale = [f"chunked._causal_forward_{other}-237.py311.nbi", f"chunked._causal_forward_{other}-237.py311.1.nbc",
+             f"threaded._trampoline_serial_0a1b2c3d4e_{other}-152.py311.nbi",
              f"gating.linattn_vector_gate_scores_float32_{other}-338.py310.12.nbc"]
     for name in keep + stale:
         (tmp_path / name).write_text("")
@@ -128,6 +130,131 @@ def test_pruning_deletes_only_other_stamps(tmp_path):
     (tmp_path / stale[0]).write_text("")
     assert _jit.prune_stale_cache(str(tmp_path)) == 0  # once per directory and process
     assert _jit.prune_stale_cache(str(tmp_path / "missing")) == 0
+
+
+# Two processes compile two signatures of one kernel at once, each stopped in Numba's cache save, after it
+# read the cache index, until the other has read it too (then the first process's data file written last):
+# the way two service workers on a fresh machine can meet there.
+_SAVE_RACE = """
+import os, sys, time
+import numpy as np
+from numba.core import caching
+
+me, other, barrier, dtype = sys.argv[1:]
+index_file = caching.IndexDataCacheFile
+save, load_index, save_data = index_file.save, index_file._load_index, index_file._save_data
+
+
+def saving(self, *args):
+    self.saving = True
+    try:
+        return save(self, *args)
+    finally:
+        self.saving = False
+
+
+def loading_index(self):
+    index = load_index(self)
+    if getattr(self, "saving", False) and "reverse_sums" in self._index_name:
+        open(os.path.join(barrier, me), "w").close()
+        deadline = time.time() + 120
+        while not os.path.exists(os.path.join(barrier, other)) and time.time() < deadline:
+            time.sleep(0.01)
+        time.sleep(0.3 if me == "b" else 0)  # b writes its index after a's ...
+    return index
+
+
+def saving_data(self, name, data):
+    time.sleep(0.6 if me == "a" and "reverse_sums" in name else 0)  # ... a its data after b's
+    return save_data(self, name, data)
+
+
+index_file.save, index_file._load_index, index_file._save_data = saving, loading_index, saving_data
+from linattn.cpu.gate_sums import reverse_sums
+
+reverse_sums.get(np.dtype(dtype), "C")
+"""
+
+_LOAD_BOTH = """
+import numpy as np
+from linattn.cpu.gate_sums import reverse_sums
+
+rng = np.random.default_rng(0)
+rq, rk, rows = rng.standard_normal((2, 5, 3)), rng.standard_normal((2, 5, 3)), rng.standard_normal((2, 3))
+lengths = np.array([5, 3])
+want = np.zeros((2, 5, 3))
+for h in range(2):
+    for t in range(lengths[h]):
+        want[h, t] = rows[h] + (rq[h, t:lengths[h]] - rk[h, t:lengths[h]]).sum(0)
+for dtype in (np.float32, np.float64):
+    kernel = reverse_sums.get(np.dtype(dtype), "C")
+    dlam, totals = np.zeros((2, 5, 3), dtype), np.zeros(2)
+    kernel(rq, rk, rows, lengths, dlam, totals)  # (a kernel of another signature: a TypeError here)
+    np.testing.assert_allclose(dlam, want, rtol=1e-6)
+    print(np.dtype(dtype).name, "hits", sum(kernel.stats.cache_hits.values()),
+          "misses", sum(kernel.stats.cache_misses.values()))
+"""
+
+
+def _run(code, env, *args, cwd=None):
+    res = subprocess.run([sys.executable, "-c", code, *args], env=env, capture_output=True, text=True,
+                         timeout=600, check=False, cwd=cwd)
+    assert res.returncode == 0, res.stderr
+    return res.stdout.split()
+
+
+def test_processes_compiling_at_once_keep_each_others_kernels(tmp_path):
+    # Numba's cache index lists a function's signatures and is read, extended and written back without
+    # a lock: with one index for both signatures, both processes took data file 1, the index named the
+    # float32 kernel's file last and the float64 kernel's code was in it (or the other way round), so
+    # every later process loaded the wrong kernel for one dtype. Each signature has an index of its own.
+    env = dict(os.environ, NUMBA_CACHE_DIR=str(tmp_path / "cache"))
+    barrier = tmp_path / "barrier"
+    barrier.mkdir()
+    racers = [subprocess.Popen([sys.executable, "-c", _SAVE_RACE, me, other, str(barrier), dtype], env=env,
+                               stderr=subprocess.PIPE, text=True)
+              for me, other, dtype in (("a", "b", "float32"), ("b", "a", "float64"))]
+    for racer in racers:
+        _, err = racer.communicate(timeout=600)
+        assert racer.returncode == 0, err
+    assert sorted(os.listdir(barrier)) == ["a", "b"]  # both stopped in the save: they met there
+    assert _run(_LOAD_BOTH, env) == ["float32", "hits", "1", "misses", "0", "float64", "hits", "1", "misses", "0"]
+
+
+_INDEX_PROBE = """
+import numpy as np, linattn
+from linattn.feature_maps import as_map
+
+for dtype in (np.float32, np.float64):
+    x = np.linspace(-1, 1, 12, dtype=dtype).reshape(3, 4)
+    linattn.step(x[:2, :3], x[:2, :3], x[:2], linattn.State.zeros((2,), 3, 4, dtype))
+    linattn.step(x[:2, :3], x[:2, :3], x[:2], linattn.State.zeros((2,), 3, 4, dtype), decay=0.5)
+    as_map("silu").vjp(x, x)  # (a threaded kernel: its worker, trampoline and launcher)
+"""
+
+
+def _index_entries(path):
+    """The entries (signature and machine keys) of a Numba cache index file."""
+    import pickle
+
+    with open(path, "rb") as f:
+        pickle.load(f)  # (Numba's version)
+        _, entries = pickle.loads(f.read())
+    return entries
+
+
+def test_every_cache_index_holds_one_signature(tmp_path):
+    # What keeps processes that compile at once apart (above), for every kind of compiled function:
+    # kernels of two dtypes and two variants, a threaded kernel's parts, the C functions, the thread pool.
+    env = dict(os.environ, NUMBA_CACHE_DIR=str(tmp_path))
+    _run(_INDEX_PROBE, env)
+    indexes = list(tmp_path.rglob("*.nbi"))
+    names = " ".join(p.name for p in indexes)
+    for part in ("_step_nd_serial_", "_elementwise_vjp_", "_trampoline_serial_", "_launch_serial_",
+                 "_run_generic_", "_run_jobs_", "linattn_small_gemm_"):
+        assert part in names
+    assert len([p for p in indexes if "_step_nd_serial_" in p.name]) >= 4  # two dtypes, with and without decay
+    assert {p.name: len(_index_entries(p)) for p in indexes} == {p.name: 1 for p in indexes}
 
 
 def _scaled_sum(x, s):

@@ -1,6 +1,7 @@
 """How linattn's kernels are compiled: fast-math flags, on-disk caching, and explicit signatures so
 that each kernel compiles once per (dtype, memory layout) and never once per call pattern, cached on
 disk under a name that carries a hash of all of linattn's sources."""
+import functools
 import hashlib
 import os
 import re
@@ -166,9 +167,35 @@ def run_before_kernels(dtype):
         _before_done.add(dtype)
 
 
-def renamed(py_func, parallel):
-    """``py_func`` under a name of its own that carries a hash of linattn's sources (see Kernel)."""
-    name = f"{py_func.__name__}{'' if parallel else '_serial'}_{SOURCE_STAMP}"
+@functools.cache
+def _machine():
+    """What Numba's cache keys tell machines apart by (its code generator's "magic tuple": the target
+    triple, the CPU name and its features), read as Numba reads them; at least as fine as Numba's."""
+    from numba.core import config
+
+    cpu = config.CPU_NAME or llvm_binding.get_host_cpu_name()
+    features = config.CPU_FEATURES if config.CPU_FEATURES is not None else \
+        llvm_binding.get_host_cpu_features().flatten()
+    return llvm_binding.get_process_triple(), cpu, features
+
+
+def cache_tag(*parts):
+    """A short hash of ``parts`` (a signature, ...) and of the machine (:func:`_machine`): the part of a
+    cache name that gives each compiled signature a cache index of its own.
+
+    Numba keeps one index file per function name, listing its compiled signatures (and machines), and
+    updates it without a lock: two processes that compile two signatures of one function at once (a
+    fresh machine's service workers, dask workers, pytest-xdist) can both take the index as they found it
+    and the same data file name, so that the index ends up naming the other signature's code (measured:
+    a float64 call then loaded the float32 kernel). With one signature per name, processes that write
+    at once write the same entry."""
+    return hashlib.sha1(repr((parts, _machine())).encode()).hexdigest()[:10]
+
+
+def renamed(py_func, parallel, tag=None):
+    """``py_func`` under a name of its own that carries a hash of linattn's sources (see Kernel), and
+    ``tag`` where given (:func:`cache_tag`)."""
+    name = f"{py_func.__name__}{'' if parallel else '_serial'}{'' if tag is None else '_' + tag}_{SOURCE_STAMP}"
     named = pytypes.FunctionType(py_func.__code__, py_func.__globals__, name, py_func.__defaults__,
                                  py_func.__closure__)
     named.__qualname__ = py_func.__qualname__[:-len(py_func.__name__)] + name
@@ -188,8 +215,9 @@ class Kernel:
         # kernel's own source file: not compile flags (a serial twin of a parallel kernel would load
         # the parallel binary) and not the helpers in other modules it compiles in (an edited helper
         # would go unnoticed). So each kernel is cached under a name of its own that carries a hash
-        # of linattn's sources.
-        self.py_func = renamed(py_func, parallel)
+        # of linattn's sources, and one of its signature and machine (one signature a cache index:
+        # see cache_tag).
+        self._base = py_func
         self._signature = signature
         self._parallel = parallel
         self._prepare = prepare
@@ -220,6 +248,11 @@ class Kernel:
                 self._compiled[dtype, variant] = fn
         return fn
 
+    def named(self, sig):
+        """The kernel's function under its cache name for the signature ``sig`` (one signature a name:
+        see :func:`cache_tag`)."""
+        return renamed(self._base, self._parallel, cache_tag(str(sig)))
+
     def _build(self, sig):
         """The compiled kernel for the signature ``sig``."""
-        return njit(parallel=self._parallel, signature=sig)(self.py_func)
+        return njit(parallel=self._parallel, signature=sig)(self.named(sig))

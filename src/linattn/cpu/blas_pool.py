@@ -38,7 +38,7 @@ from numba import cfunc, prange, types
 from numba.core import cgutils
 from numba.extending import intrinsic
 
-from .._jit import njit
+from .._jit import cache_tag, njit, renamed
 
 #: Symbol-name variants of the callback setter: plain, SciPy's wheels' prefix, 64-bit-integer suffixes.
 _SETTERS = [f"{p}openblas_set_threads_callback_function{s}" for p in ("", "scipy_") for s in ("", "64_", "_64")]
@@ -296,7 +296,6 @@ def _await_the_others(claims, tids, params, numjobs):
                 return
 
 
-@njit(parallel=True)
 def _run_jobs(numjobs, params, claims, tids):
     """Run the jobs 0..numjobs-1 of params (int64: dojob, job, job data, dojob_data for each) on
     Numba's threads; where the team is smaller than numjobs (or not known), each once every job has
@@ -310,6 +309,10 @@ def _run_jobs(numjobs, params, claims, tids):
         if mine:
             _dojob(params[4 * job], np.int32(job), params[4 * job + 2], np.int32(params[4 * job + 3]))
     _join_own(claims, tids, numjobs)
+
+
+# (under a cache name of its own, with the machine's tag: _jit.cache_tag)
+_run_jobs = njit(parallel=True)(renamed(_run_jobs, True, cache_tag("_run_jobs")))
 
 
 @njit(helper=True)
@@ -363,7 +366,9 @@ _compiled = None
 
 
 def _cfunc(signature, fn):
-    """fn compiled as a C function (loaded from Numba's cache where it has one)."""
+    """fn compiled as a C function (loaded from Numba's cache where it has one, under a name of its own:
+    _jit.cache_tag)."""
+    fn = renamed(fn, False, cache_tag(str(signature)))
     try:
         return cfunc(signature, cache=True, nogil=True)(fn)
     except RuntimeError as exc:  # no writable cache directory: compile in this process

@@ -18,9 +18,9 @@ from llvmlite import binding as llvm_binding
 from llvmlite import ir
 from numba.core import cgutils
 
-from .._jit import OPTIONS, SOURCE_STAMP, TUNED
+from .._jit import OPTIONS, SOURCE_STAMP, TUNED, cache_tag
 
-_defined = {}  # symbol -> (Python function, signature)
+_defined = {}  # symbol -> (name, Python function, signature)
 _registered = {}  # symbol -> its compiled cfunc (kept alive: LLVM holds its address)
 
 
@@ -28,7 +28,7 @@ def define(name, fn, signature):
     """The symbol of ``fn`` compiled for ``signature`` (a Numba function type): ``name`` with a hash of
     linattn's sources, so that a kernel in the disk cache never calls a stale version."""
     symbol = f"linattn_{name}_{SOURCE_STAMP}"
-    _defined[symbol] = (fn, signature)
+    _defined[symbol] = (name, fn, signature)
     return symbol
 
 
@@ -39,11 +39,13 @@ def register(symbol):
         return
     from numba import cfunc
 
-    fn, signature = _defined[symbol]
+    name, fn, signature = _defined[symbol]
     # cached under a name of its own, as the kernels are (_jit.Kernel): Numba's cache checks only
-    # the function's own source file, not the helpers it compiles in
-    named = pytypes.FunctionType(fn.__code__, fn.__globals__, symbol, fn.__defaults__, fn.__closure__)
-    named.__qualname__ = symbol
+    # the function's own source file, not the helpers it compiles in; the machine's tag keeps one
+    # entry a cache index where machines share a cache directory (_jit.cache_tag)
+    cache_name = f"linattn_{name}_{cache_tag(str(signature))}_{SOURCE_STAMP}"
+    named = pytypes.FunctionType(fn.__code__, fn.__globals__, cache_name, fn.__defaults__, fn.__closure__)
+    named.__qualname__ = cache_name
     try:
         compiled = cfunc(signature, cache=True, **OPTIONS, **TUNED)(named)
     except RuntimeError as exc:  # no writable cache directory: compile in this process

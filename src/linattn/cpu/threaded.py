@@ -20,7 +20,7 @@ from numba import prange
 from numba.core import cgutils, types
 from numba.extending import intrinsic
 
-from .._jit import Kernel, array, njit, renamed
+from .._jit import Kernel, array, cache_tag, njit, renamed
 from .buffers import empty
 
 _COUNTER = array(types.int64, 1)
@@ -162,10 +162,12 @@ def _launch(address, nthreads, args, loop, tramp):
     _call_loop(loop, tramp, _address_of((address, args)), nthreads)
 
 
-_RUN_GENERIC = renamed(_run_generic, parallel=True)
-_TRAMPOLINE = renamed(_trampoline, parallel=False)
-_LAUNCH = renamed(_launch, parallel=False)
 _generic = []  # the generic loop's compiled dispatcher and address, once compiled or loaded
+
+
+def _named(py_func, sig, parallel=False):
+    """``py_func`` under its cache name for the signature ``sig`` (see _jit.cache_tag)."""
+    return renamed(py_func, parallel, cache_tag(str(sig)))
 
 
 def _address(dispatcher):
@@ -177,7 +179,8 @@ def _address(dispatcher):
 def _generic_loop():
     """(dispatcher, address) of ``_run_generic``."""
     if not _generic:
-        loop = njit(parallel=True, signature=types.void(types.int64, types.int64, types.int64))(_RUN_GENERIC)
+        sig = types.void(types.int64, types.int64, types.int64)
+        loop = njit(parallel=True, signature=sig)(_named(_run_generic, sig, parallel=True))
         _generic.append((loop, _address(loop)[1]))
     return _generic[0]
 
@@ -188,14 +191,16 @@ class ThreadedKernel(Kernel):
     left); ``signature(numba_dtype, variant)`` gives the types of ``args``. See Kernel."""
 
     def _build(self, sig):
-        worker = njit(signature=types.void(*sig.args, _COUNTER))(self.py_func)
+        worker_sig = types.void(*sig.args, _COUNTER)
+        worker = njit(signature=worker_sig)(self.named(worker_sig))
         compiled, address = _address(worker)
         args = types.Tuple(sig.args)
         loop, loop_address = _generic_loop()
-        tramp = njit(signature=types.void(types.CPointer(types.Tuple((types.int64, args))), _COUNTER),
-                     wrappers=False)(_TRAMPOLINE)
+        tramp_sig = types.void(types.CPointer(types.Tuple((types.int64, args))), _COUNTER)
+        tramp = njit(signature=tramp_sig, wrappers=False)(_named(_trampoline, tramp_sig))
         tramp_address = _address(tramp)[1]
-        launch = njit(signature=types.void(types.int64, types.int64, args, types.int64, types.int64))(_LAUNCH)
+        launch_sig = types.void(types.int64, types.int64, args, types.int64, types.int64)
+        launch = njit(signature=launch_sig)(_named(_launch, launch_sig))
 
         def run(nthreads, *args):
             if nthreads <= 1:  # the worker itself: the launcher's tuple of arguments is typed in Python (~1 us)
