@@ -221,6 +221,19 @@ def test_processes_compiling_at_once_keep_each_others_kernels(tmp_path):
     assert _run(_LOAD_BOTH, env) == ["float32", "hits", "1", "misses", "0", "float64", "hits", "1", "misses", "0"]
 
 
+_STAMP_PROBE = "from linattn import _jit; print(_jit.SOURCE_STAMP, _jit.cache_tag('a signature'))"
+
+
+def test_other_tunings_share_the_source_stamp_not_the_tag():
+    # Code of the same sources compiled for another tuning (or machine) is not stale: the cache tag keeps
+    # it apart, and the pruning of other sources' files leaves it (a cache directory machines share, or
+    # LINATTN_TUNE_CPU set for one process, would otherwise delete each other's kernels in turn).
+    (host_stamp, host_tag), (tuned_stamp, tuned_tag) = (
+        _run(_STAMP_PROBE, dict(os.environ, LINATTN_TUNE_CPU=cpu)) for cpu in ("host", "znver2"))
+    assert host_stamp == tuned_stamp == _jit.SOURCE_STAMP
+    assert host_tag != tuned_tag
+
+
 _INDEX_PROBE = """
 import numpy as np, linattn
 from linattn.feature_maps import as_map

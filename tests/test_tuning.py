@@ -104,7 +104,7 @@ assert np.allclose(y, np.where(np.linspace(-3, 3, 64).reshape(8, 8) > 0, np.lins
                                np.exp(np.linspace(-3, 3, 64).reshape(8, 8))), rtol=1e-6)
 worker = mapfns._apply_kernel.get(np.dtype(np.float32), None).worker
 text = worker.overloads[worker.signatures[0]].library.get_llvm_str()
-calls = sorted({re.sub(r"_[0-9a-f]{12}(?=B\d|$)|B\d+c8tJT\w*", "", name)
+calls = sorted({re.sub(r"(?:_[0-9a-f]{10})?_[0-9a-f]{12}(?=B\d|$)|B\d+c8tJT\w*", "", name)  # (cache tag, stamp)
                 for name in re.findall(r'call [^@\n]*@"?([\w.$]+)', text)})
 cfuncs = [fn.inspect_llvm() for fn in symbols._registered.values()]
 print(repr(_tuning.tune_cpu()))

@@ -97,10 +97,11 @@ def njit(*, parallel=False, helper=False, signature=None, wrappers=True):
 
 
 def _source_stamp():
-    """A short hash of linattn's Python sources (see Kernel), and of the CPU it tunes for (_tuning.py:
-    Numba's cache tells code compiled for another CPU apart, not another tuning)."""
+    """A short hash of linattn's Python sources (see Kernel). (The CPU linattn tunes for is in
+    :func:`cache_tag`'s hash: code of the same sources compiled for other machines or tunings, in a
+    cache directory they share, is not stale.)"""
     root = Path(__file__).parent
-    digest = hashlib.sha1(f"tune-cpu {_tuning.CHOSEN}".encode() if _tuning.CHOSEN else b"")
+    digest = hashlib.sha1()
     for path in sorted(root.rglob("*.py")):
         digest.update(path.relative_to(root).as_posix().encode())
         digest.update(path.read_bytes())
@@ -170,13 +171,14 @@ def run_before_kernels(dtype):
 @functools.cache
 def _machine():
     """What Numba's cache keys tell machines apart by (its code generator's "magic tuple": the target
-    triple, the CPU name and its features), read as Numba reads them; at least as fine as Numba's."""
+    triple, the CPU name and its features), read as Numba reads them, at least as fine as Numba's; and
+    the CPU linattn tunes for (_tuning.py), which Numba's keys do not tell apart."""
     from numba.core import config
 
     cpu = config.CPU_NAME or llvm_binding.get_host_cpu_name()
     features = config.CPU_FEATURES if config.CPU_FEATURES is not None else \
         llvm_binding.get_host_cpu_features().flatten()
-    return llvm_binding.get_process_triple(), cpu, features
+    return llvm_binding.get_process_triple(), cpu, features, f"tune-cpu {_tuning.CHOSEN}"
 
 
 def cache_tag(*parts):
