@@ -14,7 +14,7 @@ import numpy as np
 from llvmlite import binding as llvm_binding
 from numba.core import types
 
-from . import _tuning
+from . import _cache, _tuning
 from ._linkonly import PIPELINE
 
 #: The oldest Numba linattn runs on (pyproject.toml's numba>=0.61): with 0.60 a kernel's call on several threads
@@ -82,7 +82,7 @@ def njit(*, parallel=False, helper=False, signature=None, wrappers=True):
             return numba.njit(*args, **_link_only(), **OPTIONS)(fn)
         bare = dict(TUNED) if wrappers else dict(_NO_WRAPPERS, **TUNED)
         try:
-            compiled = numba.njit(*args, cache=True, parallel=parallel, **bare, **OPTIONS)(fn)
+            compiled = _cache.njit(fn, signature, parallel=parallel, **bare, **OPTIONS)
         except RuntimeError as exc:
             if "cannot cache" not in str(exc):
                 raise

@@ -42,6 +42,8 @@ def info():
     layer = _threading_layer()
     disp = chunked.causal_forward.get(np.float32, ("C", 0)).worker
     cache = getattr(getattr(disp, "_cache", None), "cache_path", None)
+    if cache is not None and getattr(disp._cache, "read_only", False):
+        cache += " (precompiled, read only)"
     facts = _versions()
     facts.update({
         "cpu": _tuning.describe(),

@@ -38,6 +38,7 @@ from numba import cfunc, prange, types
 from numba.core import cgutils
 from numba.extending import intrinsic
 
+from .. import _cache
 from .._jit import cache_tag, njit, renamed
 
 #: Symbol-name variants of the callback setter: plain, SciPy's wheels' prefix, 64-bit-integer suffixes.
@@ -370,7 +371,7 @@ def _cfunc(signature, fn):
     _jit.cache_tag)."""
     fn = renamed(fn, False, cache_tag(str(signature)))
     try:
-        return cfunc(signature, cache=True, nogil=True)(fn)
+        return _cache.cfunc(fn, signature, nogil=True)
     except RuntimeError as exc:  # no writable cache directory: compile in this process
         if "cannot cache" not in str(exc):
             raise

@@ -18,6 +18,7 @@ from llvmlite import binding as llvm_binding
 from llvmlite import ir
 from numba.core import cgutils
 
+from .. import _cache
 from .._jit import OPTIONS, SOURCE_STAMP, TUNED, cache_tag
 
 _defined = {}  # symbol -> (name, Python function, signature)
@@ -47,7 +48,7 @@ def register(symbol):
     named = pytypes.FunctionType(fn.__code__, fn.__globals__, cache_name, fn.__defaults__, fn.__closure__)
     named.__qualname__ = cache_name
     try:
-        compiled = cfunc(signature, cache=True, **OPTIONS, **TUNED)(named)
+        compiled = _cache.cfunc(named, signature, **OPTIONS, **TUNED)
     except RuntimeError as exc:  # no writable cache directory: compile in this process
         if "cannot cache" not in str(exc):
             raise
