@@ -130,7 +130,9 @@ def precompile(dtypes=("float32",), functions=FUNCTIONS, *, gates=False, gradien
     loads them (about 0.4 s) instead of compiling on its first call (10-15 s each).
 
     For a service's image or start-up: the cache is kept per machine (Numba recompiles where the
-    CPU differs) in the package's ``__pycache__`` or ``NUMBA_CACHE_DIR``.
+    CPU differs) in the package's ``__pycache__`` or ``NUMBA_CACHE_DIR``. A process that cannot write
+    the package's ``__pycache__`` (the service's own user, a read-only filesystem) still loads what was
+    compiled there.
 
     Parameters
     ----------
