@@ -2,6 +2,7 @@
 a kernel compiled from other sources nor another signature's (processes compiling at once), helpers are
 compiled only into the kernels that call them, and a Numba older than linattn runs on is refused by name."""
 import os
+import pickle
 import re
 import shutil
 import subprocess
@@ -83,13 +84,14 @@ def _stamps(directory):
 
 # A process that cannot write the package's __pycache__ (a service's user over an image built as root, a
 # read-only filesystem) and has no cache directory of its own: simulated for any user (root writes anyway).
-_READ_ONLY_PROBE = """
+_NOT_WRITABLE = """
 from numba.core import caching
 
-for name in ("InTreeCacheLocator", "UserWideCacheLocator"):
+for name in ("UserProvidedCacheLocator", "InTreeCacheLocator", "UserWideCacheLocator"):
     locator = getattr(caching, name, None) or getattr(caching, "_" + name)
     locator.from_function = classmethod(lambda cls, py_func, py_file: None)
-""" + _CACHE_PROBE + """
+"""
+_READ_ONLY_PROBE = _NOT_WRITABLE + _CACHE_PROBE + """
 from linattn import _jit, cli
 print(_jit.cache_problem is None, cli.info()["cache_dir"].endswith("__pycache__ (precompiled, read only)"))
 """
@@ -109,6 +111,47 @@ def test_a_precompiled_cache_is_read_where_it_cannot_be_written(tmp_path):
     files = sorted(p.name for p in pkg.rglob("__pycache__/*"))
     assert _run(_READ_ONLY_PROBE, env, cwd=tmp_path) == ["hits", "1", "misses", "0", "True", "True"]
     assert sorted(p.name for p in pkg.rglob("__pycache__/*")) == files  # nothing written
+
+
+def test_a_precompiled_numba_cache_dir_is_read_where_it_cannot_be_written(tmp_path):
+    # The same for a cache precompiled into NUMBA_CACHE_DIR (a directory of the image, read-only when it runs).
+    env = dict(os.environ, NUMBA_CACHE_DIR=str(tmp_path / "cache"))
+    assert _run(_CACHE_PROBE, env) == ["hits", "0", "misses", "1"]
+    files = sorted(p.name for p in (tmp_path / "cache").rglob("*"))
+    assert _run(_NOT_WRITABLE + _CACHE_PROBE, env) == ["hits", "1", "misses", "0"]
+    assert sorted(p.name for p in (tmp_path / "cache").rglob("*")) == files
+
+
+def test_a_read_only_cache_serves_only_an_index_of_this_numba_and_these_sources(tmp_path):
+    # An index another Numba wrote, or for other sources, is one Numba would find empty: a read-only place
+    # holding it would make every process compile again, where a writable place further down caches once.
+    def index(name, version, stamp):
+        path = tmp_path / name
+        with open(path, "wb") as f:
+            pickle.dump(version, f, protocol=-1)
+            f.write(pickle.dumps((stamp, {"a signature": "a data file"})))
+        return str(path)
+
+    assert _cache._serves(index("ok.nbi", numba.__version__, ("stamp", 1)), ("stamp", 1))
+    assert not _cache._serves(index("sources.nbi", numba.__version__, ("stamp", 1)), ("stamp", 2))
+    assert not _cache._serves(index("numba.nbi", "0.0.1", ("stamp", 1)), ("stamp", 1))
+    (tmp_path / "garbled.nbi").write_bytes(b"not a pickle")
+    assert not _cache._serves(str(tmp_path / "garbled.nbi"), ("stamp", 1))
+    assert not _cache._serves(str(tmp_path / "missing.nbi"), ("stamp", 1))
+    # the read-only __pycache__ is taken for a function only where its index serves
+    source = tmp_path / "kernels.py"
+    source.write_text("def kernel(x):\n    return x\n")
+    (tmp_path / "__pycache__").mkdir()
+    namespace = {}
+    exec(compile(source.read_text(), str(source), "exec"), namespace)
+    kernel, locator = namespace["kernel"], _cache._read_only(_cache._IN_TREE)
+    stamp = locator(kernel, str(source)).get_source_stamp()
+    name = "__pycache__/" + _cache._index_name(kernel, str(source))
+    assert locator.from_function(kernel, str(source)) is None  # (no index)
+    index(name, "0.0.1", stamp)
+    assert locator.from_function(kernel, str(source)) is None
+    index(name, numba.__version__, stamp)
+    assert locator.from_function(kernel, str(source)).read_only
 
 
 def test_a_new_version_deletes_the_cache_files_of_the_previous_one(tmp_path):

@@ -6,17 +6,18 @@ cache directory, and chooses only among the places it can write. So a cache prec
 cannot write there (the service running as its own user; a read-only filesystem): each one compiled
 everything again (measured: a first call 0.6 s as root, 11 s as another user over the same files).
 
-linattn's functions use :class:`Cache`: Numba's order of places, and after the package's own
-``__pycache__`` (where writable) that same directory read-only, for a function whose cache index is
-there; nothing is saved to it, and a function not precompiled there falls through to the user's cache
-directory as before. Each compiled signature of linattn's has an index of its own (``_jit.cache_tag``),
+linattn's functions use :class:`Cache`: Numba's order of places, with after ``NUMBA_CACHE_DIR`` and after
+the package's own ``__pycache__`` (each where writable) that same directory read-only, for a function
+whose cache index is there; nothing is saved to it, and a function not precompiled there falls through
+to the next place as before. Each compiled signature of linattn's has an index of its own (``_jit.cache_tag``),
 so "its index is there" means "this signature, for this machine, was precompiled".
 """
 import os
+import pickle
 import sys
 
 import numba
-from numba.core import caching, sigutils
+from numba.core import caching, config, sigutils
 
 
 def _index_name(py_func, py_file):
@@ -26,28 +27,56 @@ def _index_name(py_func, py_file):
                                    sys.version_info[0], sys.version_info[1], getattr(sys, "abiflags", ""))
 
 
-# (public names from Numba 0.65 on, private before)
-_IN_TREE = getattr(caching, "InTreeCacheLocator", None) or caching._InTreeCacheLocator
+def _serves(index, stamp):
+    """Whether the cache index file ``index`` was written by this Numba for these sources (``stamp``, the
+    locator's): else Numba finds it empty (IndexDataCacheFile._load_index), and a read-only place would
+    have every process compile again where a writable one further down caches once."""
+    try:
+        with open(index, "rb") as f:
+            if pickle.load(f) != numba.__version__:
+                return False
+            found, _ = pickle.loads(f.read())
+    except Exception:  # (missing, unreadable, or not an index of this Numba's)
+        return False
+    return found == stamp
 
 
-class _PrecompiledLocator(_IN_TREE):
-    """The source's ``__pycache__`` where it holds this function's cache index: read, never written."""
+def _locator(name):
+    """Numba's locator class ``name`` (public names in recent Numbas, private ones before)."""
+    return getattr(caching, name, None) or getattr(caching, "_" + name)
 
-    read_only = True
 
-    @classmethod
-    def from_function(cls, py_func, py_file):
-        if not os.path.exists(py_file):
-            return None
-        self = cls(py_func, py_file)
-        return self if os.access(os.path.join(self.get_cache_path(), _index_name(py_func, py_file)), os.R_OK) else None
+_USER_PROVIDED, _IN_TREE = _locator("UserProvidedCacheLocator"), _locator("InTreeCacheLocator")
+
+
+def _read_only(base):
+    """``base``'s place (NUMBA_CACHE_DIR, the source's ``__pycache__``) where it holds this function's cache
+    index: read, never written (no check that it can be written, as ``base`` makes)."""
+
+    class ReadOnly(base):
+        read_only = True
+
+        @classmethod
+        def from_function(cls, py_func, py_file):
+            if not os.path.exists(py_file) or (base is _USER_PROVIDED and not config.CACHE_DIR):
+                return None
+            self = cls(py_func, py_file)
+            index = os.path.join(self.get_cache_path(), _index_name(py_func, py_file))
+            return self if _serves(index, self.get_source_stamp()) else None
+
+    ReadOnly.__name__ = ReadOnly.__qualname__ = f"ReadOnly{base.__name__.lstrip('_')}"
+    return ReadOnly
 
 
 def _locators():
-    """Numba's locator classes, the read-only one after the writable ``__pycache__``."""
-    found = list(caching.CompileResultCacheImpl._locator_classes)
-    at = found.index(_IN_TREE) + 1 if _IN_TREE in found else len(found)
-    return found[:at] + [_PrecompiledLocator] + found[at:]
+    """Numba's locator classes, each of NUMBA_CACHE_DIR's and the ``__pycache__``'s followed by its
+    read-only twin."""
+    found = []
+    for cls in caching.CompileResultCacheImpl._locator_classes:
+        found.append(cls)
+        if cls in (_USER_PROVIDED, _IN_TREE):
+            found.append(_read_only(cls))
+    return found
 
 
 class _Impl(caching.CompileResultCacheImpl):
