@@ -1,6 +1,7 @@
-"""Compilation: kernels still work when no cache directory is writable, the disk cache never serves
-a kernel compiled from other sources nor another signature's (processes compiling at once), helpers are
-compiled only into the kernels that call them, and a Numba older than linattn runs on is refused by name."""
+"""Compilation: kernels still work when no cache directory is writable, a precompiled cache is read where
+it cannot be written, the disk cache never serves a kernel compiled from other sources nor another
+signature's (processes compiling at once), helpers are compiled only into the kernels that call them, and
+a Numba older than linattn runs on is refused by name."""
 import os
 import pickle
 import re

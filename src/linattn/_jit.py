@@ -1,6 +1,7 @@
 """How linattn's kernels are compiled: fast-math flags, on-disk caching, and explicit signatures so
 that each kernel compiles once per (dtype, memory layout) and never once per call pattern, cached on
-disk under a name that carries a hash of all of linattn's sources."""
+disk under a name that carries a hash of all of linattn's sources and one of the signature and machine
+(one signature a cache index; the cache itself: _cache.py)."""
 import functools
 import hashlib
 import os
