@@ -205,6 +205,12 @@ def renamed(py_func, parallel, tag=None):
     return named
 
 
+def renamed_for(py_func, parallel, sig):
+    """``py_func`` under its cache name for the signature ``sig``: :func:`renamed` with the tag of the
+    signature and the machine (one signature a cache index: :func:`cache_tag`)."""
+    return renamed(py_func, parallel, cache_tag(str(sig)))
+
+
 class Kernel:
     """A Python kernel function compiled on first use for one explicit signature per
     (dtype, variant). ``signature(numba_dtype, variant)`` builds the signature; for the sequence
@@ -252,9 +258,8 @@ class Kernel:
         return fn
 
     def named(self, sig):
-        """The kernel's function under its cache name for the signature ``sig`` (one signature a name:
-        see :func:`cache_tag`)."""
-        return renamed(self._base, self._parallel, cache_tag(str(sig)))
+        """The kernel's function under its cache name for the signature ``sig``."""
+        return renamed_for(self._base, self._parallel, sig)
 
     def _build(self, sig):
         """The compiled kernel for the signature ``sig``."""

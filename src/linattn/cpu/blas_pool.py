@@ -39,7 +39,7 @@ from numba.core import cgutils
 from numba.extending import intrinsic
 
 from .. import _cache
-from .._jit import cache_tag, njit, renamed
+from .._jit import cache_tag, njit, renamed, renamed_for
 
 #: Symbol-name variants of the callback setter: plain, SciPy's wheels' prefix, 64-bit-integer suffixes.
 _SETTERS = [f"{p}openblas_set_threads_callback_function{s}" for p in ("", "scipy_") for s in ("", "64_", "_64")]
@@ -369,7 +369,7 @@ _compiled = None
 def _cfunc(signature, fn):
     """fn compiled as a C function (loaded from Numba's cache where it has one, under a name of its own:
     _jit.cache_tag)."""
-    fn = renamed(fn, False, cache_tag(str(signature)))
+    fn = renamed_for(fn, False, signature)
     try:
         return _cache.cfunc(fn, signature, nogil=True)
     except RuntimeError as exc:  # no writable cache directory: compile in this process

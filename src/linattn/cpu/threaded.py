@@ -20,7 +20,7 @@ from numba import prange
 from numba.core import cgutils, types
 from numba.extending import intrinsic
 
-from .._jit import Kernel, array, cache_tag, njit, renamed
+from .._jit import Kernel, array, njit, renamed_for
 from .buffers import empty
 
 _COUNTER = array(types.int64, 1)
@@ -165,11 +165,6 @@ def _launch(address, nthreads, args, loop, tramp):
 _generic = []  # the generic loop's compiled dispatcher and address, once compiled or loaded
 
 
-def _named(py_func, sig, parallel=False):
-    """``py_func`` under its cache name for the signature ``sig`` (see _jit.cache_tag)."""
-    return renamed(py_func, parallel, cache_tag(str(sig)))
-
-
 def _address(dispatcher):
     """(compiled result, address) of the one compiled function of ``dispatcher`` (given a signature)."""
     compiled = dispatcher.overloads[dispatcher.signatures[0]]
@@ -180,7 +175,7 @@ def _generic_loop():
     """(dispatcher, address) of ``_run_generic``."""
     if not _generic:
         sig = types.void(types.int64, types.int64, types.int64)
-        loop = njit(parallel=True, signature=sig)(_named(_run_generic, sig, parallel=True))
+        loop = njit(parallel=True, signature=sig)(renamed_for(_run_generic, True, sig))
         _generic.append((loop, _address(loop)[1]))
     return _generic[0]
 
@@ -197,10 +192,10 @@ class ThreadedKernel(Kernel):
         args = types.Tuple(sig.args)
         loop, loop_address = _generic_loop()
         tramp_sig = types.void(types.CPointer(types.Tuple((types.int64, args))), _COUNTER)
-        tramp = njit(signature=tramp_sig, wrappers=False)(_named(_trampoline, tramp_sig))
+        tramp = njit(signature=tramp_sig, wrappers=False)(renamed_for(_trampoline, False, tramp_sig))
         tramp_address = _address(tramp)[1]
         launch_sig = types.void(types.int64, types.int64, args, types.int64, types.int64)
-        launch = njit(signature=launch_sig)(_named(_launch, launch_sig))
+        launch = njit(signature=launch_sig)(renamed_for(_launch, False, launch_sig))
 
         def run(nthreads, *args):
             if nthreads <= 1:  # the worker itself: the launcher's tuple of arguments is typed in Python (~1 us)
