@@ -188,7 +188,7 @@ def test_jobs_on_a_team_smaller_than_them_all_run_at_once():
     before = numba.get_num_threads()
     numba.set_num_threads(1)
     try:
-        blas_pool._run_jobs(numjobs, params.ravel(), claims, tids)
+        blas_pool._jobs_loop()(numjobs, params.ravel(), claims, tids)
     finally:
         numba.set_num_threads(before)
     assert state[0] == numjobs and state[1] == 0

@@ -297,7 +297,7 @@ def _await_the_others(claims, tids, params, numjobs):
                 return
 
 
-def _run_jobs(numjobs, params, claims, tids):
+def _run_jobs_loop(numjobs, params, claims, tids):
     """Run the jobs 0..numjobs-1 of params (int64: dojob, job, job data, dojob_data for each) on
     Numba's threads; where the team is smaller than numjobs (or not known), each once every job has
     been taken (see the module's docstring). claims, tids: numjobs + 1 and numjobs zeros (int64);
@@ -312,8 +312,17 @@ def _run_jobs(numjobs, params, claims, tids):
     _join_own(claims, tids, numjobs)
 
 
-# (under a cache name of its own, with the machine's tag: _jit.cache_tag)
-_run_jobs = njit(parallel=True)(renamed(_run_jobs, True, cache_tag("_run_jobs")))
+_run_jobs = None  # _run_jobs_loop compiled (_jobs_loop), as the callback that calls it is
+
+
+def _jobs_loop():
+    """_run_jobs_loop compiled as a parallel loop, under a cache name of its own: made on first use, not
+    at import (its cache place is chosen when it is made, and a process whose BLAS never calls back must
+    not report a cache problem for it)."""
+    global _run_jobs
+    if _run_jobs is None:
+        _run_jobs = njit(parallel=True)(renamed(_run_jobs_loop, True, cache_tag("_run_jobs")))
+    return _run_jobs
 
 
 @njit(helper=True)
@@ -383,6 +392,7 @@ def _address(layer):
     global _compiled
     if _compiled is None:
         _resolve_team_size(layer)
+        _jobs_loop()  # (before the callback, whose typing finds it)
         _compiled = _cfunc(_SIGNATURE, _callback)
     return _compiled.address
 
