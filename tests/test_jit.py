@@ -32,6 +32,12 @@ def test_uncacheable_falls_back(monkeypatch):
     assert g(np.arange(4.0)) == 12.0
     assert "cannot cache" in _jit.cache_problem
 
+    def twice(x):
+        return 2.0 * x
+
+    c = _cache.cfunc(twice, "float64(float64)")  # a C function too: compiled in this process
+    assert c.ctypes(1.5) == 3.0
+
 
 def test_other_errors_are_not_swallowed(monkeypatch):
     def broken(*args, **kwargs):

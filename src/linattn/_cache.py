@@ -109,11 +109,16 @@ def njit(fn, signature=None, **options):
 
 
 def cfunc(fn, signature, pipeline_class=None, **options):
-    """``numba.cfunc(signature, cache=True, **options)(fn)`` with :class:`Cache`."""
+    """``numba.cfunc(signature, cache=True, **options)(fn)`` with :class:`Cache`; where there is no place to
+    cache it (nothing writable, nothing precompiled), compiled in this process."""
     from numba.core.ccallback import CFunc
 
     extra = {} if pipeline_class is None else {"pipeline_class": pipeline_class}
     compiled = CFunc(fn, sigutils.normalize_signature(signature), locals={}, options=options, **extra)
-    compiled._cache = Cache(fn)
+    try:
+        compiled._cache = Cache(fn)
+    except RuntimeError as exc:
+        if "cannot cache" not in str(exc):
+            raise
     compiled.compile()
     return compiled

@@ -34,7 +34,7 @@ import sys
 import numpy as np
 from llvmlite import binding as llvm
 from llvmlite import ir
-from numba import cfunc, prange, types
+from numba import prange, types
 from numba.core import cgutils
 from numba.extending import intrinsic
 
@@ -378,13 +378,7 @@ _compiled = None
 def _cfunc(signature, fn):
     """fn compiled as a C function (loaded from Numba's cache where it has one, under a name of its own:
     _jit.cache_tag)."""
-    fn = renamed_for(fn, False, signature)
-    try:
-        return _cache.cfunc(fn, signature, nogil=True)
-    except RuntimeError as exc:  # no writable cache directory: compile in this process
-        if "cannot cache" not in str(exc):
-            raise
-        return cfunc(signature, nogil=True)(fn)
+    return _cache.cfunc(renamed_for(fn, False, signature), signature, nogil=True)
 
 
 def _address(layer):

@@ -38,8 +38,6 @@ def register(symbol):
     to LLVM; once per process."""
     if symbol in _registered:
         return
-    from numba import cfunc
-
     name, fn, signature = _defined[symbol]
     # cached under a name of its own, as the kernels are (_jit.Kernel): Numba's cache checks only
     # the function's own source file, not the helpers it compiles in; the machine's tag keeps one
@@ -47,12 +45,7 @@ def register(symbol):
     cache_name = f"linattn_{name}_{cache_tag(str(signature))}_{SOURCE_STAMP}"
     named = pytypes.FunctionType(fn.__code__, fn.__globals__, cache_name, fn.__defaults__, fn.__closure__)
     named.__qualname__ = cache_name
-    try:
-        compiled = _cache.cfunc(named, signature, **OPTIONS, **TUNED)
-    except RuntimeError as exc:  # no writable cache directory: compile in this process
-        if "cannot cache" not in str(exc):
-            raise
-        compiled = cfunc(signature, **OPTIONS, **TUNED)(named)
+    compiled = _cache.cfunc(named, signature, **OPTIONS, **TUNED)
     llvm_binding.add_symbol(symbol, compiled.address)
     _registered[symbol] = compiled
 
