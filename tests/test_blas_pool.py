@@ -1,6 +1,7 @@
 """NumPy's and SciPy's OpenBLAS run their threaded work on Numba's pool once linattn has started it
 (cpu/blas_pool.py): same results, OpenBLAS's own threads idle, safe across threads and fork()."""
 import ctypes
+import errno
 import multiprocessing
 import os
 import subprocess
@@ -10,6 +11,7 @@ from concurrent.futures import ThreadPoolExecutor
 import numba
 import numpy as np
 import pytest
+from llvmlite import ir
 from numba import carray, cfunc, types
 
 import linattn
@@ -66,7 +68,7 @@ def test_blas_runs_on_numbas_pool_with_the_same_results():
         pytest.skip("reads per-thread CPU time from /proc")
     out = _probe()
     if out["numpy_shared"] != "True":  # (SciPy's may share: NumPy 1.24's OpenBLAS 0.3.21 beside SciPy 1.15's)
-        pytest.skip("this NumPy's BLAS cannot share Numba's pool (not OpenBLAS 0.3.27 or later)")
+        pytest.skip("this NumPy's BLAS does not share Numba's pool (an OpenBLAS before 0.3.27, or the workqueue layer)")
     assert out["identical"] == "True"
     assert int(out["own_thread_ticks"]) <= 2  # OpenBLAS's own threads did (next to) nothing
     own = _probe(LINATTN_SHARE_BLAS_THREADS="0")
@@ -77,26 +79,80 @@ def test_blas_runs_on_numbas_pool_with_the_same_results():
 def test_every_openblas_loaded_by_the_start_shares_the_pool():
     """SciPy's OpenBLAS, which Numba loads with linattn's compiled callback where SciPy is installed
     (after NumPy's was shared), shares the pool too: otherwise its threads were its own, and
-    ``python -m linattn info`` told the user to set OPENBLAS_THREAD_TIMEOUT."""
+    ``python -m linattn info`` told the user to set OPENBLAS_THREAD_TIMEOUT. On Numba's workqueue layer
+    (what Numba runs without OpenMP or TBB), which takes parallel work from one thread at a time, none
+    shares it."""
     code = ("import numpy as np\n"
             "from threadpoolctl import threadpool_info\n"
             "numpy_blas = {x['filepath'] for x in threadpool_info() if x.get('internal_api') == 'openblas'}\n"
-            "import linattn\n"
+            "import linattn, numba\n"
             "from linattn.cpu import blas_pool, runtime\n"
             "runtime.start_threads()\n"
             "libs = [x['filepath'] for x in threadpool_info() if x.get('internal_api') == 'openblas'\n"
             "        and x.get('num_threads', 1) > 1 and blas_pool._setter(x['filepath']) is not None]\n"
             "shared = [p for p, ok in runtime.blas_sharing().items() if ok]\n"
-            "print(len(libs), sorted(libs) == sorted(shared), any(p in numpy_blas for p in shared))\n"
+            "print(len(libs), sorted(libs) == sorted(shared), any(p in numpy_blas for p in shared), len(shared),\n"
+            "      numba.threading_layer())\n"
             "import scipy\n")
     res = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300, check=False)
     if "No module named 'scipy'" in res.stderr:
         pytest.skip("SciPy is not installed")
     assert res.returncode == 0, res.stderr
-    count, same, numpy_shares = res.stdout.split()
+    count, same, numpy_shares, nshared, layer = res.stdout.split()
+    if layer not in ("omp", "tbb"):
+        assert nshared == "0", res.stdout
+        return
     if runtime.num_threads() > 1 and numpy_shares == "True":  # (NumPy's OpenBLAS 0.3.27 or later: NumPy 2)
         assert int(count) == 2, res.stdout  # NumPy's and SciPy's
     assert same == "True", res.stdout
+
+
+_WHERE_SHARED = pytest.mark.skipif(blas_pool._platform() is None,
+                                   reason="the callback runs jobs on pthreads (shared on Linux and macOS only)")
+
+
+def _sharable_openblas():
+    """Paths of the loaded OpenBLAS libraries that have the threads callback's setter."""
+    return [path for path, api in runtime._threaded_blas() if api == "openblas" and blas_pool._setter(path)]
+
+
+def test_blas_is_shared_on_linux_and_macos_only(monkeypatch):
+    """The callback compiles in pthreads constants of Linux and macOS (a static mutex's initializer, the
+    monotonic clock's id): elsewhere every BLAS keeps its own threads."""
+    libs = _sharable_openblas()
+    if not libs:
+        pytest.skip("no loaded OpenBLAS has the threads callback (OpenBLAS 0.3.27 or later)")
+    for name, shared in [("linux", True), ("darwin", True), ("freebsd14", False), ("win32", False),
+                         ("cygwin", False)]:
+        monkeypatch.setattr(sys, "platform", name)
+        assert blas_pool.sharable(libs) == {path: shared for path in libs}, name
+
+
+def test_the_callbacks_mutex_starts_as_each_platforms_static_initializer():
+    """PTHREAD_MUTEX_INITIALIZER: all zero on Linux; on macOS the signature _PTHREAD_MUTEX_SIG_init
+    (0x32AAABA7) in its first word, without which pthread_mutex_lock fails (EINVAL) and locks nothing.
+    The compiled callback's global holds this platform's."""
+    assert blas_pool._mutex_bytes("linux") == bytes(64)
+    darwin = blas_pool._mutex_bytes("darwin")
+    assert int.from_bytes(darwin[:8], "little") == 0x32AAABA7 and darwin[8:] == bytes(56)
+    if blas_pool._platform() is None:
+        pytest.skip("the pool is not shared on this platform")
+    module = ir.Module()
+    fn = ir.Function(module, ir.FunctionType(ir.VoidType(), []), "f")
+    blas_pool._mutex(ir.IRBuilder(fn.append_basic_block()))
+    assert bytes(module.get_global("linattn_blas_pool_mutex").initializer.constant) == blas_pool._mutex_bytes()
+
+
+@_WHERE_SHARED
+def test_the_callbacks_mutex_locks():
+    """This platform's pthreads locks a mutex of those initial bytes and refuses it to a second try."""
+    libc = ctypes.CDLL(None, use_errno=True)
+    mutex = ctypes.create_string_buffer(blas_pool._mutex_bytes(), 64)
+    assert libc.pthread_mutex_trylock(mutex) == 0
+    assert libc.pthread_mutex_trylock(mutex) == errno.EBUSY
+    assert libc.pthread_mutex_unlock(mutex) == 0
+    assert libc.pthread_mutex_trylock(mutex) == 0
+    assert libc.pthread_mutex_unlock(mutex) == 0
 
 
 def _child_matmul(seed):
@@ -146,9 +202,6 @@ def _waiting_job(job, data, numjobs):
     blas_pool._arrive(state, 2 + job)
 
 
-_POSIX_ONLY = pytest.mark.skipif(os.name != "posix", reason="the callback runs jobs on pthreads (not shared elsewhere)")
-
-
 def _callback(numjobs, state):
     """OpenBLAS's call of linattn's callback: void (int sync, dojob, int numjobs, size_t elsize, void
     *jobdata, int dojob_data), here every job with the same data (elsize 0)."""
@@ -158,7 +211,7 @@ def _callback(numjobs, state):
     fn(1, _waiting_job.address, numjobs, 0, state.ctypes.data, numjobs)
 
 
-@_POSIX_ONLY
+@_WHERE_SHARED
 @pytest.mark.parametrize("numjobs, numba_threads", [
     (2, 2),  # Numba's pool has a thread for each job
     (4, 1),  # it has fewer: jobs 1..3 on threads of their own
@@ -175,7 +228,7 @@ def test_jobs_that_wait_for_each_other_all_run_at_once(numjobs, numba_threads):
     assert list(state[2:]) == [1] * numjobs
 
 
-@_POSIX_ONLY
+@_WHERE_SHARED
 def test_jobs_on_a_team_smaller_than_them_all_run_at_once():
     # the pool's loop on a team of one thread (as a nested region's), asked to run three jobs: the
     # first waits for the others to be taken, then starts them on threads of their own
@@ -221,4 +274,4 @@ def test_blas_with_fewer_numba_threads_than_its_own():
                          check=False)
     assert res.returncode == 0, res.stderr
     if res.stdout.split()[-1] != "True":
-        pytest.skip("this NumPy's BLAS cannot share Numba's pool (not OpenBLAS 0.3.27 or later)")
+        pytest.skip("this NumPy's BLAS does not share Numba's pool (an OpenBLAS before 0.3.27, or the workqueue layer)")

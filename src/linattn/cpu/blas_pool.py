@@ -8,7 +8,8 @@ supply its own threads (``openblas_set_threads_callback_function``); linattn pas
 callback that runs OpenBLAS's jobs on Numba's OpenMP pool. NumPy's results do not change (the same
 jobs, the same buffers) and its speed neither (measured; the pool then keeps GNU OpenMP's usual
 idle spin, as OpenBLAS's own threads did). A BLAS without the callback (MKL, BLIS, Accelerate,
-older OpenBLAS) is left as it is; ``LINATTN_SHARE_BLAS_THREADS=0`` leaves every BLAS as it is;
+older OpenBLAS) is left as it is; ``LINATTN_SHARE_BLAS_THREADS=0`` leaves every BLAS as it is, and so
+do platforms other than Linux and macOS (the callback compiles in their pthreads constants);
 ``python -m linattn info`` says which libraries share the pool.
 
 The callback holds a mutex while it runs (OpenBLAS's per-thread buffers are indexed by job, so two
@@ -48,17 +49,39 @@ _installed = {}  # library path -> the ctypes setter (to undo it in forked child
 _fork_hook = False
 
 
+#: What the callback compiles in for each platform it shares the pool on (elsewhere BLAS keeps its own
+#: threads): a static mutex's initial bytes, PTHREAD_MUTEX_INITIALIZER (all zero on Linux; macOS's
+#: starts with the signature _PTHREAD_MUTEX_SIG_init, and a zeroed one makes pthread_mutex_lock fail
+#: with EINVAL without locking), and clock_gettime's id of the monotonic clock.
+_PLATFORMS = {"linux": {"mutex": b"", "monotonic": 1},
+              "darwin": {"mutex": (0x32AAABA7).to_bytes(8, "little"), "monotonic": 6}}
+_MUTEX_BYTES = 64  # room for every platform's pthread_mutex_t (macOS's is the largest: 64 bytes)
+
+
+def _platform(name=None):
+    """The key of ``_PLATFORMS`` for ``name`` (sys.platform's value), or None where the pool is not shared."""
+    name = sys.platform if name is None else name
+    name = "linux" if name.startswith("linux") else name
+    return name if name in _PLATFORMS else None
+
+
+def _mutex_bytes(name=None):
+    """A static pthread mutex's initial bytes on platform ``name`` (sys.platform's value)."""
+    return _PLATFORMS[_platform(name)]["mutex"].ljust(_MUTEX_BYTES, b"\0")
+
+
 def _mutex(builder):
-    """Pointer to a process-wide pthread mutex: a zeroed global of the compiled module (zero is
-    PTHREAD_MUTEX_INITIALIZER on Linux), so the compiled callback can be cached on disk."""
+    """Pointer to a process-wide pthread mutex: a global of the compiled module holding the platform's
+    PTHREAD_MUTEX_INITIALIZER, so the compiled callback can be cached on disk (its cache tag names the
+    target, hence the platform)."""
     mod = builder.module
     name = "linattn_blas_pool_mutex"
     try:
         gv = mod.get_global(name)
     except KeyError:
-        gv = ir.GlobalVariable(mod, ir.ArrayType(ir.IntType(8), 64), name)
+        gv = ir.GlobalVariable(mod, ir.ArrayType(ir.IntType(8), _MUTEX_BYTES), name)
         gv.linkage = "internal"
-        gv.initializer = ir.Constant(gv.type.pointee, None)
+        gv.initializer = ir.Constant(gv.type.pointee, bytearray(_mutex_bytes()))
         gv.align = 64
     return builder.bitcast(gv, ir.IntType(8).as_pointer())
 
@@ -91,8 +114,8 @@ def _unlock(typingctx):
 #: forever).
 _ARRIVAL_TIMEOUT_NS = 500_000
 
-#: clock_gettime's id of the monotonic clock.
-_CLOCK_MONOTONIC = 6 if sys.platform == "darwin" else 1
+#: clock_gettime's id of the monotonic clock (Linux's where the pool is not shared: the tests' own calls).
+_CLOCK_MONOTONIC = _PLATFORMS[_platform() or "linux"]["monotonic"]
 
 _I8P = ir.IntType(8).as_pointer()
 _I32 = ir.IntType(32)
@@ -407,9 +430,10 @@ def _setter(path):
 
 def sharable(libraries):
     """{path: True when that OpenBLAS has the callback setter} for the given library paths (all False
-    when ``LINATTN_SHARE_BLAS_THREADS=0``, and on Windows)."""
+    when ``LINATTN_SHARE_BLAS_THREADS=0``, and on platforms other than Linux and macOS: the callback
+    calls pthreads with constants of those two, see ``_PLATFORMS``)."""
     enabled = os.environ.get("LINATTN_SHARE_BLAS_THREADS", "1").strip().lower() not in ("0", "false", "no", "off")
-    enabled = enabled and os.name == "posix"  # the callback calls pthreads
+    enabled = enabled and _platform() is not None
     return {path: enabled and _setter(path) is not None for path in libraries}
 
 
