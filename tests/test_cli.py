@@ -23,6 +23,27 @@ def test_info_subprocess():
     assert facts["threading_layer"] in ("omp", "tbb", "workqueue")
 
 
+@pytest.mark.parametrize("env, why", [
+    ({"NUMBA_THREADING_LAYER": "workqueue"}, "on Numba's omp or tbb threading layer; this process runs workqueue"),
+    ({"LINATTN_SHARE_BLAS_THREADS": "0"}, "(LINATTN_SHARE_BLAS_THREADS=0 is set)"),
+])
+def test_info_says_why_an_openblas_keeps_its_threads(env, why):
+    """An OpenBLAS that could share linattn's pool but does not: `info` advises OPENBLAS_THREAD_TIMEOUT and
+    says why, not "use OpenBLAS 0.3.27 or later" to a user who has it."""
+    from linattn.cpu import blas_pool, runtime
+
+    sharable = [path for path, api in runtime._threaded_blas() if api == "openblas" and blas_pool._setter(path)]
+    if not sharable or blas_pool._platform() is None:
+        pytest.skip("no threaded OpenBLAS 0.3.27 or later here")
+    res = subprocess.run([sys.executable, "-m", "linattn", "info", "--json"], capture_output=True, text=True,
+                         timeout=300, env=dict(os.environ, **env))
+    assert res.returncode == 0, res.stderr
+    facts = json.loads(res.stdout)
+    advice = [line for line in facts["advice"] or () if os.path.basename(sharable[0]) in line]
+    assert len(advice) == 1 and "OPENBLAS_THREAD_TIMEOUT=4" in advice[0] and why in advice[0], facts
+    assert "0.3.27" not in advice[0]
+
+
 def test_info_text(capsys):
     assert cli.main(["info"]) == 0
     out = capsys.readouterr().out

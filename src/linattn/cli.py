@@ -107,15 +107,29 @@ def _blas_report():
         if api == "openblas":
             advice.append(f"{os.path.basename(path)} keeps its own threads, which spin ~0.1 s after each "
                           "call on the cores linattn needs next: start Python with OPENBLAS_THREAD_TIMEOUT=4 "
-                          "(or use OpenBLAS 0.3.27 or later, whose threads linattn shares)"
-                          + (" [LINATTN_SHARE_BLAS_THREADS=0 is set]"
-                             if os.environ.get("LINATTN_SHARE_BLAS_THREADS") else ""))
+                          + _why_not_shared(path))
         elif api == "mkl":
             advice.append(f"{os.path.basename(path)} (MKL) keeps its own threads, which spin after each call "
                           "(Intel OpenMP: 200 ms by default): start Python with KMP_BLOCKTIME=0")
         else:
             advice.append(f"{os.path.basename(path)} ({api}) keeps threads of its own that linattn cannot share")
     return libs, advice or None
+
+
+def _why_not_shared(path):
+    """Why the OpenBLAS at ``path`` keeps threads of its own, in parentheses."""
+    import numba
+
+    from .cpu import blas_pool
+
+    if os.environ.get("LINATTN_SHARE_BLAS_THREADS"):
+        return f"(LINATTN_SHARE_BLAS_THREADS={os.environ['LINATTN_SHARE_BLAS_THREADS']} is set)"
+    if blas_pool._setter(path) is None:
+        return "(or use OpenBLAS 0.3.27 or later, whose threads linattn shares)"
+    if blas_pool._platform() is None:
+        return "(linattn shares OpenBLAS's threads on Linux and macOS only)"
+    return (f"(linattn shares OpenBLAS's threads on Numba's omp or tbb threading layer; this process runs "
+            f"{numba.threading_layer()})")
 
 
 def _cuda_status():
