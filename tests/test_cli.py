@@ -26,6 +26,7 @@ def test_info_subprocess():
 @pytest.mark.parametrize("env, why", [
     ({"NUMBA_THREADING_LAYER": "workqueue"}, "on Numba's omp or tbb threading layer; this process runs workqueue"),
     ({"LINATTN_SHARE_BLAS_THREADS": "0"}, "(LINATTN_SHARE_BLAS_THREADS=0 is set)"),
+    ({"NUMBA_THREADING_LAYER": "workqueue", "LINATTN_SHARE_BLAS_THREADS": "1"}, "this process runs workqueue"),
 ])
 def test_info_says_why_an_openblas_keeps_its_threads(env, why):
     """An OpenBLAS that could share linattn's pool but does not: `info` advises OPENBLAS_THREAD_TIMEOUT and
@@ -35,8 +36,9 @@ def test_info_says_why_an_openblas_keeps_its_threads(env, why):
     sharable = [path for path, api in runtime._threaded_blas() if api == "openblas" and blas_pool._setter(path)]
     if not sharable or blas_pool._platform() is None:
         pytest.skip("no threaded OpenBLAS 0.3.27 or later here")
+    full = {name: value for name, value in os.environ.items() if name != "LINATTN_SHARE_BLAS_THREADS"}
     res = subprocess.run([sys.executable, "-m", "linattn", "info", "--json"], capture_output=True, text=True,
-                         timeout=300, env=dict(os.environ, **env))
+                         timeout=300, env=dict(full, **env))
     assert res.returncode == 0, res.stderr
     facts = json.loads(res.stdout)
     advice = [line for line in facts["advice"] or () if os.path.basename(sharable[0]) in line]

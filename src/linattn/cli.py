@@ -122,14 +122,16 @@ def _why_not_shared(path):
 
     from .cpu import blas_pool
 
-    if os.environ.get("LINATTN_SHARE_BLAS_THREADS"):
+    if blas_pool.turned_off():
         return f"(LINATTN_SHARE_BLAS_THREADS={os.environ['LINATTN_SHARE_BLAS_THREADS']} is set)"
     if blas_pool._setter(path) is None:
         return "(or use OpenBLAS 0.3.27 or later, whose threads linattn shares)"
     if blas_pool._platform() is None:
         return "(linattn shares OpenBLAS's threads on Linux and macOS only)"
-    return (f"(linattn shares OpenBLAS's threads on Numba's omp or tbb threading layer; this process runs "
-            f"{numba.threading_layer()})")
+    layer = numba.threading_layer()
+    if layer not in ("omp", "tbb"):
+        return f"(linattn shares OpenBLAS's threads on Numba's omp or tbb threading layer; this process runs {layer})"
+    return "(loaded after linattn started its threads: it shares the OpenBLAS libraries loaded by then)"
 
 
 def _cuda_status():

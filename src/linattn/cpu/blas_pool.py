@@ -432,9 +432,13 @@ def sharable(libraries):
     """{path: True when that OpenBLAS has the callback setter} for the given library paths (all False
     when ``LINATTN_SHARE_BLAS_THREADS=0``, and on platforms other than Linux and macOS: the callback
     calls pthreads with constants of those two, see ``_PLATFORMS``)."""
-    enabled = os.environ.get("LINATTN_SHARE_BLAS_THREADS", "1").strip().lower() not in ("0", "false", "no", "off")
-    enabled = enabled and _platform() is not None
+    enabled = not turned_off() and _platform() is not None
     return {path: enabled and _setter(path) is not None for path in libraries}
+
+
+def turned_off():
+    """Whether ``LINATTN_SHARE_BLAS_THREADS`` says not to share the pool (0, false, no or off)."""
+    return os.environ.get("LINATTN_SHARE_BLAS_THREADS", "1").strip().lower() in ("0", "false", "no", "off")
 
 
 def share(libraries, layer):
