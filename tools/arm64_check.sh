@@ -27,7 +27,7 @@ fi
 rm -rf "$root/opt/linattn" && mkdir -p "$root/opt/linattn"
 git ls-files -z | xargs -0 tar -c | tar -x -C "$root/opt/linattn"
 chroot "$root" /opt/venv/bin/pip install -q --no-deps /opt/linattn
-mountpoint -q "$root/proc" || mount -t proc proc "$root/proc"
+mountpoint -q "$root/proc" || { mount -t proc proc "$root/proc"; trap 'umount "$root/proc"' EXIT; }
 chroot "$root" dpkg -r --force-depends libgomp1 > /dev/null 2>&1 || true
 echo "== workqueue layer (no libgomp)"
 chroot "$root" env NUMBA_CACHE_DIR=/opt/cache /opt/venv/bin/python /opt/linattn/tools/arm64_smoke.py
