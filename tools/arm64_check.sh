@@ -3,7 +3,7 @@
 # qemu-user: a Debian arm64 root, pip's NumPy, SciPy and Numba for aarch64, this working tree installed, then
 # tools/arm64_smoke.py on Numba's workqueue layer (no libgomp) and on its omp layer (with libgomp: OpenBLAS
 # shares linattn's pool). Needs root and Debian's qemu-user-static and debootstrap. Compiling under emulation
-# takes minutes: about 15 minutes with a new root, 10 once it exists.
+# takes minutes: about 10 minutes with a new root, one once it exists (its kernels cached).
 #     sudo bash tools/arm64_check.sh [root directory, default /tmp/linattn-arm64]
 set -euo pipefail
 root=${1:-/tmp/linattn-arm64}

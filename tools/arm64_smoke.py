@@ -25,7 +25,7 @@ def check(name, got, want, tol):
     assert err < tol, name
 
 
-out, state = linattn.causal_linear_attention(q, k, v, return_state=True)
+out, _ = linattn.causal_linear_attention(q, k, v, return_state=True)
 print("machine", platform.machine(), "linattn", linattn.__version__, "numba", numba.__version__, "layer",
       numba.threading_layer(), "threads", numba.get_num_threads(), flush=True)
 check("causal", out, ref, 1e-5)
