@@ -228,12 +228,18 @@ def test_jobs_that_wait_for_each_other_all_run_at_once(numjobs, numba_threads):
     assert list(state[2:]) == [1] * numjobs
 
 
+@numba.njit
+def _on_pool(numjobs, params, claims, tids):
+    blas_pool._on_pool(numjobs, params, claims, tids)
+
+
 @_WHERE_SHARED
 def test_jobs_on_a_team_smaller_than_them_all_run_at_once():
     # the pool's loop on a team of one thread (as a nested region's), asked to run three jobs: the
     # first waits for the others to be taken, then starts them on threads of their own
     runtime.start_threads()
     blas_pool._resolve_team_size(numba.threading_layer())  # as sharing a BLAS does
+    blas_pool._resolve_jobs()
     numjobs = 3
     state = np.zeros(2 + numjobs, np.int64)
     params = np.array([[_waiting_job.address, job, state.ctypes.data, numjobs] for job in range(numjobs)], np.int64)
@@ -241,7 +247,7 @@ def test_jobs_on_a_team_smaller_than_them_all_run_at_once():
     before = numba.get_num_threads()
     numba.set_num_threads(1)
     try:
-        blas_pool._jobs_loop()(numjobs, params.ravel(), claims, tids)
+        _on_pool(np.int32(numjobs), params.ravel(), claims, tids)
     finally:
         numba.set_num_threads(before)
     assert state[0] == numjobs and state[1] == 0

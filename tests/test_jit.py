@@ -342,7 +342,7 @@ def test_every_cache_index_holds_one_signature(tmp_path):
     indexes = list(tmp_path.rglob("*.nbi"))
     names = " ".join(p.name for p in indexes)
     for part in ("_step_nd_serial_", "_elementwise_vjp_", "_trampoline_serial_", "_launch_serial_",
-                 "_run_generic_", "linattn_small_gemm_") + (("_run_jobs_loop_", "_callback_serial_") if pool else ()):
+                 "_run_generic_", "linattn_small_gemm_") + (("_jobs_share_", "_callback_serial_") if pool else ()):
         assert part in names
     assert len([p for p in indexes if "_step_nd_serial_" in p.name]) >= 4  # two dtypes, with and without decay
     assert {p.name: len(_index_entries(p)) for p in indexes} == {p.name: 1 for p in indexes}

@@ -35,12 +35,15 @@ import sys
 import numpy as np
 from llvmlite import binding as llvm
 from llvmlite import ir
-from numba import prange, types
+from numba import types
 from numba.core import cgutils
 from numba.extending import intrinsic
 
 from .. import _cache
-from .._jit import cache_tag, njit, renamed, renamed_for
+from .._jit import array, njit, renamed_for
+from . import threaded
+from .buffers import empty, zeros
+from .schedule import take
 
 #: Symbol-name variants of the callback setter: plain, SciPy's wheels' prefix, 64-bit-integer suffixes.
 _SETTERS = [f"{p}openblas_set_threads_callback_function{s}" for p in ("", "scipy_") for s in ("", "64_", "_64")]
@@ -320,48 +323,84 @@ def _await_the_others(claims, tids, params, numjobs):
                 return
 
 
-def _run_jobs_loop(numjobs, params, claims, tids):
-    """Run the jobs 0..numjobs-1 of params (int64: dojob, job, job data, dojob_data for each) on
-    Numba's threads; where the team is smaller than numjobs (or not known), each once every job has
-    been taken (see the module's docstring). claims, tids: numjobs + 1 and numjobs zeros (int64);
-    claims[numjobs] counts the jobs taken by pool threads."""
-    for job in prange(numjobs):
-        mine = _team_size() >= numjobs  # a thread per job: run at once
-        if not mine and _take_job(claims, job, 1):
-            _await_the_others(claims, tids, params, numjobs)
-            mine = True
-        if mine:
-            _dojob(params[4 * job], np.int32(job), params[4 * job + 2], np.int32(params[4 * job + 3]))
+#: Symbols of the generic parallel loop (cpu/threaded.py's ``_run_generic``, which the kernels run on) and
+#: of ``_jobs_share`` compiled: the callback calls them through these (see ``_resolve_jobs``).
+_LOOP, _JOBS = "linattn_blas_pool_loop", "linattn_blas_pool_jobs"
+
+
+def _symbol_address(name):
+    """An intrinsic that gives the address (int64) of the function at symbol ``name``."""
+
+    @intrinsic
+    def address(typingctx):
+        def codegen(context, builder, sig, args):
+            fn = cgutils.get_or_insert_function(builder.module, ir.FunctionType(ir.VoidType(), []), name)
+            return builder.ptrtoint(fn, _I64)
+
+        return types.int64(), codegen
+
+    return address
+
+
+_loop_address, _jobs_address = _symbol_address(_LOOP), _symbol_address(_JOBS)
+
+_JOBS_ARGS = types.Tuple((types.int64,) + (array(types.int64, 1),) * 3)  # numjobs, params, claims, tids
+
+
+def _jobs_share(payload, counter):
+    """One pool thread's part of ``_on_pool``'s loop: the next job of those at ``payload`` (a pointer to
+    numjobs, params, claims, tids) taken from ``counter``; where the team running it is smaller than
+    numjobs (or not known), run once every job has been taken (see the module's docstring)."""
+    numjobs, params, claims, tids = threaded._load(payload)
+    job = take(counter)
+    mine = _team_size() >= numjobs  # a thread per job: run at once
+    if not mine and _take_job(claims, job, 1):
+        _await_the_others(claims, tids, params, numjobs)
+        mine = True
+    if mine:
+        _dojob(params[4 * job], np.int32(job), params[4 * job + 2], np.int32(params[4 * job + 3]))
+
+
+_jobs = []  # _jobs_share compiled (or loaded from the cache), kept alive while its symbol points at it
+
+
+def _resolve_jobs():
+    """Point _LOOP at the generic parallel loop and _JOBS at ``_jobs_share`` (compiled, or loaded from the
+    cache), before the callback is compiled or loaded. The kernels run on that loop too, so a process
+    compiles one parallel loop, not two (a parallel loop of its own cost the callback ~0.5 s cold)."""
+    if not _jobs:
+        sig = types.void(types.CPointer(_JOBS_ARGS), array(types.int64, 1))
+        jobs = njit(signature=sig, wrappers=False)(renamed_for(_jobs_share, False, sig))
+        _jobs.append(jobs)
+        llvm.add_symbol(_JOBS, threaded._address(jobs)[1])
+        llvm.add_symbol(_LOOP, threaded._generic_loop()[1])
+
+
+@njit(helper=True)
+def _on_pool(numjobs, params, claims, tids):
+    """Run the jobs 0..numjobs-1 of params (int64: dojob, job, job data, dojob_data for each) on Numba's
+    threads, one prange iteration each (the generic loop, running ``_jobs_share``); then wait for those
+    started on threads of their own. claims, tids: numjobs + 1 and numjobs zeros (int64); claims[numjobs]
+    counts the jobs taken by pool threads."""
+    n = np.int64(numjobs)
+    threaded._call_loop(_loop_address(), _jobs_address(), threaded._address_of((n, params, claims, tids)), n)
     _join_own(claims, tids, numjobs)
-
-
-_run_jobs = None  # _run_jobs_loop compiled (_jobs_loop), as the callback that calls it is
-
-
-def _jobs_loop():
-    """_run_jobs_loop compiled as a parallel loop, under a cache name of its own: made on first use, not
-    at import (its cache place is chosen when it is made, and a process whose BLAS never calls back must
-    not report a cache problem for it)."""
-    global _run_jobs
-    if _run_jobs is None:
-        _run_jobs = njit(parallel=True)(renamed(_run_jobs_loop, True, cache_tag("_run_jobs")))
-    return _run_jobs
 
 
 @njit(helper=True)
 def _run_all(dojob, numjobs, elsize, jobdata, dojob_data, pool_threads):
     """Run OpenBLAS's jobs 0..numjobs-1 all at once: on Numba's pool where the calling thread has
     ``pool_threads >= numjobs`` of its threads, else job 0 here and the others on threads of their own."""
-    params = np.empty(4 * numjobs, np.int64)
+    params = empty(4 * numjobs, np.int64)  # (cpu/buffers.py: no NumPy overloads compiled)
     for job in range(numjobs):
         params[4 * job] = dojob
         params[4 * job + 1] = job
         params[4 * job + 2] = jobdata + job * elsize
         params[4 * job + 3] = dojob_data
-    claims = np.zeros(numjobs + 1, np.int64)
-    tids = np.zeros(numjobs, np.int64)
+    claims = zeros(numjobs + 1, np.int64)
+    tids = zeros(numjobs, np.int64)
     if numjobs <= pool_threads:
-        _run_jobs(numjobs, params, claims, tids)
+        _on_pool(numjobs, params, claims, tids)
     else:  # the calling thread runs job 0, threads of our own the others
         claims[0] = 1
         _start_the_rest(claims, tids, params, numjobs)
@@ -409,7 +448,7 @@ def _address(layer):
     global _compiled
     if _compiled is None:
         _resolve_team_size(layer)
-        _jobs_loop()  # (before the callback, whose typing finds it)
+        _resolve_jobs()
         _compiled = _cfunc(_SIGNATURE, _callback)
     return _compiled.address
 
