@@ -33,7 +33,7 @@ from numba.extending import overload
 from numba.np.numpy_support import as_dtype
 
 from .._jit import OVERLOAD_OPTIONS, array, njit
-from .buffers import empty, zeros
+from .buffers import empty, one_of, zeros
 from .chunked import (FOLD_EVERY, _copy_row, _current, _init_state, _rows_to_touch, _state_buffers, _write_state,
                       job_of, pending_added, segment_parts, split_state)
 from .dynamic import DONE, RUN_SPLIT, SPLIT, STARTING, mark_swap, next_job, publish
@@ -390,7 +390,7 @@ def _causal_backward(q, k, v, g, out, den, fm, fp, fa, da, normalize, s, lengths
     e, dt = v.shape[3] + 1, dq.dtype
     has_r = rq.shape[1] > 0
     decayed = bool(gates.ndim > 1)  # bool()/int(): run-time values, not literals (see _jit)
-    one = np.ones(1, dt)[0]
+    one = one_of(dt)
     mapper = map_state(fm, fp, fa, q.shape[3], d, dt)
     mp = unowned(mapper)  # (its parameters are shared by the threads: each view's atomic add contended)
     # views without reference counting (see chunked._causal_forward): the caller owns the arguments,

@@ -59,3 +59,12 @@ def _allocator(name, zero, doc):
 
 empty = _allocator("empty", False, "np.empty(shape, dtype) in a kernel (see the module). Only from Numba code.")
 zeros = _allocator("zeros", True, "np.zeros(shape, dtype) in a kernel (see the module). Only from Numba code.")
+
+
+@intrinsic
+def one_of(typingctx, dtype):
+    """1 in ``dtype`` (a NumPy dtype or scalar type): ``np.ones(1, dtype)[0]`` without NumPy's overloads
+    compiled (see the module). Only from Numba code."""
+    if not isinstance(dtype, (types.NumberClass, types.DType)):
+        return None
+    return dtype.dtype(dtype), lambda context, builder, sig, args: context.get_constant(sig.return_type, 1)

@@ -27,7 +27,7 @@ from numba import types
 
 from .._jit import array, njit
 from .backward import _load_adjoints, _load_values, _scale_columns, _times_derivative
-from .buffers import empty
+from .buffers import empty, one_of
 from .chunked import (FOLD_EVERY, _rows_to_touch, _segment, _state_buffers, few_positions, folded_after,
                       zero_unless_summed)
 from .mapfns import load_features, map_state, mapped_dim
@@ -157,7 +157,7 @@ def _noncausal_backward(q, k, v, g, out, fm, fp, fa, da, s, eps, normalize, leng
     """
     g2, d = q.shape[1], mapped_dim(fm, fp, q.shape[3])  # (d: D', the features)
     e, dt = v.shape[3] + 1, dq.dtype
-    one = np.ones(1, dt)[0]
+    one = one_of(dt)
     mapper = map_state(fm, fp, fa, q.shape[3], d, dt)
     mp = unowned(mapper)  # (its parameters are shared by the threads: each view's atomic add contended)
     q, k, v, g, out, dq, dk, dv, parts = unowned((q, k, v, g, out, dq, dk, dv, parts))  # (see chunked)
