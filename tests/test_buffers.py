@@ -1,10 +1,10 @@
-"""cpu/buffers.py: the kernels' scratch arrays (empty, zeros) against NumPy's."""
+"""cpu/buffers.py: the kernels' scratch arrays (empty, zeros) against NumPy's, and one_of."""
 import numpy as np
 import pytest
-from numba import njit
+from numba import from_dtype, njit, types
 from numba.core.errors import TypingError
 
-from linattn.cpu.buffers import empty, zeros
+from linattn.cpu.buffers import empty, one_of, zeros
 
 SUB = 8
 
@@ -43,3 +43,24 @@ def test_bad_arguments_do_not_type():
         bad_shape(1.5)
     with pytest.raises(TypingError):
         bad_dtype(3)
+
+
+@njit
+def _ones(x):
+    return one_of(x.dtype), one_of(np.float64), one_of(np.int32)
+
+
+@pytest.mark.parametrize("dtype", [np.float32, np.float64])
+def test_one_of_is_one_in_that_dtype(dtype):
+    assert _ones(np.zeros(2, dtype)) == (1, 1, 1)  # (as np.ones(1, dtype)[0], which the kernels used)
+    returned = {sig.args[0].dtype: sig.return_type for sig in _ones.nopython_signatures}
+    assert returned[from_dtype(dtype)] == types.Tuple((from_dtype(dtype), types.float64, types.int32))
+
+
+def test_one_of_needs_a_dtype():
+    @njit
+    def bad(x):
+        return one_of(x)
+
+    with pytest.raises(TypingError):
+        bad(2.0)

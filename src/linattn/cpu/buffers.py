@@ -1,11 +1,12 @@
 """``empty`` and ``zeros`` for the kernels' scratch arrays, allocated by code written into the kernel
-itself.
+itself (and ``one_of``, a dtype's 1, for the same reason).
 
 ``np.empty`` in a kernel goes through NumPy's overload, which Numba compiles as a library of its own
 (typed, optimised, emitted) for every pattern of arguments it meets: 11 of them in a gated forward,
 0.6 s of its cold first call, and ``np.zeros`` 0.2 s more. These intrinsics emit the allocation
 (Numba's own ``_empty_nd_impl``, as ``np.empty`` ends up doing) at the call site instead. Sizes must
-not be negative (unchecked: the kernels compute them).
+not be negative (unchecked: the kernels compute them). The BLAS pool's callback allocates the same way
+(cpu/blas_pool.py: three overloads, ~0.3 s of a process's first call).
 """
 from numba.core import cgutils, types
 from numba.core.imputils import impl_ret_new_ref
