@@ -1,8 +1,25 @@
 import os
 
-import numpy as np
-import pytest
-from hypothesis import settings
+
+def _default_threads():
+    """Numba's default number of threads: this process's CPUs (its affinity where the platform has one)."""
+    try:
+        return len(os.sched_getaffinity(0))
+    except AttributeError:
+        return os.cpu_count() or 1
+
+
+# The suite runs the kernels' paths on two threads (heads split between threads, work items taken by two,
+# OpenBLAS's jobs on the pool) on any machine, its one-thread paths through numba.set_num_threads(1) and the
+# calls' own plans: Numba's pool needs two threads at least. On a machine with one CPU (or under
+# NUMBA_NUM_THREADS=1) it would have one, and each test's numba.set_num_threads(2) failed (46 tests). Set
+# here, before Numba is imported (a test module's import; subprocesses inherit it).
+if int(os.environ.get("NUMBA_NUM_THREADS") or _default_threads()) < 2:
+    os.environ["NUMBA_NUM_THREADS"] = "2"
+
+import numpy as np  # noqa: E402
+import pytest  # noqa: E402
+from hypothesis import settings  # noqa: E402
 
 # The random tests (hypothesis) draw the same examples in every run unless LINATTN_HYPOTHESIS=explore
 # (then new ones each run, as when looking for bugs): a CI run cannot fail on a draw no run saw before.
