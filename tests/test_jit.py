@@ -310,6 +310,19 @@ def test_other_tunings_share_the_source_stamp_not_the_tag():
     assert host_tag != tuned_tag
 
 
+def test_numbas_code_settings_have_tags_of_their_own():
+    # Numba's cache keys leave out its settings that change the code: kernels compiled under NUMBA_OPT=0 (a
+    # debugging run) were loaded by every later process of that version (B1 H8 N2048 6.5 ms instead of 2.8),
+    # and NUMBA_BOUNDSCHECK=1 would leave its checks in them. Each setting has tags of its own; the same
+    # settings, the same tag.
+    tags = {name: _run(_STAMP_PROBE, dict(os.environ, **env))[1]
+            for name, env in (("default", {}), ("again", {}), ("O0", {"NUMBA_OPT": "0"}),
+                              ("checked", {"NUMBA_BOUNDSCHECK": "1"}), ("no slp", {"NUMBA_SLP_VECTORIZE": "0"}))}
+    assert tags["default"] == tags["again"]
+    assert len({tags[name] for name in ("default", "O0", "checked")}) == 3
+    assert tags["no slp"] == tags["default"]  # (Numba's default: a setting set to its default value)
+
+
 _INDEX_PROBE = """
 import numpy as np, linattn
 from linattn.feature_maps import as_map

@@ -169,17 +169,26 @@ def run_before_kernels(dtype):
         _before_done.add(dtype)
 
 
+#: Numba's settings that change the code it generates (NUMBA_OPT, NUMBA_BOUNDSCHECK, ...), which its cache
+#: keys leave out: kernels compiled once under NUMBA_OPT=0 were loaded by every later process (B1 H8 N2048
+#: 6.5 ms instead of 2.8), and under NUMBA_BOUNDSCHECK=1 they would keep their checks. Part of the cache tag.
+_CODEGEN_SETTINGS = ("OPT", "LOOP_VECTORIZE", "SLP_VECTORIZE", "ENABLE_AVX", "BOUNDSCHECK", "DEBUGINFO_DEFAULT",
+                     "EXTEND_VARIABLE_LIFETIMES")
+
+
 @functools.cache
 def _machine():
     """What Numba's cache keys tell machines apart by (its code generator's "magic tuple": the target
-    triple, the CPU name and its features), read as Numba reads them, at least as fine as Numba's; and
-    the CPU linattn tunes for (_tuning.py), which Numba's keys do not tell apart."""
+    triple, the CPU name and its features), read as Numba reads them, at least as fine as Numba's; the
+    CPU linattn tunes for (_tuning.py) and Numba's settings that change the code (_CODEGEN_SETTINGS),
+    which Numba's keys do not tell apart."""
     from numba.core import config
 
     cpu = config.CPU_NAME or llvm_binding.get_host_cpu_name()
     features = config.CPU_FEATURES if config.CPU_FEATURES is not None else \
         llvm_binding.get_host_cpu_features().flatten()
-    return llvm_binding.get_process_triple(), cpu, features, f"tune-cpu {_tuning.CHOSEN}"
+    settings = tuple((name, repr(getattr(config, name, None))) for name in _CODEGEN_SETTINGS)
+    return llvm_binding.get_process_triple(), cpu, features, f"tune-cpu {_tuning.CHOSEN}", settings
 
 
 def cache_tag(*parts):
