@@ -315,12 +315,29 @@ def test_numbas_code_settings_have_tags_of_their_own():
     # debugging run) were loaded by every later process of that version (B1 H8 N2048 6.5 ms instead of 2.8),
     # and NUMBA_BOUNDSCHECK=1 would leave its checks in them. Each setting has tags of its own; the same
     # settings, the same tag.
-    tags = {name: _run(_STAMP_PROBE, dict(os.environ, **env))[1]
+    base = {key: value for key, value in os.environ.items()  # (Numba's defaults, whatever this run sets)
+            if key not in {"NUMBA_" + name for name in _jit._CODEGEN_SETTINGS} | {"NUMBA_DEBUGINFO"}}
+    tags = {name: _run(_STAMP_PROBE, dict(base, **env))[1]
             for name, env in (("default", {}), ("again", {}), ("O0", {"NUMBA_OPT": "0"}),
                               ("checked", {"NUMBA_BOUNDSCHECK": "1"}), ("no slp", {"NUMBA_SLP_VECTORIZE": "0"}))}
     assert tags["default"] == tags["again"]
     assert len({tags[name] for name in ("default", "O0", "checked")}) == 3
     assert tags["no slp"] == tags["default"]  # (Numba's default: a setting set to its default value)
+
+
+_CHECKED = """
+import numpy as np, linattn
+from linattn import reference
+q, k, v = (np.random.default_rng(seed).standard_normal((2, 70, 3)) for seed in range(3))
+print(float(np.max(np.abs(linattn.linear_attention(q, k, v) - reference.masked(q, k, v, causal=False)))))
+"""
+
+
+def test_calls_run_under_numbas_bounds_checks():
+    # NUMBA_BOUNDSCHECK=1 (a user debugging their own Numba code) compiles linattn's kernels with bounds checks
+    # too: the non-causal forward raised IndexError (a view of a head's segment parts where a call has none, at
+    # an index past the end of an array with no rows, read by no one). The whole suite passes under it.
+    assert float(_run(_CHECKED, dict(os.environ, NUMBA_BOUNDSCHECK="1"))[0]) < 1e-12
 
 
 _INDEX_PROBE = """

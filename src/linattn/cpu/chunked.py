@@ -786,6 +786,7 @@ def _noncausal_forward(q, k, v, fm, fp, fa, eps, normalize, scale, lengths, qlen
     owners = (empty((chunk, d_), dt), empty((chunk, d_), dt), empty((chunk, dv), dt),
               empty((d_, dv), dt), empty(d_, dt), empty(chunk, dt))
     QA, Kf, V, S, Zb, RF = unowned(owners)
+    no_parts = empty((0, 1, 1), np.float64)  # (a head's parts where there are none: parts[0] is out of bounds)
     item = take(counter)
     while item < items:
         h, s, c0, c1 = _segment(item, nseg, frac, nchunks)
@@ -805,7 +806,7 @@ def _noncausal_forward(q, k, v, fm, fp, fa, eps, normalize, scale, lengths, qlen
         c0, c1 = min(c0, qc), min(c1, qc)
         if c0 < c1 or (s == 0 and S_out.shape[0] > 0):
             _noncausal_segment(q[h1, h2][:qlength], kh, vh, out[h1, h2], mp, eps, normalize, scale, chunk, c0, c1,
-                               QA, Kf, V, S, Zb, RF, parts[h] if parts.shape[0] > 0 else parts[0, :0], S0, Z0, h, S_out,
+                               QA, Kf, V, S, Zb, RF, parts[h] if parts.shape[0] > 0 else no_parts, S0, Z0, h, S_out,
                                Z_out, s == 0)
         if s == nseg - 1 and qlength < n:
             out[h1, h2][qlength:] = 0
