@@ -311,3 +311,19 @@ def test_precompile_a_map_with_weights():
     done = linattn.precompile(["float64"], ["step", "noncausal"], feature_map=fm.T2R(np.ones((5, 3))))
     assert [name for name, _ in done] == ["linear_attention float64",
                                           "linear_attention, a query over the keys' state float64", "step float64"]
+
+
+def test_commands_without_numbas_compiler_say_why():
+    # NUMBA_DISABLE_JIT=1: info gives the versions and says why nothing else (it ended in a traceback), bench and
+    # compile stop with that line.
+    env = dict(os.environ, NUMBA_DISABLE_JIT="1")
+    res = subprocess.run([sys.executable, "-m", "linattn", "info", "--json"], capture_output=True, text=True,
+                         env=env, timeout=300, check=False)
+    assert res.returncode == 0, res.stderr
+    facts = json.loads(res.stdout)
+    assert facts["numba"] and len(facts["advice"]) == 1 and "NUMBA_DISABLE_JIT is set" in facts["advice"][0]
+    for command in ("bench", "compile"):
+        res = subprocess.run([sys.executable, "-m", "linattn", command], capture_output=True, text=True, env=env,
+                             timeout=300, check=False)
+        assert res.returncode == 1 and "Traceback" not in res.stderr
+        assert res.stderr.startswith(f"python -m linattn {command}: ") and "NUMBA_DISABLE_JIT is set" in res.stderr

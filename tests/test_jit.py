@@ -340,6 +340,30 @@ def test_calls_run_under_numbas_bounds_checks():
     assert float(_run(_CHECKED, dict(os.environ, NUMBA_BOUNDSCHECK="1"))[0]) < 1e-12
 
 
+_NO_COMPILER = """
+import numpy as np, linattn
+q = np.ones((1, 2, 8, 4))
+state = linattn.State.zeros((1, 2), 4, 4)
+calls = (lambda: linattn.causal_linear_attention(q, q, q), lambda: linattn.linear_attention(q, q, q),
+         lambda: linattn.step(q[:, :, 0], q[:, :, 0], q[:, :, 0], state),
+         lambda: linattn.causal_linear_attention_vjp(q, q, q))
+for call in calls:
+    try:
+        call()
+        print("ran")
+    except RuntimeError as exc:
+        print("NUMBA_DISABLE_JIT" in str(exc) and "unset it" in str(exc))
+print(np.allclose(linattn.reference.masked(q, q, q), 1))
+"""
+
+
+def test_calls_without_numbas_compiler_say_why():
+    # NUMBA_DISABLE_JIT=1 (set to debug one's own Numba code as Python) leaves linattn's kernels, built of compiled
+    # pieces, unable to run: each call failed with an AttributeError from inside the cache's setup. It raises a
+    # RuntimeError that names the setting; the NumPy references still run.
+    assert _run(_NO_COMPILER, dict(os.environ, NUMBA_DISABLE_JIT="1")) == ["True"] * 5
+
+
 _INDEX_PROBE = """
 import numpy as np, linattn
 from linattn.feature_maps import as_map

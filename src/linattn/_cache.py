@@ -113,6 +113,9 @@ def cfunc(fn, signature, pipeline_class=None, **options):
     cache it (nothing writable, nothing precompiled), compiled in this process."""
     from numba.core.ccallback import CFunc
 
+    from ._jit import require_compiler  # (_jit imports this module)
+
+    require_compiler()
     extra = {} if pipeline_class is None else {"pipeline_class": pipeline_class}
     compiled = CFunc(fn, sigutils.normalize_signature(signature), locals={}, options=options, **extra)
     try:

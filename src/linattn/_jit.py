@@ -63,6 +63,16 @@ before_kernels = []
 _before_done = set()
 
 
+def require_compiler():
+    """A RuntimeError where Numba's compiler is turned off (``NUMBA_DISABLE_JIT=1``, set to debug one's own Numba
+    code: ``numba.njit`` then returns the Python function, and linattn's kernels, built of compiled pieces,
+    cannot run as Python; they failed with an AttributeError)."""
+    if numba.config.DISABLE_JIT:
+        raise RuntimeError("linattn's kernels need Numba's compiler, and NUMBA_DISABLE_JIT is set (Numba then runs "
+                           "functions as Python, which cannot run them): unset it for this process. "
+                           "linattn.reference has slow NumPy versions of the calls.")
+
+
 def njit(*, parallel=False, helper=False, signature=None, wrappers=True):
     """``numba.njit`` with linattn's options, caching on disk where a cache directory is writable.
 
@@ -81,6 +91,7 @@ def njit(*, parallel=False, helper=False, signature=None, wrappers=True):
         args = () if signature is None else (signature,)
         if helper:
             return numba.njit(*args, **_link_only(), **OPTIONS)(fn)
+        require_compiler()
         bare = dict(TUNED) if wrappers else dict(_NO_WRAPPERS, **TUNED)
         try:
             compiled = _cache.njit(fn, signature, parallel=parallel, **bare, **OPTIONS)

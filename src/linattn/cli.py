@@ -37,6 +37,10 @@ def info():
     from .attention import causal_linear_attention
     from .cpu import chunked, cpu_quota, runtime
 
+    try:
+        _jit.require_compiler()
+    except RuntimeError as exc:  # (NUMBA_DISABLE_JIT: nothing compiles, the rest cannot be found out)
+        return dict(_versions(), advice=[str(exc)])
     causal_linear_attention(np.ones((2, 2, 8, 2), np.float32), np.ones((2, 2, 8, 2), np.float32),
                             np.ones((2, 2, 8, 2), np.float32))  # starts the thread pool, loads a kernel
     layer = _threading_layer()
@@ -336,6 +340,13 @@ def main(argv=None):
     p_compile.add_argument("--gradients", action="store_true", help="also the vjps and their backward")
     p_compile.add_argument("--feature-map", default="elu", help="a feature map by name (default elu)")
     args = parser.parse_args(argv)
+    if args.command != "info":
+        from . import _jit
+
+        try:
+            _jit.require_compiler()
+        except RuntimeError as exc:
+            parser.exit(1, f"python -m linattn {args.command}: {exc}\n")
     if args.command == "compile":
         return _compile(args, p_compile)
     if args.command == "info":
