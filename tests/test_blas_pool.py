@@ -281,3 +281,21 @@ def test_blas_with_fewer_numba_threads_than_its_own():
     assert res.returncode == 0, res.stderr
     if res.stdout.split()[-1] != "True":
         pytest.skip("this NumPy's BLAS does not share Numba's pool (an OpenBLAS before 0.3.27, or the workqueue layer)")
+
+
+@pytest.mark.parametrize("value, off", [("0", True), (" OFF ", True), ("no", True), ("False", True), ("1", False),
+                                        ("on", False), ("YES", False), ("", False), (None, False)])
+def test_the_switch_reads_its_values(monkeypatch, value, off):
+    if value is None:
+        monkeypatch.delenv("LINATTN_SHARE_BLAS_THREADS", raising=False)
+    else:
+        monkeypatch.setenv("LINATTN_SHARE_BLAS_THREADS", value)
+    assert blas_pool.turned_off() is off
+
+
+@pytest.mark.parametrize("value", ["maybe", "2", "-"])
+def test_the_switch_names_itself_for_another_value(monkeypatch, value):
+    # (read as "share" before: a typo like LINATTN_SHARE_BLAS_THREADS=of kept sharing without a word)
+    monkeypatch.setenv("LINATTN_SHARE_BLAS_THREADS", value)
+    with pytest.raises(ValueError, match=f"LINATTN_SHARE_BLAS_THREADS: expected 0 or 1 .*got '{value}'"):
+        blas_pool.turned_off()

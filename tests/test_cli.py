@@ -340,3 +340,13 @@ def test_info_says_when_numba_compiles_for_another_cpu():
         assert res.returncode == 0, res.stderr
         advice = json.loads(res.stdout)["advice"] or []
         assert any(line.startswith("NUMBA_CPU_NAME=generic: ") for line in advice) == told, (name, advice)
+
+
+@pytest.mark.parametrize("command", ["info", "bench"])
+@pytest.mark.parametrize("variable, value", [("LINATTN_SHARE_BLAS_THREADS", "maybe"), ("LINATTN_NUM_THREADS", "0")])
+def test_commands_name_a_bad_variable_in_one_line(command, variable, value):
+    # (they ended in a traceback from the thread pool's start)
+    res = subprocess.run([sys.executable, "-m", "linattn", command], capture_output=True, text=True,
+                         env=dict(os.environ, **{variable: value}), timeout=300, check=False)
+    assert res.returncode == 1 and "Traceback" not in res.stderr
+    assert res.stderr.startswith(f"python -m linattn {command}: {variable}: expected ") and repr(value) in res.stderr

@@ -355,13 +355,16 @@ def main(argv=None):
     p_compile.add_argument("--gradients", action="store_true", help="also the vjps and their backward")
     p_compile.add_argument("--feature-map", default="elu", help="a feature map by name (default elu)")
     args = parser.parse_args(argv)
-    if args.command != "info":
-        from . import _jit
+    from . import _jit
+    from .cpu import blas_pool, runtime
 
-        try:
+    try:
+        runtime._read_cap()  # linattn's variables, read as the first call reads them (a bad value: one line)
+        blas_pool.turned_off()
+        if args.command != "info":
             _jit.require_compiler()
-        except RuntimeError as exc:
-            parser.exit(1, f"python -m linattn {args.command}: {exc}\n")
+    except (RuntimeError, ValueError) as exc:
+        parser.exit(1, f"python -m linattn {args.command}: {exc}\n")
     if args.command == "compile":
         return _compile(args, p_compile)
     if args.command == "info":

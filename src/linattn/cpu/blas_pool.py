@@ -475,9 +475,16 @@ def sharable(libraries):
     return {path: enabled and _setter(path) is not None for path in libraries}
 
 
+_ON, _OFF = ("1", "true", "yes", "on", ""), ("0", "false", "no", "off")
+
+
 def turned_off():
-    """Whether ``LINATTN_SHARE_BLAS_THREADS`` says not to share the pool (0, false, no or off)."""
-    return os.environ.get("LINATTN_SHARE_BLAS_THREADS", "1").strip().lower() in ("0", "false", "no", "off")
+    """Whether ``LINATTN_SHARE_BLAS_THREADS`` says not to share the pool (0, false, no or off; 1, true, yes, on,
+    empty or unset share it, in any case); a ValueError naming it for another value (it was read as "share")."""
+    value = os.environ.get("LINATTN_SHARE_BLAS_THREADS", "1")
+    if value.strip().lower() not in _ON + _OFF:
+        raise ValueError(f"LINATTN_SHARE_BLAS_THREADS: expected 0 or 1 (or false/true, no/yes, off/on), got {value!r}")
+    return value.strip().lower() in _OFF
 
 
 def share(libraries, layer):
