@@ -768,9 +768,10 @@ def test_feature_map_vjps(rng):
 
 @pytest.mark.parametrize("dtype", [np.float32, np.float64])
 def test_rebased_vjp_of_many_rows_on_threads(rng, dtype):
-    """ReBased's gradients (x, gamma, beta) on enough rows for its norm's passes to share them out
-    between threads, each summing gamma's and beta's gradients into a slot of its own, against the
-    norm's backward written out in float64 NumPy around the pair map's vjp."""
+    """ReBased's gradients (x, gamma, beta) on enough rows for its vjp's pass (cpu/norm_grad.rebased_vjp) to
+    share them out between threads, each summing gamma's and beta's gradients into a slot of its own, against
+    the norm's backward written out in float64 NumPy around the pair map's vjp; and its norm's vjp alone
+    (norm_grad.norm_vjp, what follows the backward kernels) from that du."""
     from linattn.cpu import norm_grad, pair_grad
     d, s = 16, 0.7
     gamma, beta = rng.random(d) + 0.5, rng.standard_normal(d)
@@ -778,6 +779,7 @@ def test_rebased_vjp_of_many_rows_on_threads(rng, dtype):
     x = rng.standard_normal((4, 3001, d))
     dphi = rng.standard_normal((4, 3001, fmap.out_dim(d)))
     if runtime.num_threads() > 1:
+        assert runtime.threads_for(4 * 3001 * fmap.out_dim(d), pair_grad.WORK_PER_THREAD) > 1
         assert runtime.threads_for(4 * 3001 * d, norm_grad.WORK_PER_THREAD) > 1
     xs = s * x
     centred = xs - xs.mean(-1, keepdims=True)
@@ -794,6 +796,10 @@ def test_rebased_vjp_of_many_rows_on_threads(rng, dtype):
     for name in ("gamma", "beta"):
         assert rel_err(grads[name], want[name]) < tol, name
     np.testing.assert_array_equal(fmap.vjp(x.astype(dtype), dphi.astype(dtype)), dx)
+    dx, grads = fmap._vjps_of_u(x.astype(dtype), du.astype(dtype))
+    assert dx.dtype == dtype and rel_err(dx, want_dx) < tol
+    for name in ("gamma", "beta"):
+        assert grads[name].dtype == dtype and rel_err(grads[name], want[name]) < tol, name
 
 
 def _pairs_vjp_numpy(u, g, table):

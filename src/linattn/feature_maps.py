@@ -363,13 +363,13 @@ class ReBased(FeatureMap):
 
     def _vjps(self, x, dphi, y=None):
         """(dx, {"gamma": ..., "beta": ...}): the pair map's vjp (du, the gradient of u = gamma n + beta,
-        u formed as the kernels form it: cpu/pair_grad.py), then the norm's (cpu/norm_grad.py: one compiled
-        pass over the rows)."""
+        u formed as the kernels form it), then the norm's, block by block in one compiled pass over the
+        rows (cpu/norm_grad.rebased_vjp)."""
         xs, dphi, _ = self._prepared(x, dphi, need_y=False)
-        d = xs.shape[-1]
-        du = pair_grad.pairs_vjp(xs, dphi, self._family_table(d, 1 + 2 * d), pair_grad.REBASED, 1.0,
-                                 self.params(d, dphi.dtype))  # (u formed there, as the kernels form it)
-        return self._norm_vjps(xs, du)
+        dt = xs.dtype
+        dx, dgamma, dbeta = norm_grad.rebased_vjp(xs, dphi, self.params(xs.shape[-1], dt), self.gamma.astype(dt),
+                                                  float(dt.type(self.eps)), self.input_scale)
+        return dx, {"gamma": dgamma, "beta": dbeta}
 
     def _vjps_of_u(self, x, du):
         """_vjps from du (..., D), the gradient of u = gamma LN(s x) + beta (in the computation's dtype):

@@ -4,7 +4,7 @@ blocks of rows). For DPFP and Taylor the kernel also forms u from x (DPFP's [rel
 [s x, 1]) and turns du into dx. The same rows' code is a C function too, which the backward kernels call
 chunk by chunk (as map_grad's for the elementwise maps): for Taylor and DPFP, and for ReBased, whose u
 (gamma LN(s x) + beta) it forms too and whose du it returns (the norm's vjp follows the kernels); ReBased's
-own vjp calls it too, so that both give the same bits.
+own vjp calls it too (cpu/norm_grad.py), so that both give the same bits.
 
 Computed transposed, as the forward (mapfns._pairs), PAIR_ROWS rows at a time: u^T and g^T (one row
 per element of u, per feature), then per feature two products of contiguous rows added into du^T
@@ -21,9 +21,8 @@ from numba.extending import intrinsic
 from .._jit import array, njit
 from . import mapfns, symbols
 from .buffers import empty
-from .elementwise import IDENTITY, load_rows
 from .gating import like
-from .mapfns import HEAD, PAIR_ROWS, rebased_norm, work_size
+from .mapfns import HEAD, PAIR_ROWS, rebased_norm
 from .runtime import kernel_section, threads_for
 from .schedule import take
 from .threaded import ThreadedKernel
@@ -31,11 +30,10 @@ from .vector import transpose_rows
 from .views import keep_alive, unit_rows, unowned
 
 #: What the rows given as u hold (``pairs_vjp``'s ``form``): u itself; DPFP's x (u = [relu(x), relu(-x)]);
-#: Taylor's x (u = [s x, 1]); ReBased's x (u = gamma LN(s x) + beta, formed as its forward forms it).
-PAIRS, DPFP, TAYLOR, REBASED = 0, 1, 2, 3
+#: Taylor's x (u = [s x, 1]).
+PAIRS, DPFP, TAYLOR = 0, 1, 2
 #: Rows per work item.
 ROWS = 256
-_NO_PARAMS = {np.dtype(dt): np.empty(0, dt) for dt in (np.float32, np.float64)}
 #: Features per thread below which fewer threads run (waking one costs more than this much work).
 WORK_PER_THREAD = 1 << 16
 
@@ -137,22 +135,15 @@ def _pair_count(form, d):
     return 2 * d if form == DPFP else d + 1 if form == TAYLOR else d
 
 
-def _pairs_vjp(u, g, table, form, s, du, fp, da, counter):
+def _pairs_vjp(u, g, table, form, s, du, counter):
     """du[r] from u[r] and g[r] (rows of (R, len(u)) and (R, D') arrays, unit column stride; du
     C-contiguous) and table = I, J, C (D' each, float64), ROWS rows per work item taken from
     ``counter`` (threaded.ThreadedKernel). ``form`` DPFP: u holds DPFP's scaled input x instead (D values),
     the kernel forms [relu(x), relu(-x)], and du is the gradient of x times s; TAYLOR: u holds x, the
-    kernel forms [s x, 1], du is the gradient of x (times s); REBASED: u holds x, and du, the gradient of
-    ReBased's u = gamma LN(s x) + beta, comes from the backward kernels' C function (at ``da``, with the
-    map's parameters ``fp``): the same code, so the same bits, as the kernels'."""
-    u, g, du, table, fp = unowned((u, g, du, table, fp))  # (views not counted: both threads would count on one)
+    kernel forms [s x, 1], du is the gradient of x (times s)."""
+    u, g, du, table = unowned((u, g, du, table))  # (views not counted: both threads would count on one)
     rows, dk = u.shape[0], g.shape[1]
     nu = _pair_count(form, u.shape[1])
-    rebased = form == REBASED  # (its rows copied, as the C function forms u in place; its scratch)
-    xs = (empty((ROWS if rebased else 0, u.shape[1]), du.dtype),
-          empty(work_size(u.shape[1], dk) if rebased else 0, du.dtype))
-    X, work = unowned(xs)
-    one = like(1.0, du)
     coefs = empty(dk, du.dtype)
     coef = unowned(coefs)
     for f in range(dk):
@@ -164,32 +155,26 @@ def _pairs_vjp(u, g, table, form, s, du, fp, da, counter):
     item = take(counter)
     while item < items:
         r0, r1 = item * ROWS, min(rows, (item + 1) * ROWS)
-        if rebased:
-            load_rows(u, r0, r1 - r0, int(IDENTITY), X)  # (int(): a run-time value, not a literal: see _jit)
-            call_derivative(da, X[:r1 - r0], g[r0:r1], du[r0:r1], r1 - r0, mapfns.REBASED, s, one, fp, work)
-        else:
-            rows_vjp(u[r0:r1], g[r0:r1], table, coef, form, s, du[r0:r1], UT, GT, DT, colsum)
+        rows_vjp(u[r0:r1], g[r0:r1], table, coef, form, s, du[r0:r1], UT, GT, DT, colsum)
         item = take(counter)
-    keep_alive((owners, coefs, xs))
+    keep_alive((owners, coefs))
 
 
 def _signature(dt, variant):
     rows = array(dt, 2, "A", readonly=True)
-    return types.void(rows, rows, array(types.float64, 1, readonly=True), types.int64, dt, array(dt, 2),
-                      array(dt, 1, readonly=True), types.int64)
+    return types.void(rows, rows, array(types.float64, 1, readonly=True), types.int64, dt, array(dt, 2))
 
 
-#: (nthreads, u, g, table, form, s, du, fp, da): u and g with unit-stride rows, du C-contiguous.
+#: (nthreads, u, g, table, form, s, du): u and g with unit-stride rows, du C-contiguous.
 pairs_vjp_kernel = ThreadedKernel(_pairs_vjp, _signature)
 
 
-def pairs_vjp(u, g, table, form=PAIRS, scale=1.0, params=None):
+def pairs_vjp(u, g, table, form=PAIRS, scale=1.0):
     """du (..., len(u)) for the features f = u[I] u[J] C (``table``: I, J, C concatenated) from their
     gradient g (..., D'): u and g float32 or float64, of the same dtype and leading shape. ``form``
     DPFP: u is DPFP's scaled input x (..., D) and the result dx times ``scale`` (the pairs of [relu(x),
-    relu(-x)]); TAYLOR: u is Taylor's input x (..., D), the pairs those of [scale x, 1], the result dx;
-    REBASED: u is ReBased's input x, the pairs those of its gamma LN(scale x) + beta (``params``: the map's
-    parameters, FeatureMap.params in u's dtype), the result the gradient of that u."""
+    relu(-x)]); TAYLOR: u is Taylor's input x (..., D), the pairs those of [scale x, 1], the result dx.
+    (ReBased's vjp: cpu/norm_grad.py.)"""
     nu, dk = u.shape[-1], g.shape[-1]
     u2, g2 = unit_rows(u).reshape(-1, nu), unit_rows(g).reshape(-1, dk)
     du = np.empty(u.shape, u.dtype)
@@ -198,9 +183,7 @@ def pairs_vjp(u, g, table, form=PAIRS, scale=1.0, params=None):
         nthreads = threads_for(rows * dk, WORK_PER_THREAD)
         with kernel_section(nthreads):
             pairs_vjp_kernel.get(du.dtype, None)(nthreads, u2, g2, np.ascontiguousarray(table, np.float64),
-                                                 int(form), du.dtype.type(scale), du.reshape(-1, nu),
-                                                 _NO_PARAMS[du.dtype] if params is None else params,
-                                                 derivative_address(du.dtype) if form == REBASED else 0)
+                                                 int(form), du.dtype.type(scale), du.reshape(-1, nu))
     return du
 
 
