@@ -373,13 +373,10 @@ class ReBased(FeatureMap):
 
     def _vjps_of_u(self, x, du):
         """_vjps from du (..., D), the gradient of u = gamma LN(s x) + beta (in the computation's dtype):
-        what the backward kernels give, its pair map's vjp made there."""
-        return self._norm_vjps(np.asarray(x).astype(du.dtype, copy=False) * du.dtype.type(self.input_scale), du)
-
-    def _norm_vjps(self, xs, du):
-        """(dx, {"gamma": ..., "beta": ...}) from du for the scaled inputs xs (of du's dtype): the norm's vjp
-        (its n made again, eps as the kernels read it, rounded to that dtype)."""
-        dt = xs.dtype
+        what the backward kernels give, its pair map's vjp made there; the norm's vjp here (its n made
+        again, eps as the kernels read it, rounded to that dtype)."""
+        dt = du.dtype
+        xs = np.asarray(x).astype(dt, copy=False) * dt.type(self.input_scale)
         dx, dgamma, dbeta = norm_grad.norm_vjp(xs, du, self.gamma.astype(dt), float(dt.type(self.eps)),
                                                self.input_scale)
         return dx, {"gamma": dgamma, "beta": dbeta}
