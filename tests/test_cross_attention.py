@@ -72,7 +72,7 @@ def test_kernel_segments(rng, frac, n, nk):
     over the keys' chunks (first run), then its chunks of the outputs from those parts and the initial
     state, the first segment writing the state of every key, even when it has no outputs (second run);
     the keys and the queries of each head up to their lengths (NaN past them; outputs 0 there); and the
-    backward's three runs."""
+    backward's two runs (from the forward's state)."""
     d, dv = 6, 5
     q, k, v = _cross(rng, (3,), n, nk, d, dv)
     lengths, qlengths = np.array([nk, nk // 2, 0]), np.array([n // 3, n, 0])
@@ -99,13 +99,14 @@ def test_kernel_segments(rng, frac, n, nk):
     if not (n and nk):
         return
     q, k, v = _cross(rng, (3,), n, nk, d, dv)  # (the backward: all keys, the queries up to their lengths)
-    out = linattn.linear_attention(q, k, v, query_lengths=qlengths)
+    out, state = linattn.linear_attention(q, k, v, query_lengths=qlengths, return_state=True)
+    known = np.concatenate([state.S, state.Z[..., None]], -1)  # (the forward's [S | Z], which the backward reads)
     g = rng.standard_normal((3, n, dv)).astype(np.float32)
     for h, M in enumerate(qlengths):
         q[h, M:], g[h, M:], out[h, M:] = np.nan, np.nan, np.nan
     grads = [np.full_like(x, np.nan) for x in (q, k, v)]
     noncausal_grad.backward(2, q[None], k[None], v[None], g[None], out[None], kernel_map(ELU, None, q.dtype),
-                            np.float32(1), np.float32(1e-6), True, np.full(3, nk), qlengths, chunk, frac,
+                            np.float32(1), np.float32(1e-6), True, np.full(3, nk), qlengths, chunk, frac, known,
                             *(x[None] for x in grads))
     for h, M in enumerate(qlengths):
         want = _noncausal_reference_grads(q[h, :M], k[h], v[h], g[h, :M], "elu", 1.0, 1e-6, True)
@@ -116,7 +117,7 @@ def test_kernel_segments(rng, frac, n, nk):
 
 @pytest.mark.parametrize("n, nk", [(4001, 300), (300, 4001)])
 def test_one_long_head_in_segments(rng, n, nk):
-    """One head, long enough that runtime.plan cuts it into segments (two runs forward, three back)."""
+    """One head, long enough that runtime.plan cuts it into segments (two runs forward, two back)."""
     q, k, v = _cross(rng, (), n, nk, 16, 24)
     if runtime.num_threads() > 1:
         assert len(runtime.plan(1, max(n, nk), 16, 24, causal=False)[1]) > 2

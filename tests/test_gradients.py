@@ -96,6 +96,30 @@ def test_noncausal_against_finite_differences(rng, kw):
         assert np.max(np.abs(g - w)) <= 1e-6 * np.max(np.abs(w)) + 1e-8
 
 
+def test_noncausal_vjp_keeps_its_forwards_state(rng):
+    """The backward reads [S | Z] as the forward made it (its state: not summed from k and v again), from a
+    copy of its own: the state returned and the initial state given, changed in place before ``vjp`` is
+    called (``step`` updates a state in place), change no gradient."""
+    q, k, v, _ = _inputs(rng, (2,), 70, 3, 2)
+    S0, Z0 = rng.random((2, 3, 2)), rng.random((2, 3)) + 0.5
+    W, dS, dZ = rng.standard_normal((2, 70, 2)), rng.standard_normal((2, 3, 2)), rng.standard_normal((2, 3))
+    kw = dict(initial_state=linattn.State(S0.copy(), Z0.copy()), return_state=True)
+    _, _, vjp = linattn.linear_attention_vjp(q, k, v, **kw)
+    want = vjp(W, (dS, dZ))
+    init = linattn.State(S0.copy(), Z0.copy())
+    _, state, vjp = linattn.linear_attention_vjp(q, k, v, **dict(kw, initial_state=init))
+    for x in (state.S, state.Z, init.S, init.Z):
+        x[...] = 1e3
+    got = vjp(W, (dS, dZ))
+    for a, b in zip(_flat(got), _flat(want)):
+        np.testing.assert_array_equal(a, b)
+    # (and with an initial state, now part of the forward's state, against central differences)
+    want = _numeric(lambda q, k, v: (linattn.linear_attention(q, k, v, initial_state=linattn.State(S0, Z0)) * W).sum(),
+                    [q, k, v])
+    for g, w in zip(linattn.linear_attention_vjp(q, k, v, initial_state=linattn.State(S0, Z0))[1](W), want):
+        assert np.max(np.abs(g - w)) <= 1e-6 * np.max(np.abs(w)) + 1e-8
+
+
 GATED = {
     "gate": lambda rng, lead, n: dict(gate=-rng.random(lead + (n,))),
     "decay per sequence": lambda rng, lead, n: dict(decay=np.linspace(0.7, 0.95, lead[-1])),
@@ -310,14 +334,15 @@ def test_noncausal_vjp_of_one_long_head(rng, kw):
 @pytest.mark.parametrize("frac", [[0, 1], [0, 0.5, 1], [0, 0.2, 0.21, 0.9, 1], [0, 0, 0, 1], [0, 1, 1, 1]])
 def test_noncausal_backward_kernel_segments(rng, frac):
     """Every kind of split of the heads into segments (empty ones too), on two threads: the segments'
-    parts of the sums, then the rows."""
+    parts of G's sum, then the rows (from the forward's state)."""
     n, d, dv = 300, 6, 5
     q, k, v, g = ((rng.standard_normal((1, 3, n, w)) * 0.5).astype(np.float32) for w in (d, d, dv, dv))
-    out = linattn.linear_attention(q, k, v)
+    out, state = linattn.linear_attention(q, k, v, return_state=True)
+    known = np.concatenate([state.S, state.Z[..., None]], -1).reshape(3, d, dv + 1)
     dq, dk, dv_ = np.full_like(q, np.nan), np.full_like(k, np.nan), np.full_like(v, np.nan)
     noncausal_grad.backward(min(2, runtime.num_threads()), q, k, v, g, out, kernel_map(ELU, None, q.dtype),
                             np.float32(1), np.float32(1e-6), True, np.full(3, n), np.full(3, n), runtime.chunk_size(n),
-                            np.asarray(frac, np.float64), dq, dk, dv_)
+                            np.asarray(frac, np.float64), known, dq, dk, dv_)
     want = _noncausal_reference_grads(q, k, v, g, "elu", 1.0, 1e-6, True)
     for got, w in zip((dq, dk, dv_), want):
         assert np.abs(got - w).max() <= 2e-5 * np.abs(w).max()

@@ -16,12 +16,12 @@ Causal: the forward (run by the vjp's forward call, which keeps the denominators
 the start of every chunk) and the cpu/backward.py kernel, which does all three in one scan per head
 backwards in time, chunk by chunk, from those states (no O(N^2) memory; the adjoint in float64
 accumulators), applying phi' as it writes: dq = dQ_f phi'(q), dk = dK_f phi'(k). Non-causal: the
-same sums over all positions, G and H then constant: the cpu/noncausal_grad.py kernel sums [S | Z]
-and [G | H] over each head, then writes the three gradients row by row. Both kernels apply phi and phi'
-of the elementwise maps themselves (cpu/map_grad.py) and the pair maps' phi and vjp (cpu/pair_grad.py:
-Taylor, DPFP, ReBased, whose norm's vjp follows the kernel: the gradients of gamma and beta need every
-row), the causal one the projection maps' phi too (their vjps after it, from the phi it writes out); other
-maps' features are their inputs, the maps' ``vjp`` applied after.
+same sums over all positions, G and H then constant: the cpu/noncausal_grad.py kernel takes [S | Z]
+from the forward (its state), sums [G | H] over each head, then writes the three gradients row by row.
+Both kernels apply phi and phi' of the elementwise maps themselves (cpu/map_grad.py) and the pair maps'
+phi and vjp (cpu/pair_grad.py: Taylor, DPFP, ReBased, whose norm's vjp follows the kernel: the gradients of
+gamma and beta need every row), the causal one the projection maps' phi too (their vjps after it, from the
+phi it writes out); other maps' features are their inputs, the maps' ``vjp`` applied after.
 
 With decay and gates (log factor lam_t of the state before t, per position or per position and key
 dimension), the kernel decays the adjoint as the forward decays the state, and d lam_t = sum_{i >= t}
@@ -375,6 +375,16 @@ def _backward(q, k, v, fmap, code, lead, d, out_dt, normalize, s, initial_state,
     return vjp
 
 
+def _state_columns(state, heads, dtype):
+    """[S | Z] of a non-causal forward's state, (heads, D', Dv + 1) in ``dtype``, C-contiguous (a new array):
+    the backward kernel's sums (cpu/noncausal_grad.py)."""
+    d, dv = state.S.shape[-2:]
+    sz = np.empty((heads, d, dv + 1), dtype)
+    sz[..., :dv] = state.S.reshape(heads, d, dv)
+    sz[..., dv] = state.Z.reshape(heads, d)
+    return sz
+
+
 def linear_attention_vjp(q, k=None, v=None, *, feature_map="elu", eps=1e-6, normalize=True, initial_state=None,
                          return_state=False, lengths=None, query_lengths=None, scale=None):
     """:func:`linattn.linear_attention` and its vector-Jacobian product: ``(out, vjp)`` (``(out, state,
@@ -395,14 +405,14 @@ def linear_attention_vjp(q, k=None, v=None, *, feature_map="elu", eps=1e-6, norm
     [(30, 4), (30, 4), (30, 4)]
     """
     fmap, code = _map_and_code(feature_map)
-    out = state = None
+    out = final = None  # (the forward's state, [S | Z]: the backward's first sums, not made again)
     keyless = k is None and v is None
     if type(q) is np.ndarray and initial_state is None and (return_state is False or return_state is True):
         # (None unless the common call: attention._fast, which takes every built-in map)
-        res = _fast(False, q, k, v, feature_map, eps, normalize, False, return_state, None, None, scale,
+        res = _fast(False, q, k, v, feature_map, eps, normalize, False, True, None, None, scale,
                     lengths=lengths, query_lengths=query_lengths)
         if res is not None:
-            out, state = res if return_state else (res, None)
+            out, final = res
     if out is not None:  # float arrays of one dtype (C-contiguous or 4-D head views), keys as long as the queries
         lead, n, dv, comp, out_dt = q.shape[:-2], q.shape[-2], v.shape[-1], q.dtype, q.dtype
         s = 1.0 if scale is None else scale
@@ -423,14 +433,15 @@ def linear_attention_vjp(q, k=None, v=None, *, feature_map="elu", eps=1e-6, norm
         lens = None if lengths is None else checks.check_lengths(lengths, lead, k.shape[-2], "Nk")
         qlens = None if query_lengths is None else checks.check_lengths(query_lengths, lead, n, "N", "query_lengths")
         q, k, v = (half.astype(x, comp) for x in (q, k, v))
-        res = linear_attention(q, k, v, feature_map=fmap, eps=eps, normalize=normalize, scale=s,
-                               initial_state=initial_state, return_state=return_state, lengths=lengths,
-                               query_lengths=query_lengths)
-        out, state = res if return_state else (res, None)
+        out, final = linear_attention(q, k, v, feature_map=fmap, eps=eps, normalize=normalize, scale=s,
+                                      initial_state=initial_state, return_state=True, lengths=lengths,
+                                      query_lengths=query_lengths)
         # the keys and the queries past a length (padding: it may hold NaN), as masks (..., Nk or N, 1)
         valid, qvalid = (None if ls is None else (np.arange(m) < ls.reshape(lead + (1,)))[..., None]
                          for ls, m in ((lens, k.shape[-2]), (qlens, n)))
     kmap = _lazy_kernel_map(fmap, code, q.shape[-1], comp)  # (the identity over phi computed before, for code None)
+    bh = math.prod(lead)
+    known = _state_columns(final, bh, comp) if return_state else None  # (now: the state returned may change)
 
     def vjp(dout, dstate=None):
         g = _check_grad(dout, "dout", lead + (n, dv), comp)
@@ -449,21 +460,20 @@ def linear_attention_vjp(q, k=None, v=None, *, feature_map="elu", eps=1e-6, norm
         dS, dZ = _final_state_gradient(dstate, return_state, lead, dk_, dv, comp)
         dqf, dkf = workspace.take_views([lead + (n, dx), lead + (nk, dx)], comp)  # (pooled: no fresh pages)
         dvv = workspace.empty(lead + (nk, dv), comp)
-        bh = math.prod(lead)
-        base = None  # the rows added to the sums [S | Z] and G: the initial state, the returned state's gradient
+        base = None  # the rows added to G's sums: the returned state's gradient (zeros: G for the initial state's)
         if initial_state is not None or dS is not None:
-            base = np.zeros((2, bh, dk_, dv + 1))
-            for row, (S_, Z_) in enumerate((checks.state_parts(initial_state), (dS, dZ))):
-                if S_ is not None:
-                    base[row, :, :, :dv] = np.asarray(S_).reshape(bh, dk_, dv)
-                    base[row, :, :, dv] = np.asarray(Z_).reshape(bh, dk_)
-        G = base[1] if base is not None else None  # (+ the queries' part: the state's whole gradient)
+            base = np.zeros((bh, dk_, dv + 1))
+            if dS is not None:
+                base[:, :, :dv] = np.asarray(dS).reshape(bh, dk_, dv)
+                base[:, :, dv] = np.asarray(dZ).reshape(bh, dk_)
+        G = base  # (+ the queries' part: the state's whole gradient)
         if bh and (n or nk):  # (cpu/noncausal_grad.py)
             arrays, _, _ = _seq4(src + (v, g, out, dqf, dkf, dvv), lead)
             chunk, frac, nthreads, _ = plan(bh, max(n, nk), dk_, dv, causal=False)
             G = noncausal_grad.backward(nthreads, *arrays[:5], kmap(), comp.type(s), comp.type(eps), normalize,
                                         _full_lengths(bh, nk) if lens is None else lens,
-                                        _full_lengths(bh, n) if qlens is None else qlens, chunk, frac, *arrays[5:],
+                                        _full_lengths(bh, n) if qlens is None else qlens, chunk, frac,
+                                        _state_columns(final, bh, comp) if known is None else known, *arrays[5:],
                                         base=base)
         dmap = None
         if not _norm_after(code):
@@ -481,5 +491,5 @@ def linear_attention_vjp(q, k=None, v=None, *, feature_map="elu", eps=1e-6, norm
         return tuple(grads) + ((dmap,) if dmap is not None else ())
 
     if return_state:
-        return half.astype(out, out_dt), state, vjp
+        return half.astype(out, out_dt), final, vjp
     return half.astype(out, out_dt), vjp

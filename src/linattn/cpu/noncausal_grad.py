@@ -1,4 +1,4 @@
-"""The backward pass of non-causal linear attention: dq, dk, dv in one kernel, two sums over a head, then its rows.
+"""The backward pass of non-causal linear attention: dq, dk, dv in one kernel, a sum over a head, then its rows.
 
 Per head, with v1 = [v, 1], the state [S | Z] = sum_s phi(k_s) v1_s^T (D x e, e = Dv + 1), qs = scale
 phi(q), den_t = qs_t . Z + eps, the output gradient g and the forward's output out: ab_t = [a_t, b_t] =
@@ -9,17 +9,17 @@ phi(q), den_t = qs_t . Z + eps, the output gradient g and the forward's output o
 - dk_s = phi'(k_s) (v1_s G^T)
 - dv_s = phi(k_s) G[:, :Dv]
 
-The first pass sums [S | Z] over the head's chunks (one product per chunk), the second G (den needs the
-whole Z first); a work item then writes the rows of its segment of the head (three products per chunk):
-four products per position against the forward's two. k and v may have another length than q
-(cross-attention): the sums and the rows then walk the keys' chunks and the queries' chunks apart.
-Both sums are kept as the forward kernel keeps its state (pending float32 sums folded into float64
-every FOLD_EVERY chunks). When heads are few, a head is cut into segments (runtime.plan) and the
-kernel runs three times: each segment's item sums its own chunks' part of [S | Z], then (with all of
-Z) its part of G, then writes its rows from the sums of the parts. phi and phi' are elu + 1, relu or
-identity (other maps: their features are the inputs, their ``vjp`` is applied after). q, k, v, dout
-and out are read twice (k, v and q, dout, out for the sums, all five for the rows), dq, dk, dv written
-once; no array of the inputs' size is made. A head of few queries and keys for its features (the
+[S | Z] is the forward's (its state, which linear_attention_vjp keeps: summing it again read k and v and
+computed phi(k), a quarter of the backward's time, B1 H8 N2048 D64 float32: 3.8-3.9 -> 3.1 times the
+same-FLOP GEMM). A first pass sums G (den needs Z); a work item then writes the rows of its segment of the
+head (three products per chunk): four products per position against the forward's two. k and v may have
+another length than q (cross-attention): the rows then walk the keys' chunks and the queries' chunks apart.
+G is summed as the forward kernel sums its state (pending float32 sums folded into float64 every
+FOLD_EVERY chunks). When heads are few, a head is cut into segments (runtime.plan) and the kernel runs
+twice: each segment's item sums its own chunks' part of G, then writes its rows from the sum of the
+parts. phi and phi' are elu + 1, relu or identity (other maps: their features are the inputs, their
+``vjp`` is applied after). q, dout and out are read twice (for G and for the rows), k and v once, dq, dk,
+dv written once; no array of the inputs' size is made. A head of few queries and keys for its features (the
 forward's chunked.few_positions) takes its rows from its scores instead of the sums (_scores_backward).
 """
 import numpy as np
@@ -57,29 +57,21 @@ def _queries_and_adjoints(q, g, out, i0, c, mp, s, eps, normalize, Z, QS, AB, DE
 
 
 @njit(helper=True)
-def _sum_chunks(which, q, k, v, g, out, mp, s, eps, normalize, chunk, c0, c1, KF, V1, QS, AB, DEN, Z, sbuf):
-    """The float64 accumulator of ``sbuf`` (_state_buffers' acc, D x e) = the sum over chunks [c0, c1) of
-    one head of phi(K)^T [v, 1] (``which`` 0: [S | Z]) or (scale phi(Q))^T [a | b] (1: G, from Z); zero
-    when there are no chunks."""
+def _sum_g(q, g, out, mp, s, eps, normalize, chunk, c0, c1, QS, AB, DEN, Z, sbuf):
+    """The float64 accumulator of ``sbuf`` (_state_buffers' acc, D x e) = G's sum (scale phi(Q))^T [a | b]
+    over chunks [c0, c1) of one head's queries (from Z); zero when there are no chunks."""
     P = sbuf[0]
-    n = k.shape[0] if which == 0 else q.shape[0]
+    n = q.shape[0]
     has_acc = bool(False)  # bool()/int(): run-time values, not literals (see _jit)
     for ci in range(c0, c1):
         i0 = ci * chunk
         c = min(chunk, n - i0)
         beta = 1.0 if (ci - c0) % FOLD_EVERY else 0.0
         t = _rows_to_touch(ci, c0, c1, chunk, n)  # the next chunks' rows into the cache
-        if which == 0:
-            for x in (k, v):
-                touch_rows(x, i0, t)
-            load_features(k, i0, c, mp, KF)
-            _load_values(v, i0, c, V1)
-            small_gemm_tn(KF[:c], V1[:c], P, beta)
-        else:
-            for x in (q, g, out):
-                touch_rows(x, i0, t)
-            _queries_and_adjoints(q, g, out, i0, c, mp, s, eps, normalize, Z, QS, AB, DEN)
-            small_gemm_tn(QS[:c], AB[:c], P, beta)
+        for x in (q, g, out):
+            touch_rows(x, i0, t)
+        _queries_and_adjoints(q, g, out, i0, c, mp, s, eps, normalize, Z, QS, AB, DEN)
+        small_gemm_tn(QS[:c], AB[:c], P, beta)
         has_acc = folded_after(ci, c0, c1, sbuf, has_acc)
     zero_unless_summed(has_acc, sbuf)
 
@@ -130,15 +122,15 @@ def _add_parts(parts, acc):
 
 @njit(helper=True)
 def _copy_matrix(src, dst):
-    """dst = src (D x e; a float64 sum into the compute dtype, or into a part)."""
+    """dst = src (D x e; a float64 sum into the compute dtype or into a part; the forward's [S | Z])."""
     for a in range(src.shape[0]):
         row = dst[a]
         for e in range(src.shape[1]):
             row[e] = src[a, e]
 
 
-def _noncausal_backward(q, k, v, g, out, fm, fp, fa, da, s, eps, normalize, lengths, qlengths, chunk, frac, dq, dk, dv,
-                        phase, parts, counter):
+def _noncausal_backward(q, k, v, g, out, fm, fp, fa, da, s, eps, normalize, lengths, qlengths, chunk, frac, known, dq,
+                        dk, dv, phase, parts, counter):
     """Gradients of non-causal linear attention for every head (see the module docstring).
 
     q: (G1, G2, N, D), k: (G1, G2, Nk, D); v: (G1, G2, Nk, Dv), g (the output's gradient), out (the
@@ -147,20 +139,19 @@ def _noncausal_backward(q, k, v, g, out, fm, fp, fa, da, s, eps, normalize, leng
     qlengths[head] rows of q, g and out (right-padded queries); dk, dv and dq are 0 past them. ``fm``, ``fp``,
     ``fa``, ``da``: the map (map_grad.kernel_map: its code, parameters, the addresses of its C function and
     of its derivative's; codes 0-2 applied inline; an elementwise map, or Taylor or DPFP: D' features of D,
-    dq and dk the gradients of q and k), ``s``: the scale of phi(q). ``frac`` splits
-    each head's chunks into segments, one work item each. Run by threaded.ThreadedKernel: each thread
-    takes items from ``counter``. ``phase`` 3: each item sums its head's [S | Z] and G itself, then
-    writes its rows. With several segments a head the kernel runs three times instead: ``phase`` 0,
-    each item sums its chunks' part of [S | Z] into parts[0, head, segment]; 1, its part of G (from all
-    of Z) into parts[1, head, segment]; 2, its rows from the sums of the parts (float64, (2, heads, nseg,
-    D', Dv + 1)).
+    dq and dk the gradients of q and k), ``s``: the scale of phi(q). ``known`` (heads, D', Dv + 1): each
+    head's [S | Z] as the forward made it (its state). ``frac`` splits each head's chunks into segments, one
+    work item each. Run by threaded.ThreadedKernel: each thread takes items from ``counter``. ``phase`` 2:
+    each item sums its head's G itself, then writes its rows. With several segments a head the kernel runs
+    twice instead: ``phase`` 0, each item sums its chunks' part of G into parts[head, segment]; 1, its rows
+    from the sum of the parts (float64, (heads, nseg, D', Dv + 1)).
     """
     g2, d = q.shape[1], mapped_dim(fm, fp, q.shape[3])  # (d: D', the features)
     e, dt = v.shape[3] + 1, dq.dtype
     one = one_of(dt)
     mapper = map_state(fm, fp, fa, q.shape[3], d, dt)
     mp = unowned(mapper)  # (its parameters are shared by the threads: each view's atomic add contended)
-    q, k, v, g, out, dq, dk, dv, parts = unowned((q, k, v, g, out, dq, dk, dv, parts))  # (see chunked)
+    q, k, v, g, out, known, dq, dk, dv, parts = unowned((q, k, v, g, out, known, dq, dk, dv, parts))  # (see chunked)
     owners = (empty((chunk, d), dt), empty((chunk, e), dt), empty((chunk, d), dt), empty((chunk, e), dt),
               empty((chunk, d), dt), empty(chunk, dt), empty((d, e), dt), empty((d, e), dt), empty(d, dt),
               empty((e, d), dt), empty((e, d), dt), empty(max(d, e), dt), empty((1, 1), np.float64),
@@ -184,7 +175,7 @@ def _noncausal_backward(q, k, v, g, out, fm, fp, fa, da, s, eps, normalize, leng
         k0, k1, c0, c1 = min(k0, kc), min(k1, kc), min(c0, qc), min(c1, qc)
         h1, h2 = h // g2, h % g2
         qh, kh, vh, gh, oh = q[h1, h2][:nq], k[h1, h2][:nk], v[h1, h2][:nk], g[h1, h2][:nq], out[h1, h2][:nq]
-        if phase == 3 and nq > 0 and few_positions(nq, nk, d, e - 1, chunk):  # (one segment a head)
+        if phase == 2 and nq > 0 and few_positions(nq, nk, d, e - 1, chunk):  # (one segment a head)
             dqh, dkh, dvh = dq[h1, h2], dk[h1, h2], dv[h1, h2]
             dqh[nq:] = 0
             dkh[nk:] = 0
@@ -193,24 +184,19 @@ def _noncausal_backward(q, k, v, g, out, fm, fp, fa, da, s, eps, normalize, leng
                              no_r, XB, dqh, dkh, dvh)
             item = take(counter)
             continue
-        for which in range(2):  # [S | Z] of the whole head, then G (from its Z)
-            if phase == 3:
-                _sum_chunks(which, qh, kh, vh, gh, oh, mp, s, eps, normalize, chunk, int(0),
-                            kc if which == 0 else qc, KF, V1, QS, AB, DEN, Z, sbuf)
-            elif phase == which:  # this segment's part of it, for the next run
-                _sum_chunks(which, qh, kh, vh, gh, oh, mp, s, eps, normalize, chunk, k0 if which == 0 else c0,
-                            k1 if which == 0 else c1, KF, V1, QS, AB, DEN, Z, sbuf)
-                _copy_matrix(acc, parts[which, h, sg])
-                break
-            else:
-                _add_parts(parts[which, h], acc)
-            _copy_matrix(acc, S if which == 0 else G)
-            if which == 0:
-                for a in range(d):
-                    Z[a] = S[a, e - 1]
-        if phase < 2:
+        _copy_matrix(known[h], S)  # [S | Z]: the forward's
+        for a in range(d):
+            Z[a] = S[a, e - 1]
+        if phase == 2:  # G of the whole head
+            _sum_g(qh, gh, oh, mp, s, eps, normalize, chunk, int(0), qc, QS, AB, DEN, Z, sbuf)
+        elif phase == 0:  # this segment's part of G, for the next run
+            _sum_g(qh, gh, oh, mp, s, eps, normalize, chunk, c0, c1, QS, AB, DEN, Z, sbuf)
+            _copy_matrix(acc, parts[h, sg])
             item = take(counter)
             continue
+        else:
+            _add_parts(parts[h], acc)
+        _copy_matrix(acc, G)
         transpose_rows(S, ST, sums, d)
         transpose_rows(G, GT, sums, d)
         dqh, dkh, dvh = dq[h1, h2], dk[h1, h2], dv[h1, h2]
@@ -248,37 +234,36 @@ def _signature(dt, variant):
     seq, i64 = array(dt, 4, "A", readonly=True), types.int64
     return types.void(seq, seq, seq, seq, seq, i64, array(dt, 1, readonly=True), i64, i64, dt, dt, types.boolean,
                       array(i64, 1, readonly=True), array(i64, 1, readonly=True), i64,
-                      array(types.float64, 1, readonly=True), array(dt, 4, "A"), array(dt, 4, "A"), array(dt, 4, "A"),
-                      i64, array(types.float64, 5))
+                      array(types.float64, 1, readonly=True), array(dt, 3, readonly=True), array(dt, 4, "A"),
+                      array(dt, 4, "A"), array(dt, 4, "A"), i64, array(types.float64, 4))
 
 
 noncausal_backward = ThreadedKernel(_noncausal_backward, _signature)
-_NO_PARTS = np.zeros((2, 0, 1, 1, 1))  # the segments' partial sums, none
+_NO_PARTS = np.zeros((0, 1, 1, 1))  # the segments' partial sums, none
 
 
-def backward(nthreads, q, k, v, g, out, fm, s, eps, normalize, lengths, qlengths, chunk, frac, dq, dk, dv,
+def backward(nthreads, q, k, v, g, out, fm, s, eps, normalize, lengths, qlengths, chunk, frac, known, dq, dk, dv,
              base=None):
-    """Run the kernel (arguments as ``_noncausal_backward``'s, 4-D arrays of one float dtype; ``fm`` the map as
-    map_grad.kernel_map's tuple) on ``nthreads`` threads: once when every head is one segment, else three
-    times (the segments' parts of [S | Z], then of G, then the rows). ``base`` (2, heads, D', Dv + 1),
-    float64: what [S | Z] and G start from (an initial state; the gradient of the state returned), one
-    more part of each head's sums (the kernel then runs three times); G's sums are then returned, (heads,
-    D', Dv + 1)."""
+    """Run the kernel (arguments as ``_noncausal_backward``'s, 4-D arrays of one float dtype, ``known``
+    C-contiguous; ``fm`` the map as map_grad.kernel_map's tuple) on ``nthreads`` threads: once when every head
+    is one segment, else twice (the segments' parts of G, then the rows). ``base`` (heads, D', Dv + 1),
+    float64: what G starts from (the gradient of the state returned), one more part of each head's sum (the
+    kernel then runs twice); G's sums are then returned, (heads, D', Dv + 1)."""
     kernel = noncausal_backward.get(dq.dtype, None)
-    args = (q, k, v, g, out, *fm, s, eps, normalize, lengths, qlengths, chunk, frac, dq, dk, dv)
+    args = (q, k, v, g, out, *fm, s, eps, normalize, lengths, qlengths, chunk, frac, known, dq, dk, dv)
     if base is None and nthreads <= 1 and len(frac) == 2:  # the worker on this thread through its unchecked entry
         # point (no type dispatch of its 22 arguments): they have the signature's types (dtype scalars, float64 frac)
-        kernel.unchecked(*args, 3, _NO_PARTS, np.zeros(1, np.int64))
+        kernel.unchecked(*args, 2, _NO_PARTS, np.zeros(1, np.int64))
         return None
     with kernel_section(nthreads):
         if base is None and len(frac) == 2:
-            kernel(nthreads, *args, 3, _NO_PARTS)
+            kernel(nthreads, *args, 2, _NO_PARTS)
             return None
         nseg = len(frac) - 1
         d = mapped_dim.py_func(fm[0], fm[1], q.shape[3])  # (D', the features)
-        parts = np.empty((2, q.shape[0] * q.shape[1], nseg + (base is not None), d, v.shape[3] + 1))
+        parts = np.empty((q.shape[0] * q.shape[1], nseg + (base is not None), d, v.shape[3] + 1))
         if base is not None:
-            parts[:, :, nseg] = base
-        for phase in range(3):
+            parts[:, nseg] = base
+        for phase in range(2):
             kernel(nthreads, *args, phase, parts)
-    return parts[1].sum(1) if base is not None else None
+    return parts.sum(1) if base is not None else None
