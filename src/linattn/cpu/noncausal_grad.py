@@ -1,4 +1,4 @@
-"""The backward pass of non-causal linear attention: dq, dk, dv in one kernel, a sum over a head, then its rows.
+"""The backward of non-causal linear attention: dq, dk, dv in one kernel, a pass over a head's queries, then its keys.
 
 Per head, with v1 = [v, 1], the state [S | Z] = sum_s phi(k_s) v1_s^T (D x e, e = Dv + 1), qs = scale
 phi(q), den_t = qs_t . Z + eps, the output gradient g and the forward's output out: ab_t = [a_t, b_t] =
@@ -10,16 +10,18 @@ phi(q), den_t = qs_t . Z + eps, the output gradient g and the forward's output o
 - dv_s = phi(k_s) G[:, :Dv]
 
 [S | Z] is the forward's (its state, which linear_attention_vjp keeps: summing it again read k and v and
-computed phi(k), a quarter of the backward's time, B1 H8 N2048 D64 float32: 3.8-3.9 -> 3.1 times the
-same-FLOP GEMM). A first pass sums G (den needs Z); a work item then writes the rows of its segment of the
-head (three products per chunk): four products per position against the forward's two. k and v may have
-another length than q (cross-attention): the rows then walk the keys' chunks and the queries' chunks apart.
-G is summed as the forward kernel sums its state (pending float32 sums folded into float64 every
+computed phi(k), a quarter of the backward's time). One pass over a head's queries makes, chunk by chunk,
+scale phi(q), den and ab once for dq's rows and for G's sum (a product each); a second over its keys
+writes dk's and dv's rows from G (two products per chunk): four products per position against the
+forward's two, each input read once (B1 H8 N2048 D64 float32: 3.8-3.9 times the same-FLOP GEMM with
+[S | Z] summed again and the queries read twice, 3.1 without the first, X with neither). k and v may have
+another length than q (cross-attention): the two passes walk the queries' chunks and the keys' chunks
+apart. G is summed as the forward kernel sums its state (pending float32 sums folded into float64 every
 FOLD_EVERY chunks). When heads are few, a head is cut into segments (runtime.plan) and the kernel runs
-twice: each segment's item sums its own chunks' part of G, then writes its rows from the sum of the
-parts. phi and phi' are elu + 1, relu or identity (other maps: their features are the inputs, their
-``vjp`` is applied after). q, dout and out are read twice (for G and for the rows), k and v once, dq, dk,
-dv written once; no array of the inputs' size is made. A head of few queries and keys for its features (the
+twice: each segment's item sums its own query chunks' part of G and writes their dq, then its key chunks'
+dk and dv from the sum of the parts. phi and phi' are elu + 1, relu or identity (other maps: their
+features are the inputs, their ``vjp`` is applied after). dq, dk, dv are written once; no array of the
+inputs' size is made. A head of few queries and keys for its features (the
 forward's chunked.few_positions) takes its rows from its scores instead of the sums (_scores_backward).
 """
 import numpy as np
@@ -57,9 +59,10 @@ def _queries_and_adjoints(q, g, out, i0, c, mp, s, eps, normalize, Z, QS, AB, DE
 
 
 @njit(helper=True)
-def _sum_g(q, g, out, mp, s, eps, normalize, chunk, c0, c1, QS, AB, DEN, Z, sbuf):
-    """The float64 accumulator of ``sbuf`` (_state_buffers' acc, D x e) = G's sum (scale phi(Q))^T [a | b]
-    over chunks [c0, c1) of one head's queries (from Z); zero when there are no chunks."""
+def _queries_pass(q, g, out, mp, fm, da, s, eps, normalize, chunk, c0, c1, QS, AB, DEN, R, Z, ST, no_r, XB, dq, sbuf):
+    """For chunks [c0, c1) of one head's queries: dq's rows (from the state's [S | Z]^T, ST, and Z) and, in
+    the float64 accumulator of ``sbuf`` (_state_buffers' acc, D x e), G's sum (scale phi(Q))^T [a | b] (zero
+    when there are no chunks): the queries, their features and adjoints made once for both."""
     P = sbuf[0]
     n = q.shape[0]
     has_acc = bool(False)  # bool()/int(): run-time values, not literals (see _jit)
@@ -73,6 +76,8 @@ def _sum_g(q, g, out, mp, s, eps, normalize, chunk, c0, c1, QS, AB, DEN, Z, sbuf
         _queries_and_adjoints(q, g, out, i0, c, mp, s, eps, normalize, Z, QS, AB, DEN)
         small_gemm_tn(QS[:c], AB[:c], P, beta)
         has_acc = folded_after(ci, c0, c1, sbuf, has_acc)
+        small_gemm(AB[:c], ST, R[:c], False, -1, -1)  # ab [S | Z]^T
+        _times_derivative(R, QS, c, fm, s, dq, i0, no_r, bool(False), q, mp, da, XB)
     zero_unless_summed(has_acc, sbuf)
 
 
@@ -142,9 +147,10 @@ def _noncausal_backward(q, k, v, g, out, fm, fp, fa, da, s, eps, normalize, leng
     dq and dk the gradients of q and k), ``s``: the scale of phi(q). ``known`` (heads, D', Dv + 1): each
     head's [S | Z] as the forward made it (its state). ``frac`` splits each head's chunks into segments, one
     work item each. Run by threaded.ThreadedKernel: each thread takes items from ``counter``. ``phase`` 2:
-    each item sums its head's G itself, then writes its rows. With several segments a head the kernel runs
-    twice instead: ``phase`` 0, each item sums its chunks' part of G into parts[head, segment]; 1, its rows
-    from the sum of the parts (float64, (heads, nseg, D', Dv + 1)).
+    each item writes its head's dq and sums its G, then writes dk and dv. With several segments a head the
+    kernel runs twice instead: ``phase`` 0, each item writes its query chunks' dq and sums their part of G
+    into parts[head, segment]; 1, its key chunks' dk and dv from the sum of the parts (float64, (heads, nseg,
+    D', Dv + 1)).
     """
     g2, d = q.shape[1], mapped_dim(fm, fp, q.shape[3])  # (d: D', the features)
     e, dt = v.shape[3] + 1, dq.dtype
@@ -184,36 +190,26 @@ def _noncausal_backward(q, k, v, g, out, fm, fp, fa, da, s, eps, normalize, leng
                              no_r, XB, dqh, dkh, dvh)
             item = take(counter)
             continue
-        _copy_matrix(known[h], S)  # [S | Z]: the forward's
-        for a in range(d):
-            Z[a] = S[a, e - 1]
-        if phase == 2:  # G of the whole head
-            _sum_g(qh, gh, oh, mp, s, eps, normalize, chunk, int(0), qc, QS, AB, DEN, Z, sbuf)
-        elif phase == 0:  # this segment's part of G, for the next run
-            _sum_g(qh, gh, oh, mp, s, eps, normalize, chunk, c0, c1, QS, AB, DEN, Z, sbuf)
-            _copy_matrix(acc, parts[h, sg])
-            item = take(counter)
-            continue
+        dqh, dkh, dvh = dq[h1, h2], dk[h1, h2], dv[h1, h2]
+        if phase != 1:  # the queries' chunks: dq, and G (the whole head's, or this segment's part for the next run)
+            _copy_matrix(known[h], S)  # [S | Z]: the forward's
+            for a in range(d):
+                Z[a] = S[a, e - 1]
+            transpose_rows(S, ST, sums, d)
+            _queries_pass(qh, gh, oh, mp, fm, da, s, eps, normalize, chunk, c0, c1, QS, AB, DEN, R, Z, ST, no_r, XB,
+                          dqh, sbuf)
+            if phase == 0:
+                _copy_matrix(acc, parts[h, sg])
+                item = take(counter)
+                continue
         else:
             _add_parts(parts[h], acc)
         _copy_matrix(acc, G)
-        transpose_rows(S, ST, sums, d)
         transpose_rows(G, GT, sums, d)
-        dqh, dkh, dvh = dq[h1, h2], dk[h1, h2], dv[h1, h2]
         if sg == nseg - 1:  # (the padding's rows: 0)
             dqh[nq:] = 0
             dkh[nk:] = 0
             dvh[nk:] = 0
-        for ci in range(c0, c1):  # dq
-            i0 = ci * chunk
-            c = min(chunk, nq - i0)
-            t = _rows_to_touch(ci, c0, c1, chunk, nq)
-            if t > 0:
-                for x in (qh, gh, oh):
-                    touch_rows(x, i0, t)
-            _queries_and_adjoints(qh, gh, oh, i0, c, mp, s, eps, normalize, Z, QS, AB, DEN)
-            small_gemm(AB[:c], ST, R[:c], False, -1, -1)  # ab [S | Z]^T
-            _times_derivative(R, QS, c, fm, s, dqh, i0, no_r, bool(False), qh, mp, da, XB)
         for ci in range(k0, k1):  # dk, dv
             i0 = ci * chunk
             c = min(chunk, nk - i0)
@@ -246,7 +242,7 @@ def backward(nthreads, q, k, v, g, out, fm, s, eps, normalize, lengths, qlengths
              base=None):
     """Run the kernel (arguments as ``_noncausal_backward``'s, 4-D arrays of one float dtype, ``known``
     C-contiguous; ``fm`` the map as map_grad.kernel_map's tuple) on ``nthreads`` threads: once when every head
-    is one segment, else twice (the segments' parts of G, then the rows). ``base`` (heads, D', Dv + 1),
+    is one segment, else twice (the segments' dq and parts of G, then their dk and dv). ``base`` (heads, D', Dv + 1),
     float64: what G starts from (the gradient of the state returned), one more part of each head's sum (the
     kernel then runs twice); G's sums are then returned, (heads, D', Dv + 1)."""
     kernel = noncausal_backward.get(dq.dtype, None)
