@@ -102,10 +102,10 @@ class NoncausalBackward:
     """The same for non-causal attention (``linear_attention_vjp``): 15.6-16.3 when its backward was
     three linear_attention calls among NumPy passes and the maps' general vjp, 5.2-5.3 with a compiled
     pass per head before and after those calls (B1 H8 N2048, three runs each), 2.6-2.7 with
-    cpu/noncausal_grad.py's backward kernel (3.9-4.0 before it, alternating processes on the EPYC); 3.11 (B1 H1
-    N16384: 3.17-3.35) -> 2.34-2.57 (2.48-2.50) with the forward's state as the backward's [S | Z] (stop 67, two
-    runs each, alternating processes, on the Zen 4). One long head is cut into segments (each sums its own part
-    of G first)."""
+    cpu/noncausal_grad.py's backward kernel (3.9-4.0 before it, alternating processes on the EPYC); 3.14-3.23
+    (B1 H1 N16384: 3.08-3.26) -> 2.36-2.41 (2.31-2.33) with the forward's state as the backward's [S | Z] and
+    the queries' features and adjoints made once for dq and G (stop 67, two runs each, alternating processes, on
+    the Zen 4). One long head is cut into segments (each sums its own part of G first)."""
     params = ["B1 H8 N2048", "B1 H1 N16384"]
     param_names = ["shape"]
     timeout = 600

@@ -13,8 +13,8 @@ phi(q), den_t = qs_t . Z + eps, the output gradient g and the forward's output o
 computed phi(k), a quarter of the backward's time). One pass over a head's queries makes, chunk by chunk,
 scale phi(q), den and ab once for dq's rows and for G's sum (a product each); a second over its keys
 writes dk's and dv's rows from G (two products per chunk): four products per position against the
-forward's two, each input read once (B1 H8 N2048 D64 float32: 3.8-3.9 times the same-FLOP GEMM with
-[S | Z] summed again and the queries read twice, 3.1 without the first, X with neither). k and v may have
+forward's two, each input read once (B1 H8 N2048 D64 float32: 3.9-4.0 times the same-FLOP GEMM with
+[S | Z] summed again and the queries read twice, 3.1 without the first, 2.75-2.9 with neither). k and v may have
 another length than q (cross-attention): the two passes walk the queries' chunks and the keys' chunks
 apart. G is summed as the forward kernel sums its state (pending float32 sums folded into float64 every
 FOLD_EVERY chunks). When heads are few, a head is cut into segments (runtime.plan) and the kernel runs
