@@ -591,3 +591,29 @@ def test_few_positions_gradients_from_their_scores(rng, dtype, lead, n, nk, d, d
             assert np.abs(x[h][:m] - w).max() <= tol * max(np.abs(w).max(), 1.0)
             assert np.abs(x[h][:m] - s[h][:m]).max() <= tol * max(np.abs(w).max(), 1.0)
             assert not np.any(x[h][m:])
+
+
+def test_few_positions_vjp_keeps_no_state(rng, monkeypatch):
+    """Where the backward takes every head from its scores (gradients._scores_only: B1 H8 N16 D64, no
+    lengths, no state returned), the vjp's forward writes no state and the backward reads none: the same bits
+    as with the state kept. Where some head would take the state's path, _scores_only says no."""
+    from linattn import gradients
+    q, k, v, g = (rng.standard_normal((1, 8, 16, 64)).astype(np.float32) for _ in range(4))
+    for name in ("elu", "relu"):
+        fmap, code = gradients._map_and_code(name)
+        assert gradients._scores_only(fmap, code, q, k, v) is not None
+        with monkeypatch.context() as patch:
+            patch.setattr(gradients, "_state_columns", None)  # (not called)
+            got = linattn.linear_attention_vjp(q, k, v, feature_map=name)
+            grads = got[1](g)
+        with monkeypatch.context() as patch:
+            patch.setattr(gradients, "_scores_only", lambda *args: None)
+            want = linattn.linear_attention_vjp(q, k, v, feature_map=name)
+            np.testing.assert_array_equal(got[0], want[0])
+            for x, y in zip(grads, want[1](g)):
+                np.testing.assert_array_equal(x, y)
+    fmap, code = gradients._map_and_code("elu")
+    assert gradients._scores_only(fmap, code, q[..., :16], k[..., :16], v[..., :16]) is None  # (16 x 16 x 32 products
+    assert gradients._scores_only(fmap, code, q[..., :1, :], k[..., :0, :], v[..., :0, :]) is None  # as many; no keys)
+    assert gradients._scores_only(fmap, code, np.concatenate([q, q, q], -2), k, v) is None  # (48 queries: two chunks)
+    assert gradients._scores_only(fmap, None, q, k, v) is None  # (a map the kernel does not apply: no code)

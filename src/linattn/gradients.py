@@ -40,6 +40,7 @@ from . import workspace
 from .attention import (_causal_parts, _fast, _full_lengths, _gates_as_prepared, _keys_from_state, _no_state, _run,
                         _seq4, causal_with_denominators, linear_attention)
 from .cpu import backward, gate_sums, half, mapfns, noncausal_grad
+from .cpu.chunked import few_positions
 from .cpu.elementwise import IDENTITY
 from .cpu.map_grad import kernel_map
 from .cpu.runtime import BACKWARD_PREFIX_COST, BACKWARD_WORK, plan
@@ -375,6 +376,28 @@ def _backward(q, k, v, fmap, code, lead, d, out_dt, normalize, s, initial_state,
     return vjp
 
 
+def _scores_only(fmap, code, q, k, v):
+    """(chunk, frac), the non-causal backward's plan, where it takes every head of these inputs (all of
+    their positions: no lengths) from its scores (noncausal_grad's few_positions, one segment a head), so
+    that it reads no state and the forward need not write one (B1 H8 N16 D64: the vjp's forward took 32 us
+    writing it, 23-28 without); else None. The inputs are not checked yet: anything unusual gives None (the
+    state then)."""
+    if (type(k) is not np.ndarray or type(v) is not np.ndarray or q.ndim < 2 or k.ndim < 2 or v.ndim < 2 or q.size == 0
+            or code is None or k.shape[-1] != q.shape[-1]):
+        return None
+    (n, dq), nk, dv = q.shape[-2:], k.shape[-2], v.shape[-1]
+    if not (n <= 32 and 0 < nk <= 32):  # (chunks are at most 32 positions)
+        return None
+    try:
+        d = fmap.out_dim(dq)
+    except (ValueError, TypeError):  # (a map and D that do not fit: the forward says so)
+        return None
+    if n * nk * (d + dv) >= (n + nk) * d * dv or _noncausal_code(code, q, k) is None:  # (few_positions' products)
+        return None
+    chunk, frac, _, _ = plan(math.prod(q.shape[:-2]), max(n, nk), d, dv, causal=False)
+    return (chunk, frac) if len(frac) == 2 and few_positions.py_func(n, nk, d, dv, chunk) else None
+
+
 def _state_columns(state, heads, dtype):
     """[S | Z] of a non-causal forward's state, (heads, D', Dv + 1) in ``dtype``, C-contiguous (a new array):
     the backward kernel's sums (cpu/noncausal_grad.py)."""
@@ -405,14 +428,16 @@ def linear_attention_vjp(q, k=None, v=None, *, feature_map="elu", eps=1e-6, norm
     [(30, 4), (30, 4), (30, 4)]
     """
     fmap, code = _map_and_code(feature_map)
-    out = final = None  # (the forward's state, [S | Z]: the backward's first sums, not made again)
+    out = final = few = None  # (the forward's state, [S | Z]: the backward's sums, not made again)
     keyless = k is None and v is None
     if type(q) is np.ndarray and initial_state is None and (return_state is False or return_state is True):
         # (None unless the common call: attention._fast, which takes every built-in map)
-        res = _fast(False, q, k, v, feature_map, eps, normalize, False, True, None, None, scale,
+        if not return_state and lengths is None and query_lengths is None:
+            few = _scores_only(fmap, code, q, k, v)
+        res = _fast(False, q, k, v, feature_map, eps, normalize, False, few is None, None, None, scale,
                     lengths=lengths, query_lengths=query_lengths)
         if res is not None:
-            out, final = res
+            out, final = (res, None) if few is not None else res
     if out is not None:  # float arrays of one dtype (C-contiguous or 4-D head views), keys as long as the queries
         lead, n, dv, comp, out_dt = q.shape[:-2], q.shape[-2], v.shape[-1], q.dtype, q.dtype
         s = 1.0 if scale is None else scale
@@ -423,6 +448,7 @@ def linear_attention_vjp(q, k=None, v=None, *, feature_map="elu", eps=1e-6, norm
                          (np.arange(n) < ls.reshape(lead + (1,)))[..., None]
                          for ls in (lens, qlens))  # (read where a map's vjp or ReBased's norm's follows the kernel)
     else:
+        few = None
         k, v = _keys_from_state(q, k, v, initial_state, "cpu")
         q, k, v, lead, n, _, dv, comp, out_dt = checks.check_qkv(q, k, v, cross=True)
         code = _noncausal_code(code, q, k)
@@ -470,11 +496,14 @@ def linear_attention_vjp(q, k=None, v=None, *, feature_map="elu", eps=1e-6, norm
         if bh and (n or nk):  # (cpu/noncausal_grad.py)
             arrays, _, _ = _seq4(src + (v, g, out, dqf, dkf, dvv), lead)
             chunk, frac, nthreads, _ = plan(bh, max(n, nk), dk_, dv, causal=False)
+            if few is not None:  # (every head from its scores: the forward's plan, which decided so, and no state)
+                (chunk, frac), sums = few, noncausal_grad.NO_SUMS[comp]
+            else:
+                sums = _state_columns(final, bh, comp) if known is None else known
             G = noncausal_grad.backward(nthreads, *arrays[:5], kmap(), comp.type(s), comp.type(eps), normalize,
                                         _full_lengths(bh, nk) if lens is None else lens,
-                                        _full_lengths(bh, n) if qlens is None else qlens, chunk, frac,
-                                        _state_columns(final, bh, comp) if known is None else known, *arrays[5:],
-                                        base=base)
+                                        _full_lengths(bh, n) if qlens is None else qlens, chunk, frac, sums,
+                                        *arrays[5:], base=base)
         dmap = None
         if not _norm_after(code):
             grads = [dqf, dkf, dvv]

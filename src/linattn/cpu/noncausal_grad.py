@@ -236,6 +236,8 @@ def _signature(dt, variant):
 
 noncausal_backward = ThreadedKernel(_noncausal_backward, _signature)
 _NO_PARTS = np.zeros((0, 1, 1, 1))  # the segments' partial sums, none
+#: ``known`` where every head is taken from its scores (few_positions): never read.
+NO_SUMS = {np.dtype(dt): np.zeros((0, 1, 1), dt) for dt in (np.float32, np.float64)}
 
 
 def backward(nthreads, q, k, v, g, out, fm, s, eps, normalize, lengths, qlengths, chunk, frac, known, dq, dk, dv,
