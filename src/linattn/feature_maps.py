@@ -366,10 +366,8 @@ class ReBased(FeatureMap):
         u formed as the kernels form it), then the norm's, block by block in one compiled pass over the
         rows (cpu/norm_grad.rebased_vjp)."""
         xs, dphi, _ = self._prepared(x, dphi, need_y=False)
-        dt = xs.dtype
-        dx, dgamma, dbeta = norm_grad.rebased_vjp(xs, dphi, self.params(xs.shape[-1], dt), self.gamma.astype(dt),
-                                                  float(dt.type(self.eps)), self.input_scale)
-        return dx, {"gamma": dgamma, "beta": dbeta}
+        return self._named(*norm_grad.rebased_vjp(xs, dphi, self.params(xs.shape[-1], xs.dtype),
+                                                  *self._norm_settings(xs.dtype)))
 
     def _vjps_of_u(self, x, du):
         """_vjps from du (..., D), the gradient of u = gamma LN(s x) + beta (in the computation's dtype):
@@ -377,8 +375,15 @@ class ReBased(FeatureMap):
         again, eps as the kernels read it, rounded to that dtype)."""
         dt = du.dtype
         xs = np.asarray(x).astype(dt, copy=False) * dt.type(self.input_scale)
-        dx, dgamma, dbeta = norm_grad.norm_vjp(xs, du, self.gamma.astype(dt), float(dt.type(self.eps)),
-                                               self.input_scale)
+        return self._named(*norm_grad.norm_vjp(xs, du, *self._norm_settings(dt)))
+
+    def _norm_settings(self, dt):
+        """gamma, eps and the input scale as the norm's vjps take them (eps rounded to ``dt``, as the kernels
+        read it)."""
+        return self.gamma.astype(dt), float(dt.type(self.eps)), self.input_scale
+
+    @staticmethod
+    def _named(dx, dgamma, dbeta):
         return dx, {"gamma": dgamma, "beta": dbeta}
 
     def vjp(self, x, dphi, y=None):

@@ -43,7 +43,7 @@ from .cpu import backward, gate_sums, half, mapfns, noncausal_grad
 from .cpu.chunked import few_positions
 from .cpu.elementwise import IDENTITY
 from .cpu.map_grad import kernel_map
-from .cpu.runtime import BACKWARD_PREFIX_COST, BACKWARD_WORK, plan
+from .cpu.runtime import BACKWARD_PREFIX_COST, BACKWARD_WORK, chunk_size, plan
 from .cpu.views import unit_rows
 from .feature_maps import Elementwise, FeatureMap, as_map
 from .state import State
@@ -382,18 +382,16 @@ def _scores_only(fmap, code, q, k, v):
     that it reads no state and the forward need not write one (B1 H8 N16 D64: the vjp's forward took 32 us
     writing it, 23-28 without); else None. The inputs are not checked yet: anything unusual gives None (the
     state then)."""
-    if (type(k) is not np.ndarray or type(v) is not np.ndarray or q.ndim < 2 or k.ndim < 2 or v.ndim < 2 or q.size == 0
-            or code is None or k.shape[-1] != q.shape[-1]):
-        return None
+    if (type(k) is not np.ndarray or type(v) is not np.ndarray or q.ndim < 2 or k.ndim < 2 or v.ndim < 2
+            or q.size == 0 or code is None or k.shape[-1] != q.shape[-1]):  # (q.size: no heads, or no queries,
+        return None  # whose heads the backward takes from the state)
     (n, dq), nk, dv = q.shape[-2:], k.shape[-2], v.shape[-1]
-    if not (n <= 32 and 0 < nk <= 32):  # (chunks are at most 32 positions)
-        return None
     try:
         d = fmap.out_dim(dq)
     except (ValueError, TypeError):  # (a map and D that do not fit: the forward says so)
         return None
-    if n * nk * (d + dv) >= (n + nk) * d * dv or _noncausal_code(code, q, k) is None:  # (few_positions' products)
-        return None
+    if not few_positions.py_func(n, nk, d, dv, chunk_size(max(n, nk))) or _noncausal_code(code, q, k) is None:
+        return None  # (chunk_size: the plan's chunk; the plan itself, ~1 us, only where heads are few)
     chunk, frac, _, _ = plan(math.prod(q.shape[:-2]), max(n, nk), d, dv, causal=False)
     return (chunk, frac) if len(frac) == 2 and few_positions.py_func(n, nk, d, dv, chunk) else None
 
