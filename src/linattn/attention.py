@@ -245,6 +245,8 @@ def _fast_gates(dt, shape, dk, decay, gate):
 def _gates_as_prepared(dt, shape, dk, decay, gate):
     """(kind, gates, log decay) as gates_mod.prepare gives them to the vjp's backward, for a decay and a
     gate that the short path took; gates None for a decay alone (the backward reads them with a gate only)."""
+    if decay is None and gate is None:
+        return gates_mod.NONE, None, None
     kind, _, log_decay = _fast_gates(dt, shape, dk, decay, gate)
     return kind, gate, None if decay is None else log_decay
 

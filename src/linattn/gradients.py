@@ -29,7 +29,6 @@ dimension), the kernel decays the adjoint as the forward decays the state, and d
 gated kernels use; Z counts as one more value column), per key dimension the same with the
 elementwise products and row j of the final state.
 """
-import functools
 import math
 
 import numpy as np
@@ -50,6 +49,9 @@ from .state import State
 
 
 _NO_R = np.empty((1, 0, 1))  # no gates: the backward kernel's per-position terms, none (it writes nothing there)
+# phi(q), phi(k) not written by the causal backward kernel (but for the projection maps), per dtype
+_NO_PHI = {np.dtype(dt): (np.empty((0, 0, 0, 0), dt),) * 2 for dt in (np.float32, np.float64)}
+_BY_NAME = {}  # a map's name -> _map_and_code's result (a tiny vjp's forward: 1 us less)
 
 
 def _map_and_code(feature_map):
@@ -58,6 +60,12 @@ def _map_and_code(feature_map):
     they compute the pair maps' features and vjp too (Taylor, DPFP, ReBased but its norm's vjp), the
     causal one the projection maps' features, whose vjps are applied after it (see _vjp_after). A callable
     needs a ``vjp(x, dphi)`` of its own."""
+    if type(feature_map) is str:
+        found = _BY_NAME.get(feature_map)
+        if found is None:
+            fmap = as_map(feature_map)  # (a ValueError for an unknown name)
+            found = _BY_NAME[feature_map] = fmap, fmap.kernel_code()  # (every name is an Elementwise map)
+        return found
     fmap = as_map(feature_map)
     if isinstance(fmap, FeatureMap):
         code = fmap.kernel_code()
@@ -102,8 +110,16 @@ def _kernel_map(fmap, code, d, comp):
 def _lazy_kernel_map(fmap, code, d, comp):
     """_kernel_map's result, made at the first call of the returned function: a vjp's first ``vjp(dout)``,
     which compiles the backward kernel, also compiles the map's derivative, not its forward call (a
-    ReBased vjp's cold forward 14.0-14.6 s with it, about 12 s without)."""
-    return functools.cache(lambda: _kernel_map(fmap, code, d, comp))
+    ReBased vjp's cold forward 14.0-14.6 s with it, about 12 s without). (A list, not functools.cache: making
+    that cost 1.4 us of a tiny vjp's forward.)"""
+    made = []
+
+    def kernel_map_args():
+        if not made:  # (two threads calling the first vjps at once may both make it: the same arguments)
+            made.append(_kernel_map(fmap, code, d, comp))
+        return made[0]
+
+    return kernel_map_args
 
 
 #: The elementwise maps whose phi costs more than a pass over memory (an exp or erf per value), and the
@@ -304,7 +320,6 @@ def _backward(q, k, v, fmap, code, lead, d, out_dt, normalize, s, initial_state,
     gated = kind != gates_mod.NONE
     # what every call shares, made once (B1 H1 N16: vjp(dout) 24 -> 18.5 us)
     no_grad = _no_state(comp, d, dv)[:2]  # no final state's gradient (read-only arrays with no rows)
-    no_phi = (np.empty((0, 0, 0, 0), comp),) * 2  # (phi(q), phi(k) not written by the kernel)
     ld = np.zeros(bh) if log_decay is None else np.ascontiguousarray(log_decay, np.float64).reshape(bh)
     kmap = _lazy_kernel_map(fmap, code, q.shape[-1], comp)
     dx = d if _vjp_after(code) else q.shape[-1]  # (the kernel's dq, dk: the gradients of phi(q), phi(k) or of q, k)
@@ -349,7 +364,7 @@ def _backward(q, k, v, fmap, code, lead, d, out_dt, normalize, s, initial_state,
                                     lens_all, chunk, frac, states.reshape(g12 + states.shape[-3:]), has_state, H0, Z0,
                                     lam4, ld, dq.reshape(g12 + (n, dx)), dk.reshape(g12 + (n, dx)),
                                     dvv.reshape(g12 + (n, dv)), H_out, Z_out, rq, rk,
-                                    *(no_phi if code not in _PROJECTIONS else
+                                    *(_NO_PHI[comp] if code not in _PROJECTIONS else
                                       (qf.reshape(g12 + (n, d)), kf.reshape(g12 + (n, d)))), status),
                  _causal_parts(two_runs, bh, n, chunk, frac, d, dv, nthreads))
         elif has_state:
