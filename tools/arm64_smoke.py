@@ -50,6 +50,19 @@ fd = np.sum((linattn.causal_linear_attention(q64 + h * u, k64, v64, gate=g)
              - linattn.causal_linear_attention(q64 - h * u, k64, v64, gate=g)) * dout) / (2 * h)
 check("vjp dq along a direction, against a central difference", np.sum(dq * u), fd, 1e-6 * max(1.0, abs(fd)))
 
+# the non-causal vjp (cross-attention over padded keys, its backward from the forward's state): dk along a
+# direction against a central difference
+kc, vc = k64[..., :40, :], v64[..., :40, :]
+lens = np.array([40, 23])
+out64, vjp = linattn.linear_attention_vjp(q64, kc, vc, lengths=lens)
+dout = rng.standard_normal(out64.shape)
+dk = vjp(dout)[1]
+u = rng.standard_normal(kc.shape)
+fd = np.sum((linattn.linear_attention(q64, kc + h * u, vc, lengths=lens)
+             - linattn.linear_attention(q64, kc - h * u, vc, lengths=lens)) * dout) / (2 * h)
+check("non-causal vjp dk along a direction, against a central difference", np.sum(dk * u), fd,
+      1e-6 * max(1.0, abs(fd)))
+
 # one long head split between the threads, NumPy's matmuls and linattn's calls from several threads at once
 q1, k1, v1 = (rng.standard_normal((1, 1, 2000, 16)).astype(np.float32) * 0.5 for _ in range(3))
 one = linattn.causal_linear_attention(q1, k1, v1)
