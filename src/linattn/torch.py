@@ -77,23 +77,25 @@ def _first_only(grads):
 
 class _Causal(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, q, k, v, S0, Z0, gate, decay, fmap, options, *params):
+    def forward(ctx, q, k, v, S0, Z0, gate, decay, fmap, options, return_state, *params):
         state = None if S0 is None else State(_array(S0, "initial_state.S"), _array(Z0, "initial_state.Z"))
-        out, final, vjp = gradients.causal_linear_attention_vjp(
-            _array(q, "q"), _array(k, "k"), _array(v, "v"), initial_state=state, return_state=True,
+        res = gradients.causal_linear_attention_vjp(
+            _array(q, "q"), _array(k, "k"), _array(v, "v"), initial_state=state, return_state=return_state,
             gate=None if gate is None else _array(gate, "gate"),
             decay=_array(decay, "decay") if isinstance(decay, torch.Tensor) else decay,
             feature_map=_numpy_map(fmap), **options)
         ctx.save_for_backward(q, k, v, gate)  # (the vjp reads them: torch refuses a backward if changed in place)
-        ctx.vjp, ctx.has_state, ctx.has_gate = vjp, S0 is not None, gate is not None
+        ctx.vjp, ctx.has_state, ctx.has_gate = res[-1], S0 is not None, gate is not None
         ctx.decay, ctx.fmap, ctx.params = decay, fmap, params
-        return _tensor(out), _tensor(final.S), _tensor(final.Z)
+        final = res[1] if return_state else State(None, None)  # (no state asked: none made, no zero gradient)
+        return _tensor(res[0]), _tensor(final.S), _tensor(final.Z)
 
     @staticmethod
     def backward(ctx, dout, dS, dZ):
         ctx.saved_tensors  # (raises if q, k, v or the gate changed since the forward)
-        dout, dS, dZ = (g.detach().contiguous().numpy() for g in (dout, dS, dZ))
-        grads = list(ctx.vjp(dout, State(dS, dZ)))
+        dout = dout.detach().contiguous().numpy()
+        dstate = None if dS is None else State(*(g.detach().contiguous().numpy() for g in (dS, dZ)))
+        grads = list(ctx.vjp(dout, dstate))
         dq, dk, dv = (_tensor(g) for g in grads[:3])
         rest = grads[3:]
         dS0 = dZ0 = dgate = ddecay = None
@@ -104,7 +106,7 @@ class _Causal(torch.autograd.Function):
             dgate, rest = _tensor(rest[0]), rest[1:]
         if ctx.decay is not None:
             ddecay, rest = _grad_like(rest[0], ctx.decay), rest[1:]
-        return _first_only((dq, dk, dv, dS0, dZ0, dgate, ddecay, None, None,
+        return _first_only((dq, dk, dv, dS0, dZ0, dgate, ddecay, None, None, None,
                             *_param_grads(ctx.fmap, ctx.params, rest)))
 
 
@@ -244,7 +246,8 @@ def causal_linear_attention(q, k, v, *, feature_map="elu", eps=1e-6, normalize=T
     S0, Z0 = _state_tensors(initial_state)
     return_state = check_flag(return_state, "return_state")
     options = dict(eps=eps, normalize=normalize, lengths=lengths, scale=scale)
-    out, S, Z = _Causal.apply(q, k, v, S0, Z0, gate, decay, feature_map, options, *_map_params(feature_map))
+    out, S, Z = _Causal.apply(q, k, v, S0, Z0, gate, decay, feature_map, options, return_state,
+                              *_map_params(feature_map))
     return (out, (S, Z)) if return_state else out
 
 
