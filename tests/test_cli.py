@@ -214,21 +214,28 @@ def test_bench_model_logits_agree_with_pytorch():
         assert r["torch_chunked_prefill_tok_s"] > 0 and r["torch_sdpa_decode_tok_s"] > 0
 
 
-def test_model_gelu_is_the_tanh_form():
+@pytest.mark.parametrize("piece", [None, 1000])
+@pytest.mark.parametrize("layout", ["flat", "rows", "strided"])
+def test_model_gelu_is_the_tanh_form(monkeypatch, piece, layout):
     import warnings
 
     import numpy as np
 
+    from linattn.benchmarks import transformer
     from linattn.benchmarks.transformer import gelu_
 
-    x = np.concatenate([np.linspace(-12, 12, 4801), [-200.0, -60.0, 0.0, 60.0, 200.0]])
+    if piece is not None:  # pieces of 1000 elements: several, the last one partial
+        monkeypatch.setattr(transformer, "GELU_PIECE", piece)
+    x = np.concatenate([np.linspace(-12, 12, 4801), [-200.0, -60.0, 0.0, 60.0, 200.0], np.zeros(34)])
     ref = 0.5 * x * (1 + np.tanh(np.sqrt(2 / np.pi) * (x + 0.044715 * x ** 3)))
-    u = x.astype(np.float32)
+    whole = x.astype(np.float32)
+    u = {"flat": whole, "rows": whole.reshape(40, 121),
+         "strided": np.repeat(whole.reshape(40, 121), 2, axis=1)[:, ::2]}[layout]
     with warnings.catch_warnings():  # no warning (exp overflows for u < -10), in place
         warnings.simplefilter("error")
         got = gelu_(u)
     assert got is u and got.dtype == np.float32
-    np.testing.assert_allclose(got, ref, rtol=2e-6, atol=1e-6 * np.abs(ref).max())
+    np.testing.assert_allclose(got.reshape(-1), ref, rtol=2e-6, atol=1e-6 * np.abs(ref).max())
 
 
 def test_compile_lists_what_it_compiled(capsys):

@@ -68,15 +68,33 @@ def layer_norm(x, g, b, eps=1e-5):
     return xc
 
 
+#: Elements per piece of the GELU (512 KB of float32): its passes over a piece stay in the L2 cache.
+GELU_PIECE = 1 << 17
+
+
 def gelu_(u):
     """GELU, tanh form (PyTorch's ``approximate="tanh"``), of u in place.
 
     Written as u sigmoid(2 t) = u / (1 + exp(-2 t)), t = sqrt(2/pi) (u + 0.044715 u^3), which is
     0.5 u (1 + tanh t): NumPy's float32 ``exp`` runs in SIMD on AVX2 and AVX-512 CPUs, its ``tanh``
     only with AVX-512 (on an AVX2 CPU 3.6 ms against 2.1 ms per 512 x 2048 block). exp(-2 t)
-    overflows to inf for u < -10 or so, where the quotient is the right -0.
+    overflows to inf for u < -10 or so, where the quotient is the right -0. A contiguous u goes in
+    pieces of GELU_PIECE elements, each through all six passes while it is in the L2 cache (a
+    512 x 2048 block from L3 took 2.2-3.5 ms, in pieces 1.4-1.8 ms on a Xeon).
     """
-    t = u * u
+    if not u.flags.c_contiguous:  # one piece, the whole array
+        return _gelu_piece_(u, np.empty_like(u))
+    flat = u.reshape(-1)  # a view
+    t = np.empty(min(flat.size, GELU_PIECE), u.dtype)
+    for i in range(0, flat.size, GELU_PIECE):
+        p = flat[i:i + GELU_PIECE]
+        _gelu_piece_(p, t[:p.size])
+    return u
+
+
+def _gelu_piece_(u, t):
+    """gelu_ of u in place, with t (u's shape) for the intermediate."""
+    np.multiply(u, u, out=t)
     t *= _C1
     t += _C0
     t *= u
