@@ -35,7 +35,7 @@ from numba.np.numpy_support import as_dtype
 from .._jit import OVERLOAD_OPTIONS, array, njit
 from .buffers import empty, one_of, zeros
 from .chunked import (FOLD_EVERY, _copy_row, _current, _init_state, _rows_to_touch, _state_buffers, _write_state,
-                      job_of, pending_added, segment_parts, split_state)
+                      job_of, pending_added, reset_state_buffers, segment_parts, split_state)
 from .dynamic import DONE, RUN_SPLIT, SPLIT, STARTING, mark_swap, next_job, publish
 from .elementwise import ELU, RELU
 from .gating import (SUB, VECTOR, _kind, _stub, chunk_gates, gate_buffers, gate_key_rows, gate_log_sum, gate_pending,
@@ -420,6 +420,9 @@ def _causal_backward(q, k, v, g, out, den, fm, fp, fa, da, normalize, s, lengths
     items = q.shape[0] * g2 * (1 if dynamic else nseg)
     nb = (parts.shape[1] + 1) // 2  # (dynamic: the boundaries' rows, then the segments' sums)
     per = int(FOLD_EVERY)  # (a dynamic split's segment: one fold's chunks, counted from a head's end)
+    # a job's state buffers (the adjoint [C | Cz] as a state), made once for all of this thread's jobs
+    sbuf = (_state_buffers(d, e - 1, dt), empty(d if decayed else 0, dt))
+    (P, B, acc, Pz, Bz, Z, accz, lam), fb = unowned(sbuf)
     ch, ct, cy = int(0), int(0), int(0)  # a helper's split under way: head, claimed boundary, next boundary
     while True:
         # (a helper's sum of a fold is the walk a prefix takes: its cost over a fold's run, runtime's)
@@ -447,8 +450,7 @@ def _causal_backward(q, k, v, g, out, den, fm, fp, fa, da, normalize, s, lengths
         qh, kh, vh, gh, oh, denh = q[h1, h2], k[h1, h2], v[h1, h2], g[h1, h2], out[h1, h2], den[h1, h2]
         dqh, dkh, dvh, kept = dq[h1, h2], dk[h1, h2], dv[h1, h2], states[h1, h2]
         qfh, kfh = (qf[h1, h2], kf[h1, h2]) if keep else (dqh, dkh)  # (not written unless keep)
-        sbuf = (_state_buffers(d, e - 1, dt), empty(d if decayed else 0, dt))
-        (P, B, acc, Pz, Bz, Z, accz, lam), fb = unowned(sbuf)  # the adjoint [C | Cz] as a state
+        reset_state_buffers(sbuf[0])
         has_acc = _init_state(H0, Z0, h, B, accz, Bz) if whole else bool(False)
         acc_in_b = has_acc  # (acc is filled from B when first read: see _init_state)
         has_p = bool(False)
@@ -458,7 +460,6 @@ def _causal_backward(q, k, v, g, out, den, fm, fp, fa, da, normalize, s, lengths
         elif dynamic and kind == RUN_SPLIT:
             has_acc, acc_in_b = split_state(sbuf[0], parts, h, y, parts[h, nb + y:nb + tb], H0, Z0, decayed)
             if mark_swap(parts, h, tb, SPLIT, STARTING) != SPLIT:  # (the runner took tb back: other work)
-                keep_alive(sbuf)
                 continue
             publish(parts, h, tb, acc, accz, bool(True))  # (the adjoint at the run's start, for later helpers)
         for a in range(total.shape[0]):  # the segment's log decay (phase 0, or a dynamic split's sum)
@@ -510,20 +511,17 @@ def _causal_backward(q, k, v, g, out, den, fm, fp, fa, da, normalize, s, lengths
             _current(B, Bz, P, Pz, C, Z, has_acc, has_p, fb, decayed)
         if sums_only and dynamic:  # a dynamic split's sum: its row, then the helper's next step
             segment_parts(sbuf[0], has_acc, acc_in_b, has_p, sums_only, parts[h, nb:], sg, total, decayed)
-            keep_alive(sbuf)
             ch, ct, cy = h, tb, sg  # (the helper's next step: next_job)
             continue
         if summing:
             segment_parts(sbuf[0], has_acc, acc_in_b, has_p, summing, parts[h], sg, total, decayed)
-            keep_alive(sbuf)
             continue
         if last:
             for x in (dqh, dkh, dvh):
                 _zero_rows(x, length, x.shape[0])
             if H_out.shape[0] > 0:
                 _write_state(acc, accz, B, P, Pz, h, H_out, Z_out, has_acc, acc_in_b, has_p, lam, decayed)
-        keep_alive(sbuf)
-    keep_alive((owners, gbuf, wbuf, mapper))
+    keep_alive((owners, gbuf, wbuf, mapper, sbuf))
 
 
 def _signature(dt, kind):
