@@ -69,6 +69,26 @@ class FromState:
         linattn.causal_linear_attention(self.q, self.k, self.v)
 
 
+class ManySmallHeads:
+    """Many heads of few positions: each head's fixed cost in the kernels (their state buffers were made
+    per head: B4 H8 N16 D16's forward 50-51 -> 36 us, B1 H32 N1 D16's 36 -> 24 us on one thread of a Xeon).
+    The causal forward, and the vjp's forward + backward."""
+    params = (["B4 H8 N16 D16", "B1 H32 N1 D16"], ["causal", "vjp"])
+    param_names = ["shape", "call"]
+
+    def setup(self, shape, call):
+        dims = {"B4 H8 N16 D16": (4, 8, 16, 16), "B1 H32 N1 D16": (1, 32, 1, 16)}[shape]
+        self.q, self.k, self.v = inputs(dims)
+        self.dout = np.ones(dims, np.float32)
+        self.time_call(shape, call)
+
+    def time_call(self, shape, call):
+        if call == "causal":
+            linattn.causal_linear_attention(self.q, self.k, self.v)
+        else:
+            linattn.causal_linear_attention_vjp(self.q, self.k, self.v)[1](self.dout)
+
+
 class ShortChunk:
     """Sequences whose last chunk is short (7 and 31 positions) next to whole chunks (8 and 32): B8 H8 D64,
     forward and backward (a short chunk's products ran a column at a time: 1.8x the time of 8)."""
