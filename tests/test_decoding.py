@@ -285,7 +285,7 @@ def test_attention_weights_errors(rng):
 @pytest.mark.parametrize("lead", [(), (3,), (2, 3), (8, 8)])  # (8, 8) at D = Dv = 64: the parallel step
 def test_causal_call_of_few_positions_from_a_state(rng, lead, n, dtype, monkeypatch):
     """causal_linear_attention of a few positions from a state (a decoding loop that does not call step,
-    a check of a few drafted tokens) takes step's kernel, position by position, on a copy of the state:
+    a check of a few drafted tokens) takes step's kernel, position by position, into a new state:
     the general path's result and state (the same call with device="cpu" takes that path), the initial
     state left as it was; with maps, decay, gates per position and per key dimension, scale and
     normalize; bad gate values (at the last position) still raise the call's error."""
@@ -329,6 +329,73 @@ def test_causal_call_of_few_positions_from_a_state(rng, lead, n, dtype, monkeypa
     np.testing.assert_array_equal(state.S, S)
     with pytest.raises(ValueError, match=r"^k: "):  # (k of another length)
         linattn.causal_linear_attention(q, np.concatenate([k, k], -2), v, initial_state=state)
+
+
+@pytest.mark.parametrize("layout", ["rows apart", "read-only", "broadcast", "columns apart"])
+@pytest.mark.parametrize("n", [1, 3])
+def test_few_positions_read_the_state_in_place(rng, n, layout, monkeypatch):
+    """The short path's first step reads the given state where it is, in any layout with rows of adjacent
+    elements (rows apart, read-only, heads broadcast), and writes the new one elsewhere: the general path's
+    result and a C-contiguous state of its own, the given one as it was. A state whose rows are not adjacent
+    elements takes the general path, with the same result."""
+    steps = []
+    monkeypatch.setattr(attention, "step_fast", lambda *a: steps.append(a[-1]) or decoding.step_fast(*a))
+    lead, d, dv = (2, 3), 5, 7
+    q, k, v = make_qkv(rng, lead, n, d, dv)
+    S, Z = (rng.random(lead + (d, dv)) * 0.5).astype(np.float32), (rng.random(lead + (d,)) + 0.5).astype(np.float32)
+    if layout == "rows apart":
+        S = np.concatenate([S, np.full_like(S, np.nan)], -1)[..., :dv]
+        Z = np.concatenate([Z, np.full_like(Z, np.nan)], -1)[..., :d]
+    elif layout == "read-only":
+        S.flags.writeable = Z.flags.writeable = False
+    elif layout == "broadcast":
+        S, Z = np.broadcast_to(S[:1], S.shape), np.broadcast_to(Z[:1], Z.shape)
+    else:
+        S = np.swapaxes(np.ascontiguousarray(np.swapaxes(S, -1, -2)), -1, -2)
+    S_was, Z_was = S.copy(), Z.copy()
+    state = linattn.State(S, Z)
+    out, new = linattn.causal_linear_attention(q, k, v, initial_state=state, return_state=True)
+    want, want_state = linattn.causal_linear_attention(q, k, v, initial_state=state, return_state=True,
+                                                       device="cpu")  # (general)
+    assert steps[0] is state
+    assert len(steps) == (1 if layout == "columns apart" else n)  # (the first step declined, or every one)
+    assert_close(out, want, np.float32)
+    assert_close(new.S, want_state.S, np.float32)
+    assert_close(new.Z, want_state.Z, np.float32)
+    assert new.S.flags.c_contiguous and new.Z.flags.c_contiguous and new.S.flags.writeable
+    assert not np.shares_memory(new.S, S) and not np.shares_memory(new.Z, Z)
+    np.testing.assert_array_equal(S, S_was)
+    np.testing.assert_array_equal(Z, Z_was)
+
+
+@pytest.mark.parametrize("d, dv", [(5, 3), (64, 64), (33, 17)])
+def test_step_from_a_source_is_the_same_wherever_the_arrays_lie(rng, d, dv):
+    """The step that reads the old state from other arrays (the short path's first position) gives the
+    in-place step's result and state bit for bit, wherever the new state lies from the old: just after it,
+    just before, or far away (the sum q.Z once took another order when the arrays were close, so results
+    hung on where malloc put them)."""
+    size = d * dv + d
+    for _ in range(40):  # (a different order of the sum shows in the last bit of some draws: 4% at D 5)
+        q, k = rng.standard_normal((2, d)).astype(np.float32)
+        v = rng.standard_normal(dv).astype(np.float32)
+        S, Z = (rng.random((d, dv)) * 0.5).astype(np.float32), (rng.random(d) + 0.5).astype(np.float32)
+        inplace = linattn.State(S.copy(), Z.copy())
+        want = decoding.step_fast(q, k, v, inplace, "elu", 1e-6, True, None, None, None, None)
+        for gap in (-3 * size, -size, size, size + 1, size + 7, 3 * size):
+            buf = np.full(8 * size, np.nan, np.float32)
+            at = 4 * size
+            source = linattn.State(buf[at:at + d * dv].reshape(d, dv), buf[at + d * dv:at + size])
+            source.S[...], source.Z[...] = S, Z
+            at += gap
+            new = linattn.State(buf[at:at + d * dv].reshape(d, dv), buf[at + d * dv:at + size])
+            got = decoding.step_fast(q, k, v, new, "elu", 1e-6, True, None, None, None, None, source)
+            np.testing.assert_array_equal(got, want)
+            np.testing.assert_array_equal(new.S, inplace.S)
+            np.testing.assert_array_equal(new.Z, inplace.Z)
+            np.testing.assert_array_equal(source.S, S)  # (only read)
+    overlapping = linattn.State(*(x.copy() for x in source))
+    assert decoding.step_fast(q, k, v, linattn.State(overlapping.S, overlapping.Z), "elu", 1e-6, True, None, None,
+                              None, None, linattn.State(overlapping.S[::-1], overlapping.Z)) is None
 
 
 def test_more_positions_from_a_state_take_the_chunkwise_kernel(rng, monkeypatch):

@@ -40,19 +40,19 @@ def _map_entry(feature_map, dtype, d):
     return code, fp, addr, mapped
 
 
-def _fast_entry(feature_map, dtype, shape, gate_kind, has_decay):
+def _fast_entry(feature_map, dtype, shape, gate_kind, has_decay, sourced):
     """The fast-path entry for a built-in map (a name or a FeatureMap) and a float32/float64 dtype
-    (compiled once), else None."""
+    (compiled once), else None; ``sourced``: the kernel that reads the old state from other arrays."""
     if dtype not in (np.float32, np.float64) or not shape or not shape[-1]:
         return None
     found = _map_entry(feature_map, dtype, shape[-1])
     if found is None:
         return None
     code, fp, addr, mapped = found
-    variant = (len(shape) - 1, gate_kind, has_decay, mapped)
+    variant = (len(shape) - 1, gate_kind, has_decay, mapped, sourced)
     if len(_FAST) > 256:
         _FAST.clear()
-    entry = _FAST[feature_map, dtype, shape, gate_kind, has_decay] = (
+    entry = _FAST[feature_map, dtype, shape, gate_kind, has_decay, sourced] = (
         code, fp, addr, step_kernels.step_nd_serial.get(dtype, variant), variant)
     return entry
 
@@ -81,11 +81,11 @@ def read_state(q, S, Z, feature_map, eps, normalize):
     try:
         if S.size < _PARALLEL_MIN or num_threads() == 1:
             status = step_kernels.read_nd_serial.get(dt, (len(shape) - 1, mapped))(
-                q, None, None, code, fp, addr, eps, normalize, S, Z, out, None, None, 1.0)
+                q, None, None, code, fp, addr, eps, normalize, S, Z, out, None, None, 1.0, None, None)
         else:
             with kernel_section():
                 status = step_kernels.read_nd_parallel.get(dt, (len(shape) - 1, mapped))(
-                    q, None, None, code, fp, addr, eps, normalize, S, Z, out, None, None, 1.0)
+                    q, None, None, code, fp, addr, eps, normalize, S, Z, out, None, None, 1.0, None, None)
     except TypeError:  # no compiled signature fits (a dtype or layout): the checked path
         return None
     return out if status == 0 else None
@@ -186,19 +186,25 @@ def step(q, k, v, state, *, feature_map="elu", eps=1e-6, normalize=True, decay=N
     return _step_checked(q, k, v, state, feature_map, eps, normalize, decay, gate, scale, out, device)
 
 
-def step_fast(q, k, v, state, feature_map, eps, normalize, decay, gate, scale, out):
+def step_fast(q, k, v, state, feature_map, eps, normalize, decay, gate, scale, out, source=None):
     """step's fast path, for the common call (float32/float64 NumPy arrays with rows of adjacent elements,
     a built-in feature map, by name or as a map object): the compiled kernel checks dtypes and layouts
     by its signature and shapes and values itself, so a decoding step costs little more than the
-    arithmetic. None (the state untouched) for anything else: the checked path then runs or says why."""
+    arithmetic. None (the state untouched) for anything else: the checked path then runs or says why.
+
+    ``source`` (a State of NumPy arrays shaped like ``state``'s, apart from them): the state before the
+    step, only read; the new one is written into ``state`` (the sequence function's few positions from a
+    State, which it leaves as it is). None: ``state`` is updated in place. Not for float16."""
     if not (type(state) is State and type(q) is _ndarray and type(v) is _ndarray and type(eps) is float):
         return None
     dt = q.dtype
     if dt is _F16:
-        return _step_half(q, k, v, state, feature_map, eps, normalize, decay, gate, scale, out)
+        return None if source is not None else _step_half(q, k, v, state, feature_map, eps, normalize, decay,
+                                                          gate, scale, out)
     kind = 0 if gate is None else (1 if gate.ndim == q.ndim - 1 else 2) if type(gate) is _ndarray else -1
     decay_arr = None if decay is None else _decay_view(decay, q.shape[:-1])
-    key = (feature_map, dt, q.shape, kind, decay is not None)
+    sourced = source is not None
+    key = (feature_map, dt, q.shape, kind, decay is not None, sourced)
     try:
         fast = _FAST.get(key)
     except TypeError:  # an unhashable callable
@@ -211,17 +217,19 @@ def step_fast(q, k, v, state, feature_map, eps, normalize, decay, gate, scale, o
             and (scale is None or (type(scale) is float and 0.0 < scale < _INF))):
         return None
     S, Z = state
+    S0, Z0 = (None, None) if source is None else source
     qscale = 1.0 if scale is None else scale
     # the kernel checks out's shape and layout (rows of adjacent elements, writable) like the others'
     res = _empty(v.shape, dt) if out is None else out
     try:
         if type(S) is not _ndarray or S.size < _PARALLEL_MIN or num_threads() == 1:
-            status = fast[3](q, k, v, fast[0], fast[1], fast[2], eps, normalize, S, Z, res, gate, decay_arr, qscale)
+            status = fast[3](q, k, v, fast[0], fast[1], fast[2], eps, normalize, S, Z, res, gate, decay_arr, qscale,
+                             S0, Z0)
         else:
             kernel = step_kernels.step_nd_parallel.get(dt, fast[4])
             with kernel_section():
                 status = kernel(q, k, v, fast[0], fast[1], fast[2], eps, normalize, S, Z, res, gate, decay_arr,
-                                qscale)
+                                qscale, S0, Z0)
     except TypeError:  # no compiled signature fits: the checks say why
         return None
     return res if status == 0 else None

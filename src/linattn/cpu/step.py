@@ -200,7 +200,7 @@ def _step(q, k, v, fm, eps, normalize, S, Z, out, gates, decay, qscale):
         fill_decay(gates, decay, h, decs[h], q)
         if vector:
             state_pass(S[h], Z[h], v[h], maps[h, 0], maps[h, 1], out[h], S.strides[1] // unit, eps, normalize,
-                       head_decay(gates, decay, decs, h, q), qscale)
+                       head_decay(gates, decay, decs, h, q), qscale, None, None, 0)
         else:
             _head_loops(S[h], Z[h], v[h], maps[h, 0], maps[h, 1], out[h], eps, normalize, qscale,
                         head_decay(gates, decay, decs, h, q), scratch[h:h + 1])
@@ -208,11 +208,15 @@ def _step(q, k, v, fm, eps, normalize, S, Z, out, gates, decay, qscale):
     return 0
 
 
-def _step_nd(q, k, v, fm, fp, fa, eps, normalize, S, Z, out, gates, decay, qscale):
+def _step_nd(q, k, v, fm, fp, fa, eps, normalize, S, Z, out, gates, decay, qscale, S0, Z0):
     """The same on arrays with any number of leading dims and any strides along them (the heads of
     a fused QKV projection, say), each row of adjacent elements; heads are indexed in place. The
     feature map is any of the kernels' (cpu/mapfns.py: code ``fm``, parameters ``fp``, map_rows's
     address ``fa``, 0 for the codes applied inline), so S and Z have D' rows.
+
+    S0 and Z0 None: S and Z are updated in place. Else they are the state before the step, shaped like S
+    and Z and only read, and the new state is written to S and Z (a sequence call from a State, which
+    it leaves as it is: no copy of the state first).
 
     With k, v (and gates, decay) None it only reads the state: out = phi(q)^T S / (phi(q)^T Z + eps),
     S and Z unchanged (a decoder's query over its encoder's keys' state).
@@ -233,13 +237,15 @@ def _step_nd(q, k, v, fm, fp, fa, eps, normalize, S, Z, out, gates, decay, qscal
         return 1
     if d_in == 0 or q.strides[-1] != isz or S.strides[-1] != isz:
         return 1
-    if out.strides[-1] != isz or Z.strides[-1] != isz:
+    if out.strides[-1] != isz or Z.strides[-1] != isz or not _source_fits(S0, Z0, S, Z, isz):
         return 1
     bh = q.size // d_in
     # views without reference counting (see cpu/views.unowned): the caller owns the arguments, the
     # buffers' owners are kept to the end
     q, k, v, S, Z, out = unowned((q, k, v, S, Z, out))
-    if not _written_apart(S, Z, out, v, gates, decay):  # (after unowned: each owned array passed costs two atomics)
+    S0, Z0 = _source(S0, Z0)
+    # (the spans after unowned: each owned array passed costs two atomics)
+    if not _written_apart(S, Z, out, v, gates, decay, S0, Z0):
         return 1
     owners = (empty((bh, d_), out.dtype), empty(2 * bh * d_, out.dtype))
     decs, feats = unowned(owners)
@@ -251,10 +257,63 @@ def _step_nd(q, k, v, fm, fp, fa, eps, normalize, S, Z, out, gates, decay, qscal
         fill_decay(gates, decay, h, decs[h], q)
         Sh = head_matrix(S, h)
         kh = _if_keys(k, kf[h * d_:(h + 1) * d_], None)  # (None: the state only read)
+        S0h, Z0h = _head_source(S0, Z0, h)
         state_pass(Sh, head_row(Z, h), head_row(v, h), qf[h * d_:(h + 1) * d_], kh, head_row(out, h),
-                   Sh.strides[0] // isz, eps, normalize, head_decay(gates, decay, decs, h, q), qscale)
+                   Sh.strides[0] // isz, eps, normalize, head_decay(gates, decay, decs, h, q), qscale,
+                   S0h, Z0h, _row_stride(S0h, isz))
     keep_alive(owners)
     return 0
+
+
+def _source_fits(S0, Z0, S, Z, isz):
+    """Whether the state before the step (S0, Z0) is shaped like S and Z, with rows of adjacent elements
+    (True when both are None: S and Z updated in place). Only callable from Numba code."""
+    raise NotImplementedError("runs inside Numba kernels only")
+
+
+@overload(_source_fits, jit_options=OVERLOAD_OPTIONS)
+def _ol_source_fits(S0, Z0, S, Z, isz):
+    if isinstance(S0, types.NoneType) and isinstance(Z0, types.NoneType):
+        return lambda S0, Z0, S, Z, isz: True
+    return lambda S0, Z0, S, Z, isz: (S0.shape == S.shape and Z0.shape == Z.shape and S0.strides[-1] == isz
+                                      and Z0.strides[-1] == isz)
+
+
+def _source(S0, Z0):
+    """(S0, Z0) as views without reference counting (views.unowned), or (None, None). Numba code only."""
+    raise NotImplementedError("runs inside Numba kernels only")
+
+
+@overload(_source, jit_options=OVERLOAD_OPTIONS)
+def _ol_source(S0, Z0):
+    if isinstance(S0, types.NoneType):
+        return lambda S0, Z0: (None, None)
+    return lambda S0, Z0: unowned((S0, Z0))
+
+
+def _head_source(S0, Z0, h):
+    """Head h of the state before the step: (head_matrix(S0, h), head_row(Z0, h)), or (None, None). Numba
+    code only."""
+    raise NotImplementedError("runs inside Numba kernels only")
+
+
+@overload(_head_source, jit_options=OVERLOAD_OPTIONS)
+def _ol_head_source(S0, Z0, h):
+    if isinstance(S0, types.NoneType):
+        return lambda S0, Z0, h: (None, None)
+    return lambda S0, Z0, h: (head_matrix(S0, h), head_row(Z0, h))
+
+
+def _row_stride(x, isz):
+    """Elements between the rows of the 2-D view x, 0 for None. Numba code only."""
+    raise NotImplementedError("runs inside Numba kernels only")
+
+
+@overload(_row_stride, jit_options=OVERLOAD_OPTIONS)
+def _ol_row_stride(x, isz):
+    if isinstance(x, types.NoneType):
+        return lambda x, isz: 0
+    return lambda x, isz: x.strides[0] // isz
 
 
 def _keys_fit(k, v, q, out, isz):
@@ -291,15 +350,16 @@ def _disjoint(a, b):
 
 
 @njit(helper=True)
-def _written_apart(S, Z, out, v, gates, decay):
-    """Whether S, Z and out (written) have memory apart from each other and from v, gates and decay (read
-    while they are written; q and k are mapped before anything is written), by the arrays' spans: a few
-    integer operations (np.may_share_memory takes ~0.2 us a pair from Python: twelve would double a
-    small step). Arrays that interleave without overlapping take the caller's exact test."""
+def _written_apart(S, Z, out, v, gates, decay, S0, Z0):
+    """Whether S, Z and out (written) have memory apart from each other and from v, gates, decay and the old
+    state S0 and Z0 (read while they are written; q and k are mapped before anything is written; None
+    arrays are apart from everything), by the arrays' spans: a few integer operations (np.may_share_memory
+    takes ~0.2 us a pair from Python: twelve would double a small step). Arrays that interleave without
+    overlapping take the caller's exact test."""
     s, z, o = span(S), span(Z), span(out)
     if not (_disjoint(s, z) and _disjoint(s, o) and _disjoint(z, o)):
         return False
-    for r in (span(v), span(gates), span(decay)):
+    for r in (span(v), span(gates), span(decay), span(S0), span(Z0)):
         if not (_disjoint(r, s) and _disjoint(r, z) and _disjoint(r, o)):
             return False
     return True
@@ -391,15 +451,17 @@ def _strided_signature(dt, variant):
 
 
 def _nd_signature(dt, variant):
-    lead_ndim, gate_kind, has_decay, mapped = variant
+    lead_ndim, gate_kind, has_decay, mapped, sourced = variant
     vec, i64 = array(dt, lead_ndim + 1, "A", readonly=True), types.int64
     gates = {0: None, 1: array(dt, lead_ndim, "A", readonly=True),
              2: array(dt, lead_ndim + 1, "A", readonly=True)}[gate_kind]
     decay = array(types.float64, lead_ndim, "A", readonly=True) if has_decay else None
     fp = array(dt, 1, readonly=True) if mapped else types.none
+    S0, Z0 = ((array(dt, lead_ndim + 2, "A", readonly=True), array(dt, lead_ndim + 1, "A", readonly=True)) if sourced
+              else (types.none, types.none))
     return types.int64(vec, vec, vec, i64, fp, i64, types.float64, types.boolean,
                        array(dt, lead_ndim + 2, "A"), array(dt, lead_ndim + 1, "A"), array(dt, lead_ndim + 1, "A"),
-                       _optional(gates), _optional(decay), types.float64)
+                       _optional(gates), _optional(decay), types.float64, S0, Z0)
 
 
 def _read_signature(dt, variant):
@@ -408,11 +470,12 @@ def _read_signature(dt, variant):
     fp = array(dt, 1, readonly=True) if mapped else none
     return types.int64(vec, none, none, types.int64, fp, types.int64, types.float64, types.boolean,
                        array(dt, lead_ndim + 2, "A", readonly=True), array(dt, lead_ndim + 1, "A", readonly=True),
-                       array(dt, lead_ndim + 1, "A"), none, none, types.float64)
+                       array(dt, lead_ndim + 1, "A"), none, none, types.float64, none, none)
 
 
 #: variant: (number of leading dims, gate kind, has decay, whether the map is one of cpu/mapfns.py's (its
-#: parameters an array; None for the maps applied inline)); any strides along the leading dims
+#: parameters an array; None for the maps applied inline), whether the old state comes from S0 and Z0 (else
+#: None: in place)); any strides along the leading dims
 step_nd_serial = Kernel(_step_nd, _nd_signature, parallel=False)
 step_nd_parallel = Kernel(_step_nd, _nd_signature, parallel=True)
 #: a query over the state (k, v, gates and decay None: S and Z only read); variant: (number of leading

@@ -90,12 +90,15 @@ def wide_vectors(typingctx):
 
 
 @intrinsic
-def state_pass(typingctx, S, Z, v, q, k, out, row_stride, eps, normalize, decay, qscale):
+def state_pass(typingctx, S, Z, v, q, k, out, row_stride, eps, normalize, decay, qscale, S0, Z0, src_stride):
     """One decoding step of one head: for every row a and column e of S (D' x Dv, rows
-    ``row_stride`` elements apart, unit column stride), S[a, e] = decay[a] S[a, e] + k[a] v[e] and
-    Z[a] = decay[a] Z[a] + k[a] (``decay`` None: 1; a float: the same factor for every row); then
+    ``row_stride`` elements apart, unit column stride), S[a, e] = decay[a] S0[a, e] + k[a] v[e] and
+    Z[a] = decay[a] Z0[a] + k[a] (``decay`` None: 1; a float: the same factor for every row); then
     out[e] = qscale sum_a q[a] S[a, e], divided by qscale sum_a q[a] Z[a] + eps when ``normalize``.
-    With k, v and decay None, S and Z are only read (a query over the state).
+    S0 and Z0 are S and Z themselves (updated in place) when None, else the state before the step,
+    read only (S0's rows ``src_stride`` elements apart, unit column stride; Z0 unit stride): the new
+    state is written to S and Z with no copy of the old one first. With k, v, decay, S0 and Z0 None,
+    S and Z are only read (a query over the state).
 
     Z, v, q, k, out and decay must have unit stride. Columns go in panels of PANEL vectors, then
     single vectors, then the last ones (fewer than a vector) as one masked vector (they went one at a
@@ -108,19 +111,29 @@ def state_pass(typingctx, S, Z, v, q, k, out, row_stride, eps, normalize, decay,
     if one_factor and decay != S.dtype:
         return None
     reading = isinstance(k, types.NoneType)  # (S and Z read, not written)
-    if reading and not (isinstance(v, types.NoneType) and isinstance(decay, types.NoneType)):
+    sourced = not isinstance(S0, types.NoneType)  # (the old state read from S0 and Z0)
+    if reading and not (isinstance(v, types.NoneType) and isinstance(decay, types.NoneType) and not sourced):
+        return None
+    if sourced and not (isinstance(S0, types.Array) and S0.ndim == 2 and S0.dtype == S.dtype
+                        and isinstance(Z0, types.Array) and Z0.ndim == 1 and Z0.dtype == S.dtype):
         return None
     arrays = ((Z, q, out) + (() if reading else (v, k))
               + (() if isinstance(decay, (types.NoneType, types.Float)) else (decay,)))
     if not all(isinstance(x, types.Array) and x.ndim == 1 and x.dtype == S.dtype for x in arrays):
         return None
     decayed = not isinstance(decay, types.NoneType)
-    sig = types.void(S, Z, v, q, k, out, row_stride, eps, normalize, decay, qscale)
+    sig = types.void(S, Z, v, q, k, out, row_stride, eps, normalize, decay, qscale, S0, Z0, src_stride)
 
     def codegen(context, builder, sig, args):
         s_arr, z_arr, v_arr, q_arr, k_arr, o_arr = (
             None if isinstance(t, types.NoneType) else context.make_array(t)(context, builder, a)
             for t, a in zip(sig.args[:6], args[:6]))
+        if sourced:
+            s_src, z_src = (context.make_array(t)(context, builder, a).data
+                            for t, a in zip(sig.args[11:13], args[11:13]))
+            src_stride_v = args[13]
+        else:
+            s_src, z_src, src_stride_v = s_arr.data, z_arr.data, args[6]
         d_arr = context.make_array(sig.args[9])(context, builder, args[9]) if decayed and not one_factor else None
         stride_v = args[6]
         eps_v = context.cast(builder, args[7], sig.args[7], types.float64)
@@ -152,20 +165,21 @@ def state_pass(typingctx, S, Z, v, q, k, out, row_stride, eps, normalize, decay,
         def fma(x, y, z):
             return builder.fadd(builder.fmul(x, y, flags=_FLAGS), z, flags=_FLAGS)
 
-        # Z = decay Z + k and den = q.Z (Z after the update), then scale = qscale / (qscale den + eps)
+        # Z = decay Z + k, then den = q.Z (Z after the update), then scale = qscale / (qscale den + eps)
         # in float64, rounded to the compute dtype (as NumPy would do it with a float eps), or qscale
-        # without normalisation.
+        # without normalisation. The sum is a loop of its own that only reads: a loop that also stores
+        # may be vectorised or not by a runtime check of how far apart its arrays are (Z0 just before
+        # Z: not), and the two sum in different orders (results that hung on where malloc put them).
+        if not reading:
+            with cgutils.for_range(builder, rows) as loop:
+                zold = builder.load(builder.gep(z_src, [loop.index]))
+                if decayed:
+                    zold = builder.fmul(factor(loop.index, fty), zold, flags=_FLAGS)
+                z = builder.fadd(zold, builder.load(builder.gep(k_arr.data, [loop.index])))
+                builder.store(z, builder.gep(z_arr.data, [loop.index]))
         den = cgutils.alloca_once_value(builder, ir.Constant(fty, 0.0))
         with cgutils.for_range(builder, rows) as loop:
-            zp = builder.gep(z_arr.data, [loop.index])
-            zold = builder.load(zp)
-            if decayed:
-                zold = builder.fmul(factor(loop.index, fty), zold, flags=_FLAGS)
-            if reading:
-                z = zold
-            else:
-                z = builder.fadd(zold, builder.load(builder.gep(k_arr.data, [loop.index])))
-                builder.store(z, zp)
+            z = builder.load(builder.gep(z_arr.data, [loop.index]))
             qz = builder.fmul(builder.load(builder.gep(q_arr.data, [loop.index])), z, flags=_FLAGS)
             builder.store(builder.fadd(builder.load(den), qz, flags=_FLAGS), den)
         f64 = ir.DoubleType()
@@ -188,9 +202,10 @@ def state_pass(typingctx, S, Z, v, q, k, out, row_stride, eps, normalize, decay,
                 ka = None if reading else splat(k_arr.data, loop.index, ty)
                 da = d_one if one_factor else splat(d_arr.data, loop.index, ty) if decayed else None
                 row = builder.mul(loop.index, stride_v)
+                src_row = builder.mul(loop.index, src_stride_v)
                 for c, x, acc in zip(cols, vv, accs):
                     p = _at(builder, s_arr.data, builder.add(row, c), ty)
-                    s = load(p)
+                    s = load(_at(builder, s_src, builder.add(src_row, c), ty) if sourced else p)
                     if not reading:
                         s = fma(ka, x, builder.fmul(da, s, flags=_FLAGS) if decayed else s)
                         store(s, p)
