@@ -383,20 +383,22 @@ def _launch(kernel, nthreads, args, parts):
 
 
 #: A causal call from a State with at most this many positions a sequence runs step's kernel position by
-#: position on a copy of the state (a decode loop calling the sequence function token by token, a check of a
+#: position into a new state (a decode loop calling the sequence function token by token, a check of a
 #: few drafted tokens), where the chunkwise kernel would run on one thread: its fixed cost per head is the
 #: larger up to about this size (H8 D64, 6 positions: B1 22.6 us against 27.2, B8 137 against 162; 8
-#: positions: even).
+#: positions: even; on stop 70's Xeon, one thread, 6 positions: B1 39-42 against 33-44, B8 231-237 against
+#: 289-305).
 FEW_POSITIONS = 6
 
 
 def _few_positions(q, k, v, state, feature_map, eps, normalize, return_state, decay, gate, scale, out):
     """causal_linear_attention's short path for a few positions a sequence (1 to FEW_POSITIONS) from a State of
     NumPy arrays: step's kernel (decoding.step_fast) position after position, the first reading the given
-    state and writing a new one (no copy first: B8 H8 D64, one position, 74 us took 47), which the call leaves
-    as it is; the result (..., N, Dv) (copied into ``out``, checked, when given: the same values with or
-    without it), with the new state when ``return_state``. None when step's fast path does not take the
-    arguments, at any position (the general path then runs from the given state, or says why)."""
+    state and writing a new one, which the call leaves as it is (a copy first: B8 H8 D64, one position, took
+    83-104 us on one thread against 58-74, 89 on two against 32); the result (..., N, Dv) (copied into
+    ``out``, checked, when given: the same values with or without it), with the new state when
+    ``return_state``. None when step's fast path does not take the arguments, at any position (the general
+    path then runs from the given state, or says why)."""
     if (type(state) is not State or type(k) is not _ndarray or type(v) is not _ndarray or q.dtype not in _FLOATS
             or k.shape != q.shape or v.shape[:-1] != q.shape[:-1]
             or not (return_state is True or return_state is False)):
@@ -414,7 +416,7 @@ def _few_positions(q, k, v, state, feature_map, eps, normalize, return_state, de
     if n > 1 and d and num_threads() > 1 and chunk_work(q.size // (n * d), n, d, dv) >= 2 * MIN_WORK_PER_THREAD:
         return None  # (the chunkwise kernel on threads, with this much work: faster; with less, on two threads
         # too, the steps: B8 H8 N2 D64 68 us against 126, docs/performance.md stop 54)
-    new = State(np.empty(S0.shape, S0.dtype), np.empty(Z0.shape, Z0.dtype))  # (pooled arrays: slower, 76 us)
+    new = State(np.empty(S0.shape, S0.dtype), np.empty(Z0.shape, Z0.dtype))  # (pooled ones: slower, 76 us)
     if n == 1:  # (the step's own result: no views of one, ~0.3 us of a 6 us call)
         g = None if gate is None else gate[..., 0, :] if per_dim else gate[..., 0]
         res = step_fast(q[..., 0, :], k[..., 0, :], v[..., 0, :], new, feature_map, eps, normalize, decay, g, scale,
