@@ -320,6 +320,17 @@ def test_precompile_a_map_with_weights():
                                           "linear_attention, a query over the keys' state float64", "step float64"]
 
 
+def test_precompile_covers_a_decoding_loop_through_the_sequence_function():
+    # a causal call of a few positions from a State runs step's kernel that writes a new state (a variant of its
+    # own): precompile's "causal" compiles it, so the decoding loop's first call loads it from the cache
+    import linattn
+    from linattn.cpu import step as step_kernels
+
+    done = linattn.precompile(["float64"], ["causal"])
+    assert "causal_linear_attention, a few positions from a State float64" in [name for name, _ in done]
+    assert (np.dtype(np.float64), (2, 0, False, False, True)) in step_kernels.step_nd_serial._compiled
+
+
 def test_commands_without_numbas_compiler_say_why():
     # NUMBA_DISABLE_JIT=1: info gives the versions and says why nothing else (it ended in a traceback), bench and
     # compile stop with that line.
