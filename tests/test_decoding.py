@@ -368,6 +368,39 @@ def test_few_positions_read_the_state_in_place(rng, n, layout, monkeypatch):
     np.testing.assert_array_equal(Z, Z_was)
 
 
+@pytest.mark.parametrize("n", [1, 3])
+def test_few_positions_from_a_state_in_float16(rng, n, monkeypatch):
+    """float16 q, k and v from a (float32) State take the short path too, computed in float32: the float32
+    call's result rounded to float16 once, and its new state; a float16 gate as its float32 value; ``out`` of
+    float16; the general path's result within float16's tolerance."""
+    steps = []
+    monkeypatch.setattr(attention, "step_fast", lambda *a: steps.append(1) or decoding.step_fast(*a))
+    lead, d, dv = (2, 3), 5, 7
+    q, k, v = (rng.standard_normal(lead + (n, x)).astype(np.float16) for x in (d, d, dv))
+    wide = tuple(x.astype(np.float32) for x in (q, k, v))
+    gate = np.log(rng.uniform(0.5, 1.0, lead + (n,))).astype(np.float16)
+    state = linattn.State((rng.random(lead + (d, dv)) * 0.5).astype(np.float32),
+                          (rng.random(lead + (d,)) + 0.5).astype(np.float32))
+    for kw, wide_kw in ((dict(), dict()), (dict(gate=gate), dict(gate=gate.astype(np.float32))),
+                        (dict(decay=0.9), dict(decay=0.9))):
+        steps.clear()
+        out, new = linattn.causal_linear_attention(q, k, v, initial_state=state, return_state=True, **kw)
+        assert len(steps) == n and out.dtype == np.float16 and new.S.dtype == np.float32
+        want, want_state = linattn.causal_linear_attention(*wide, initial_state=state, return_state=True, **wide_kw)
+        np.testing.assert_array_equal(out, want.astype(np.float16))
+        np.testing.assert_array_equal(new.S, want_state.S)
+        np.testing.assert_array_equal(new.Z, want_state.Z)
+        general = linattn.causal_linear_attention(q, k, v, initial_state=state, device="cpu", **kw)
+        assert general.dtype == np.float16
+        assert_close(out, general, np.float16)
+        buf = np.full(lead + (n, dv), np.nan, np.float16)
+        assert linattn.causal_linear_attention(q, k, v, initial_state=state, out=buf, **kw) is buf
+        np.testing.assert_array_equal(buf, out)
+    steps.clear()
+    with pytest.raises(TypeError, match=r"^initial_state.S: expected dtype float32"):  # (a float16 state)
+        linattn.causal_linear_attention(q, k, v, initial_state=linattn.State(*(x.astype(np.float16) for x in state)))
+
+
 @pytest.mark.parametrize("d, dv", [(5, 3), (64, 64), (33, 17)])
 def test_step_from_a_source_is_the_same_wherever_the_arrays_lie(rng, d, dv):
     """The step that reads the old state from other arrays (the short path's first position) gives the
