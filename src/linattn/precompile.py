@@ -56,7 +56,7 @@ def _jobs(dtype, functions, gates, gradients, feature_map):
         jobs.append(("causal_linear_attention", lambda: causal_linear_attention(q, k, v, **fm)))
         jobs.append(("causal_linear_attention, strided views",
                      lambda: causal_linear_attention(*_fused_heads(_SEQ + (d,), dtype), **fm)))
-        one, start = (x[..., :1, :] for x in (q, k, v)), State.zeros(lead, dk, v.shape[-1], dtype)
+        one, start = tuple(x[..., :1, :] for x in (q, k, v)), State.zeros(lead, dk, v.shape[-1], dtype)
         jobs.append(("causal_linear_attention, a few positions from a State",  # (step's kernel, into a new state)
                      lambda: causal_linear_attention(*one, initial_state=start, return_state=True, **fm)))
         if dtype == np.float32:  # float16 inputs: computed in float32 after a compiled conversion (of
@@ -144,8 +144,8 @@ def precompile(dtypes=("float32",), functions=FUNCTIONS, *, gates=False, gradien
     functions : sequence of {"causal", "noncausal", "step"}
         ``causal_linear_attention`` (C-contiguous inputs, strided views such as the heads of a fused
         projection, a few positions from a State (a decoding loop through it), and with float32 float16
-        inputs), ``linear_attention`` (also one query over the keys'
-        state: a decoding step's cross-attention) and ``step`` (serial and parallel kernels).
+        inputs), ``linear_attention`` (also one query over the keys' state: a decoding step's
+        cross-attention) and ``step`` (serial and parallel kernels).
     gates : bool
         Also the variants with ``decay=``, a gate per position and a gate per key dimension.
     gradients : bool
