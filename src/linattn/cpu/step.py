@@ -230,14 +230,14 @@ def _step_nd(q, k, v, fm, fp, fa, eps, normalize, S, Z, out, gates, decay, qscal
     d_in = q.shape[-1]
     d_ = _features_dim(fm, fp, d_in)  # D'
     isz = S.itemsize
-    if (not _keys_fit(k, v, q, out, isz) or S.shape[:-2] != lead or S.shape[-2] != d_ or S.shape[-1] != out.shape[-1]
+    if (not _pair_fits(k, v, q, out, isz) or S.shape[:-2] != lead or S.shape[-2] != d_ or S.shape[-1] != out.shape[-1]
             or Z.shape[:-1] != lead or Z.shape[-1] != d_ or out.shape[:-1] != lead):
         return 1
     if not _gates_fit(gates, lead, d_) or not _decay_fits(decay, lead):
         return 1
     if d_in == 0 or q.strides[-1] != isz or S.strides[-1] != isz:
         return 1
-    if out.strides[-1] != isz or Z.strides[-1] != isz or not _source_fits(S0, Z0, S, Z, isz):
+    if out.strides[-1] != isz or Z.strides[-1] != isz or not _pair_fits(S0, Z0, S, Z, isz):
         return 1
     bh = q.size // d_in
     # views without reference counting (see cpu/views.unowned): the caller owns the arguments, the
@@ -263,20 +263,6 @@ def _step_nd(q, k, v, fm, fp, fa, eps, normalize, S, Z, out, gates, decay, qscal
                    S0h, Z0h, _row_stride(S0h, isz))
     keep_alive(owners)
     return 0
-
-
-def _source_fits(S0, Z0, S, Z, isz):
-    """Whether the state before the step (S0, Z0) is shaped like S and Z, with rows of adjacent elements
-    (True when both are None: S and Z updated in place). Only callable from Numba code."""
-    raise NotImplementedError("runs inside Numba kernels only")
-
-
-@overload(_source_fits, jit_options=OVERLOAD_OPTIONS)
-def _ol_source_fits(S0, Z0, S, Z, isz):
-    if isinstance(S0, types.NoneType) and isinstance(Z0, types.NoneType):
-        return lambda S0, Z0, S, Z, isz: True
-    return lambda S0, Z0, S, Z, isz: (S0.shape == S.shape and Z0.shape == Z.shape and S0.strides[-1] == isz
-                                      and Z0.strides[-1] == isz)
 
 
 def _source(S0, Z0):
@@ -316,18 +302,19 @@ def _ol_row_stride(x, isz):
     return lambda x, isz: x.strides[0] // isz
 
 
-def _keys_fit(k, v, q, out, isz):
-    """Whether k is shaped like q and v like out, each with rows of adjacent elements (True when both
-    are None: a query over the state). Only callable from Numba code."""
+def _pair_fits(a, b, like_a, like_b, isz):
+    """Whether a is shaped like like_a and b like like_b, each with rows of adjacent elements (True when both
+    are None: k and v for a query over the state; S0 and Z0 for a step in place). Only callable from Numba
+    code."""
     raise NotImplementedError("runs inside Numba kernels only")
 
 
-@overload(_keys_fit, jit_options=OVERLOAD_OPTIONS)
-def _ol_keys_fit(k, v, q, out, isz):
-    if isinstance(k, types.NoneType) and isinstance(v, types.NoneType):
-        return lambda k, v, q, out, isz: True
-    return lambda k, v, q, out, isz: (k.shape == q.shape and v.shape == out.shape and k.strides[-1] == isz
-                                      and v.strides[-1] == isz)
+@overload(_pair_fits, jit_options=OVERLOAD_OPTIONS)
+def _ol_pair_fits(a, b, like_a, like_b, isz):
+    if isinstance(a, types.NoneType) and isinstance(b, types.NoneType):
+        return lambda a, b, like_a, like_b, isz: True
+    return lambda a, b, like_a, like_b, isz: (a.shape == like_a.shape and b.shape == like_b.shape
+                                              and a.strides[-1] == isz and b.strides[-1] == isz)
 
 
 def _if_keys(k, a, b):
