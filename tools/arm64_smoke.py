@@ -32,6 +32,9 @@ check("causal", out, ref, 1e-5)
 a, s1 = linattn.causal_linear_attention(q[..., :33, :], k[..., :33, :], v[..., :33, :], return_state=True)
 b = linattn.causal_linear_attention(q[..., 33:, :], k[..., 33:, :], v[..., 33:, :], initial_state=s1)
 check("split and resumed through the state", np.concatenate([a, b], axis=2), ref, 1e-5)
+c, s2 = linattn.causal_linear_attention(q[..., 33:36, :], k[..., 33:36, :], v[..., 33:36, :], initial_state=s1,
+                                        return_state=True)  # (step's kernel, reading s1 and writing a new state)
+check("a few positions from a State", c, ref[..., 33:36, :], 1e-5)
 st = linattn.State.zeros((B, H), D, Dv)
 check("step", np.stack([linattn.step(q[:, :, i], k[:, :, i], v[:, :, i], st) for i in range(3)], axis=2),
       ref[:, :, :3], 1e-5)
