@@ -49,7 +49,7 @@ class StateHandoff:
 class FromState:
     """A causal call continuing from a State (return_state=True), next to the same call from nothing: a decode
     loop written with the sequence function (1 position), a check of a few drafted tokens (4), a streamed
-    prompt's chunk (64); B1 and B8, H8 D64."""
+    prompt's chunk (64); B1 and B8, H8 D64. Also with float16 q, k and v (the state float32)."""
     params = ([1, 8], [1, 4, 64])
     param_names = ["batch", "positions"]
 
@@ -59,11 +59,16 @@ class FromState:
                                   for _ in range(3))
         prompt = (rng.standard_normal((batch, 8, 256, 64)) * 0.5).astype(np.float32)
         _, self.state = linattn.causal_linear_attention(prompt, prompt, prompt, return_state=True)
+        self.halves = tuple(x.astype(np.float16) for x in (self.q, self.k, self.v))
         self.time_from_state(batch, positions)
         self.time_from_nothing(batch, positions)
+        self.time_from_state_float16(batch, positions)
 
     def time_from_state(self, batch, positions):
         linattn.causal_linear_attention(self.q, self.k, self.v, initial_state=self.state, return_state=True)
+
+    def time_from_state_float16(self, batch, positions):
+        linattn.causal_linear_attention(*self.halves, initial_state=self.state, return_state=True)
 
     def time_from_nothing(self, batch, positions):
         linattn.causal_linear_attention(self.q, self.k, self.v)
