@@ -167,11 +167,11 @@ def _head_loops(Sh, Zh, vrow, qf, kf, orow, eps, normalize, qscale, dec, scratch
             s0 = _decayed(r0[e], dec, a) + kf[a] * vrow[e]
             r0[e] = s0
             orow[e] += qf[a] * s0
-    den = qf[0] - qf[0]  # zero in the compute dtype
     for a in range(d_):
-        z = _decayed(Zh[a], dec, a) + kf[a]
-        Zh[a] = z
-        den += qf[a] * z
+        Zh[a] = _decayed(Zh[a], dec, a) + kf[a]
+    den = qf[0] - qf[0]  # zero in the compute dtype
+    for a in range(d_):  # (a loop that only reads: one order of the sum wherever the arrays lie, see state_pass)
+        den += qf[a] * Zh[a]
     scratch[0] = qscale / (qscale * den + eps) if normalize else qscale  # rounded to the compute dtype
     r = scratch[0]
     for e in range(dv):
