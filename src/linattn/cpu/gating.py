@@ -480,11 +480,11 @@ def _gate_key_columns(gates, KT, Kf, c, F, Pz):
             w = F[1]
             for a in range(KT.shape[0]):
                 row = KT[a, :c]
-                z = dt(0.0)
                 for s in range(c):
-                    x = row[s] * w[s]
-                    row[s] = x
-                    z += x
+                    row[s] *= w[s]
+                z = dt(0.0)
+                for s in range(c):  # (a loop that only reads: one order of the sum wherever the arrays lie)
+                    z += row[s]
                 Pz[a] += z
         return impl
 
