@@ -396,7 +396,6 @@ def test_few_positions_from_a_state_in_float16(rng, n, monkeypatch):
         buf = np.full(lead + (n, dv), np.nan, np.float16)
         assert linattn.causal_linear_attention(q, k, v, initial_state=state, out=buf, **kw) is buf
         np.testing.assert_array_equal(buf, out)
-    steps.clear()
     with pytest.raises(TypeError, match=r"^initial_state.S: expected dtype float32"):  # (a float16 state)
         linattn.causal_linear_attention(q, k, v, initial_state=linattn.State(*(x.astype(np.float16) for x in state)))
 
