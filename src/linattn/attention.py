@@ -406,10 +406,6 @@ def _few_positions(q, k, v, state, feature_map, eps, normalize, return_state, de
             or k.shape != q.shape or v.shape[:-1] != q.shape[:-1]
             or not (return_state is True or return_state is False)):
         return None
-    if halves:  # (H8 D64, one position: B1 60 us through the general path against 16, B8 188 against 43)
-        q, k, v = (half.astype(x, np.float32) for x in (q, k, v))
-        if type(gate) is _ndarray and gate.dtype == _F16:
-            gate = gate.astype(np.float32)
     per_dim = False
     if gate is not None:  # a gate per position (..., N) or per key dimension (..., N, D'): each step's (..., [D'])
         if (type(gate) is not _ndarray or gate.ndim not in (q.ndim - 1, q.ndim)
@@ -423,6 +419,10 @@ def _few_positions(q, k, v, state, feature_map, eps, normalize, return_state, de
     if n > 1 and d and num_threads() > 1 and chunk_work(q.size // (n * d), n, d, dv) >= 2 * MIN_WORK_PER_THREAD:
         return None  # (the chunkwise kernel on threads, with this much work: faster; with less, on two threads
         # too, the steps: B8 H8 N2 D64 68 us against 126, docs/performance.md stop 54)
+    if halves:  # (H8 D64, one position: B1 60 us through the general path against 16, B8 188 against 43)
+        q, k, v = (half.astype(x, np.float32) for x in (q, k, v))
+        if gate is not None and gate.dtype == _F16:
+            gate = gate.astype(np.float32)
     new = State(np.empty(S0.shape, S0.dtype), np.empty(Z0.shape, Z0.dtype))  # (pooled: 76 us against 56, B8 N1)
     if n == 1:  # (the step's own result: no views of one, ~0.3 us of a 6 us call)
         g = None if gate is None else gate[..., 0, :] if per_dim else gate[..., 0]
