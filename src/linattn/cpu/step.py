@@ -257,10 +257,10 @@ def _step_nd(q, k, v, fm, fp, fa, eps, normalize, S, Z, out, gates, decay, qscal
         fill_decay(gates, decay, h, decs[h], q)
         Sh = head_matrix(S, h)
         kh = _if_keys(k, kf[h * d_:(h + 1) * d_], None)  # (None: the state only read)
-        S0h, Z0h = _head_source(S0, Z0, h)
+        S0h, Z0h, src_stride = _head_source(S0, Z0, h, isz)
         state_pass(Sh, head_row(Z, h), head_row(v, h), qf[h * d_:(h + 1) * d_], kh, head_row(out, h),
                    Sh.strides[0] // isz, eps, normalize, head_decay(gates, decay, decs, h, q), qscale,
-                   S0h, Z0h, _row_stride(S0h, isz))
+                   S0h, Z0h, src_stride)
     keep_alive(owners)
     return 0
 
@@ -277,29 +277,22 @@ def _ol_source(S0, Z0):
     return lambda S0, Z0: unowned((S0, Z0))
 
 
-def _head_source(S0, Z0, h):
-    """Head h of the state before the step: (head_matrix(S0, h), head_row(Z0, h)), or (None, None). Numba
-    code only."""
+def _head_source(S0, Z0, h, isz):
+    """Head h of the state before the step: (head_matrix(S0, h), head_row(Z0, h), elements between the
+    matrix's rows), or (None, None, 0). Only callable from Numba code."""
     raise NotImplementedError("runs inside Numba kernels only")
 
 
 @overload(_head_source, jit_options=OVERLOAD_OPTIONS)
-def _ol_head_source(S0, Z0, h):
+def _ol_head_source(S0, Z0, h, isz):
     if isinstance(S0, types.NoneType):
-        return lambda S0, Z0, h: (None, None)
-    return lambda S0, Z0, h: (head_matrix(S0, h), head_row(Z0, h))
+        return lambda S0, Z0, h, isz: (None, None, 0)
 
+    def impl(S0, Z0, h, isz):
+        S0h = head_matrix(S0, h)
+        return S0h, head_row(Z0, h), S0h.strides[0] // isz
 
-def _row_stride(x, isz):
-    """Elements between the rows of the 2-D view x, 0 for None. Numba code only."""
-    raise NotImplementedError("runs inside Numba kernels only")
-
-
-@overload(_row_stride, jit_options=OVERLOAD_OPTIONS)
-def _ol_row_stride(x, isz):
-    if isinstance(x, types.NoneType):
-        return lambda x, isz: 0
-    return lambda x, isz: x.strides[0] // isz
+    return impl
 
 
 def _pair_fits(a, b, like_a, like_b, isz):
