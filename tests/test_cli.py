@@ -328,7 +328,8 @@ def test_precompile_covers_a_decoding_loop_through_the_sequence_function():
 
     done = linattn.precompile(["float64"], ["causal"])
     assert "causal_linear_attention, a few positions from a State float64" in [name for name, _ in done]
-    assert (np.dtype(np.float64), (2, 0, False, False, True)) in step_kernels.step_nd_serial._compiled
+    for positions in (False, True):  # (one position, and several in one call)
+        assert (np.dtype(np.float64), (2, 0, False, False, True, positions)) in step_kernels.step_nd_serial._compiled
 
 
 def test_commands_without_numbas_compiler_say_why():

@@ -63,10 +63,11 @@ def test_step_every_column_split(rng, dtype, dv, layout, normalize, eps):
         assert np.all(big[..., dv:] == 0)  # only the view was written
 
 
-def test_step_parallel_batch_and_out(rng):
-    q, k, v = make_qkv(rng, (32, 8), 3, 64, 64, np.float32)  # 32*8*64*64 elements: the parallel kernel
-    st = linattn.State.zeros((32, 8), 64, 64)
-    out = np.empty((32, 8, 64), np.float32)
+@pytest.mark.parametrize("lead", [(32, 8), (4, 8, 8), (2, 2, 8, 8)])  # (2 to 4 leading dims: each a head's view)
+def test_step_parallel_batch_and_out(rng, lead):
+    q, k, v = make_qkv(rng, lead, 3, 64, 64, np.float32)  # 256 heads of 64*64 elements: the parallel kernel
+    st = linattn.State.zeros(lead, 64, 64)
+    out = np.empty(lead + (64,), np.float32)
     for i in range(3):
         r = linattn.step(q[..., i, :], k[..., i, :], v[..., i, :], st, out=out)
         assert r is out
@@ -285,10 +286,11 @@ def test_attention_weights_errors(rng):
 @pytest.mark.parametrize("lead", [(), (3,), (2, 3), (8, 8)])  # (8, 8) at D = Dv = 64: the parallel step
 def test_causal_call_of_few_positions_from_a_state(rng, lead, n, dtype, monkeypatch):
     """causal_linear_attention of a few positions from a state (a decoding loop that does not call step,
-    a check of a few drafted tokens) takes step's kernel, position by position, into a new state:
-    the general path's result and state (the same call with device="cpu" takes that path), the initial
-    state left as it was; with maps, decay, gates per position and per key dimension, scale and
-    normalize; bad gate values (at the last position) still raise the call's error."""
+    a check of a few drafted tokens) takes step's kernel, in one call for all positions, into a new state:
+    the general path's result and state (the same call with device="cpu" takes that path), and bit for bit
+    what ``step`` gives position after position, the initial state left as it was; with maps, decay, gates
+    per position and per key dimension, scale and normalize; bad gate values (at the last position) still
+    raise the call's error."""
     steps = []
     monkeypatch.setattr(attention, "step_fast", lambda *a: steps.append(1) or decoding.step_fast(*a))
     d, dv = (64, 64) if lead == (8, 8) else (5, 3)
@@ -307,13 +309,21 @@ def test_causal_call_of_few_positions_from_a_state(rng, lead, n, dtype, monkeypa
         state = linattn.State(S.copy(), Z.copy())
         steps.clear()
         out, new = linattn.causal_linear_attention(q, k, v, initial_state=state, return_state=True, **kw)
-        assert len(steps) == n  # (the short path, every position)
+        assert len(steps) == 1  # (the short path, every position in one call)
         want, want_state = linattn.causal_linear_attention(q, k, v, initial_state=state, return_state=True,
                                                            device="cpu", **kw)  # (general)
         assert out.shape == lead + (n, dv) and out.dtype == dtype
         assert_close(out, want, dtype)
         assert_close(new.S, want_state.S, dtype)
         assert_close(new.Z, want_state.Z, dtype)
+        stepped = linattn.State(S.copy(), Z.copy())
+        one = {x: kw[x] for x in kw if x != "gate"}
+        by_step = [linattn.step(q[..., t, :], k[..., t, :], v[..., t, :], stepped, **one, **(
+            {} if "gate" not in kw else {"gate": kw["gate"][..., t, :] if kw["gate"].ndim > len(lead) + 1
+                                         else kw["gate"][..., t]})) for t in range(n)]
+        np.testing.assert_array_equal(out, np.stack(by_step, axis=-2))
+        np.testing.assert_array_equal(new.S, stepped.S)
+        np.testing.assert_array_equal(new.Z, stepped.Z)
         np.testing.assert_array_equal(state.S, S)  # (the initial state as it was)
         np.testing.assert_array_equal(state.Z, Z)
         np.testing.assert_array_equal(linattn.causal_linear_attention(q, k, v, initial_state=state, **kw), out)
@@ -339,7 +349,7 @@ def test_few_positions_read_the_state_in_place(rng, n, layout, monkeypatch):
     result and a C-contiguous state of its own, the given one as it was. A state whose rows are not adjacent
     elements takes the general path, with the same result."""
     steps = []
-    monkeypatch.setattr(attention, "step_fast", lambda *a: steps.append(a[-1]) or decoding.step_fast(*a))
+    monkeypatch.setattr(attention, "step_fast", lambda *a: steps.append(a[11]) or decoding.step_fast(*a))
     lead, d, dv = (2, 3), 5, 7
     q, k, v = make_qkv(rng, lead, n, d, dv)
     S, Z = (rng.random(lead + (d, dv)) * 0.5).astype(np.float32), (rng.random(lead + (d,)) + 0.5).astype(np.float32)
@@ -357,8 +367,7 @@ def test_few_positions_read_the_state_in_place(rng, n, layout, monkeypatch):
     out, new = linattn.causal_linear_attention(q, k, v, initial_state=state, return_state=True)
     want, want_state = linattn.causal_linear_attention(q, k, v, initial_state=state, return_state=True,
                                                        device="cpu")  # (general)
-    assert steps[0] is state
-    assert len(steps) == (1 if layout == "columns apart" else n)  # (the first step declined, or every one)
+    assert steps == [state]  # (the source of the one call: all positions, or declined for "columns apart")
     assert_close(out, want, np.float32)
     assert_close(new.S, want_state.S, np.float32)
     assert_close(new.Z, want_state.Z, np.float32)
@@ -385,7 +394,7 @@ def test_few_positions_from_a_state_in_float16(rng, n, monkeypatch):
                         (dict(decay=0.9), dict(decay=0.9))):
         steps.clear()
         out, new = linattn.causal_linear_attention(q, k, v, initial_state=state, return_state=True, **kw)
-        assert len(steps) == n and out.dtype == np.float16 and new.S.dtype == np.float32
+        assert len(steps) == 1 and out.dtype == np.float16 and new.S.dtype == np.float32
         want, want_state = linattn.causal_linear_attention(*wide, initial_state=state, return_state=True, **wide_kw)
         np.testing.assert_array_equal(out, want.astype(np.float16))
         np.testing.assert_array_equal(new.S, want_state.S)
@@ -431,22 +440,62 @@ def test_step_from_a_source_is_the_same_wherever_the_arrays_lie(rng, d, dv):
 
 
 def test_more_positions_from_a_state_take_the_chunkwise_kernel(rng, monkeypatch):
-    """Past FEW_POSITIONS positions, or where the chunkwise kernel has the work of several threads at
-    MIN_WORK_PER_THREAD each, a call from a state takes the chunkwise kernel (step's is slower there),
-    through the short path."""
+    """Past FEW_POSITIONS positions a call from a state takes the chunkwise kernel (step's is slower there),
+    through the short path; up to it, step's kernel, on two threads too (its heads in parallel)."""
     steps = []
     monkeypatch.setattr(attention, "step_fast", lambda *a: steps.append(1) or decoding.step_fast(*a))
     state = linattn.State.zeros((2,), 4, 3)
     q = rng.standard_normal((2, attention.FEW_POSITIONS + 1, 4)).astype(np.float32)
     v = np.ascontiguousarray(q[..., :3])
-    linattn.causal_linear_attention(q, q, v, initial_state=state)
-    q, v = np.ascontiguousarray(q[:, :2]), np.ascontiguousarray(v[:, :2])
-    linattn.causal_linear_attention(q, q, v, initial_state=state)
-    assert len(steps) == 2
-    want = linattn.causal_linear_attention(q, q, v, initial_state=tuple(state))  # (the checked path)
-    monkeypatch.setattr(attention, "MIN_WORK_PER_THREAD", 1)  # (as much work as two threads need)
-    monkeypatch.setattr(attention, "num_threads", lambda: 2)
     monkeypatch.setattr(attention, "_prepare", lambda *a, **k: pytest.fail("the checked path"))  # (the short one)
-    steps.clear()
-    np.testing.assert_array_equal(linattn.causal_linear_attention(q, q, v, initial_state=state), want)
+    linattn.causal_linear_attention(q, q, v, initial_state=state)
     assert not steps
+    q, v = np.ascontiguousarray(q[:, :2]), np.ascontiguousarray(v[:, :2])
+    want = linattn.causal_linear_attention(q, q, v, initial_state=state)
+    assert len(steps) == 1
+    monkeypatch.setattr(attention, "num_threads", lambda: 2)
+    np.testing.assert_array_equal(linattn.causal_linear_attention(q, q, v, initial_state=state), want)
+    assert len(steps) == 2
+
+
+_PLAIN, _GATED, _PER_DIM, _TAYLOR = dict(), dict(decay=0.8, gate="position"), dict(gate="dimension"), dict(
+    feature_map=linattn.feature_maps.Taylor())
+
+
+@pytest.mark.parametrize("dtype", [np.float32, np.float64])
+@pytest.mark.parametrize("lead, n, d, dv, options", [
+    ((), 1, 5, 3, (_PLAIN,)), ((3,), 24, 5, 7, (_PLAIN, _GATED, _PER_DIM, _TAYLOR)), ((2, 3), 17, 1, 4, (_PER_DIM,)),
+    ((8, 8), 9, 64, 64, (_PLAIN, _GATED)), ((2, 4, 4), 3, 64, 64, (_PLAIN,))])
+def test_positions_kernel_against_the_reference(rng, dtype, lead, n, d, dv, options):
+    """step's positions variant (decoding.step_fast(..., positions=True): each head's N positions one after
+    the other, its state in the cache) against the masked O(N^2) float64 reference from the state (the new
+    state against reference.loop's), for any N (the sequence function sends it up to FEW_POSITIONS), 0 to 3
+    leading dims, D = 1 and D != Dv, serial and parallel (8 x 8 and 2 x 4 x 4 heads of 64 x 64), in place and
+    from a source; with a decay, a gate
+    per position and per key dimension, and a map of cpu/mapfns.py (Taylor's, whose D' > D)."""
+    q, k, v = make_qkv(rng, lead, n, d, dv, dtype)
+    for kw in (dict(x) for x in options):
+        fm = kw.get("feature_map", "elu")
+        dk = linattn.feature_maps.as_map(fm).out_dim(d)
+        if "gate" in kw:
+            kw["gate"] = np.log(rng.uniform(0.5, 1.0, lead + ((n,) if kw["gate"] == "position" else (n, dk)))).astype(
+                dtype)
+        S0 = (rng.random(lead + (dk, dv)) * 0.5).astype(dtype)
+        Z0 = (rng.random(lead + (dk,)) + 0.5).astype(dtype)
+        wide = dict(feature_map=fm, decay=kw.get("decay"), initial_state=(S0.astype(np.float64), Z0.astype(np.float64)),
+                    gate=None if "gate" not in kw else kw["gate"].astype(np.float64))
+        q64, k64, v64 = (x.astype(np.float64) for x in (q, k, v))
+        want = reference.masked(q64, k64, v64, **wide)
+        want_state = reference.loop(q64, k64, v64, return_state=True, **wide)[1]
+        for source in (False, True):
+            state = linattn.State(S0.copy(), Z0.copy())
+            new = linattn.State(np.full_like(S0, np.nan), np.full_like(Z0, np.nan)) if source else state
+            out = decoding.step_fast(q, k, v, new, fm, 1e-6, True, kw.get("decay"), kw.get("gate"), None, None,
+                                     state if source else None, True)
+            assert out is not None and out.shape == lead + (n, dv) and out.dtype == dtype
+            assert_close(out, want, dtype)
+            assert_close(new.S, want_state[0], dtype)
+            assert_close(new.Z, want_state[1], dtype)
+            if source:
+                np.testing.assert_array_equal(state.S, S0)
+                np.testing.assert_array_equal(state.Z, Z0)

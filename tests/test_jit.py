@@ -57,7 +57,7 @@ import numpy as np, linattn
 from linattn.cpu import step
 linattn.step(np.ones((2, 3), np.float32), np.ones((2, 3), np.float32), np.ones((2, 4), np.float32),
              linattn.State.zeros((2,), 3, 4))
-stats = step.step_nd_serial.get(np.dtype(np.float32), (1, 0, False, False, False)).stats
+stats = step.step_nd_serial.get(np.dtype(np.float32), (1, 0, False, False, False, False)).stats
 print("hits", sum(stats.cache_hits.values()), "misses", sum(stats.cache_misses.values()))
 """
 

@@ -9,7 +9,7 @@ from . import gates as gates_mod
 from . import workspace
 from ._reshape import view_as
 from .cpu import chunked, dynamic, half
-from .cpu.runtime import MIN_WORK_PER_THREAD, chunk_work, kernel_section, num_threads, plan
+from .cpu.runtime import kernel_section, num_threads, plan
 from .cpu.views import unit_rows
 from .cpu import mapfns
 from .cpu.elementwise import IDENTITY
@@ -383,20 +383,35 @@ def _launch(kernel, nthreads, args, parts):
         kernel.unchecked(*args, 1, _NO_PARTS, np.zeros(1, np.int64))
 
 
-#: A causal call from a State with at most this many positions a sequence runs step's kernel position by
-#: position into a new state (a decode loop calling the sequence function token by token, a check of a
-#: few drafted tokens), where the chunkwise kernel would run on one thread: its fixed cost per head is the
-#: larger up to about this size (H8 D64, 6 positions: B1 22.6 us against 27.2, B8 137 against 162; 8
-#: positions: even; on stop 70's Xeon, one thread, 6 positions: B1 39-42 against 33-44, B8 231-237 against
-#: 289-305).
+#: A causal call from a State with at most this many positions a sequence runs step's kernel over them into a
+#: new state, each head's positions one after the other with its state in the cache (a decode loop calling
+#: the sequence function token by token, a check of a few drafted tokens), where the chunkwise kernel's fixed
+#: cost per head is the larger. Stop 71's Xeon, H8 D64, 6 positions, with the state returned / without (us,
+#: steps against chunkwise): one thread B1 28/26 against 49/31, B8 222/221 against 366/170, B64 1695/1411
+#: against 2309/1368; two threads B8 102/100 against 196/107, B64 736/743 against 1224/813; at 8 positions
+#: and more the chunkwise kernel wins without the state (docs/performance.md).
 FEW_POSITIONS = 6
+
+
+#: A new State of at least this many bytes comes from the workspace pool (reused pages), a smaller one from
+#: malloc: glibc maps 32 MB and more afresh at every call, so each page faulted (B256 H8 D64 N2, two threads:
+#: 5090-6286 us against 2177-2313), and below 16 MB the pool's arrays were as fast or slower (B8 48-52 against
+#: 67-75 us, B32 281-285 against 301-310; docs/performance.md stop 71).
+POOLED_STATE_BYTES = 16 << 20
+
+
+def _new_state(S0, Z0):
+    """A State of new arrays shaped like S0 and Z0, to write the state after a call into."""
+    if S0.nbytes + Z0.nbytes < POOLED_STATE_BYTES or S0.dtype != Z0.dtype:
+        return State(np.empty(S0.shape, S0.dtype), np.empty(Z0.shape, Z0.dtype))
+    return State(*workspace.take_views([S0.shape, Z0.shape], S0.dtype))
 
 
 def _few_positions(q, k, v, state, feature_map, eps, normalize, return_state, decay, gate, scale, out):
     """causal_linear_attention's short path for a few positions a sequence (1 to FEW_POSITIONS) from a State of
-    NumPy arrays: step's kernel (decoding.step_fast) position after position, the first reading the given
-    state and writing a new one, which the call leaves as it is (a copy first: B8 H8 D64, one position, took
-    83-104 us on one thread against 58-74, 89 on two against 32); the result (..., N, Dv) (copied into
+    NumPy arrays: step's kernel (decoding.step_fast), each head's positions in one call, the first reading the
+    given state and writing a new one, which the call leaves as it is (a copy first: B8 H8 D64, one position,
+    took 83-104 us on one thread against 58-74, 89 on two against 32); the result (..., N, Dv) (copied into
     ``out``, checked, when given: the same values with or without it), with the new state when
     ``return_state``. None when step's fast path does not take the arguments, at any position (the general
     path then runs from the given state, or says why)."""
@@ -415,15 +430,12 @@ def _few_positions(q, k, v, state, feature_map, eps, normalize, return_state, de
     S0, Z0 = state
     if type(S0) is not _ndarray or type(Z0) is not _ndarray:
         return None
-    n, d, dv = q.shape[-2], q.shape[-1], v.shape[-1]
-    if n > 1 and d and num_threads() > 1 and chunk_work(q.size // (n * d), n, d, dv) >= 2 * MIN_WORK_PER_THREAD:
-        return None  # (the chunkwise kernel on threads, with this much work: faster; with less, on two threads
-        # too, the steps: B8 H8 N2 D64 68 us against 126, docs/performance.md stop 54)
+    n = q.shape[-2]
     if halves:  # (H8 D64, one position: B1 60 us through the general path against 16, B8 188 against 43)
         q, k, v = (half.astype(x, np.float32) for x in (q, k, v))
         if gate is not None and gate.dtype == _F16:
             gate = gate.astype(np.float32)
-    new = State(np.empty(S0.shape, S0.dtype), np.empty(Z0.shape, Z0.dtype))  # (pooled: 76 us against 56, B8 N1)
+    new = _new_state(S0, Z0)
     if n == 1:  # (the step's own result: no views of one, ~0.3 us of a 6 us call)
         g = None if gate is None else gate[..., 0, :] if per_dim else gate[..., 0]
         res = step_fast(q[..., 0, :], k[..., 0, :], v[..., 0, :], new, feature_map, eps, normalize, decay, g, scale,
@@ -431,13 +443,10 @@ def _few_positions(q, k, v, state, feature_map, eps, normalize, return_state, de
         if res is None:
             return None
         res = res[..., None, :]
-    else:
-        res = np.empty(v.shape, q.dtype)
-        for t in range(n):
-            g = None if gate is None else gate[..., t, :] if per_dim else gate[..., t]
-            if step_fast(q[..., t, :], k[..., t, :], v[..., t, :], new, feature_map, eps, normalize, decay, g, scale,
-                         res[..., t, :], None if t else state) is None:
-                return None
+    else:  # (the positions of each head one after the other, its state in the cache: read and written once)
+        res = step_fast(q, k, v, new, feature_map, eps, normalize, decay, gate, scale, None, state, True)
+        if res is None:
+            return None
     if halves:
         res = half.astype(res, _F16)
     if out is not None:

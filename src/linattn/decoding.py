@@ -40,19 +40,20 @@ def _map_entry(feature_map, dtype, d):
     return code, fp, addr, mapped
 
 
-def _fast_entry(feature_map, dtype, shape, gate_kind, has_decay, sourced):
+def _fast_entry(feature_map, dtype, shape, gate_kind, has_decay, sourced, positions):
     """The fast-path entry for a built-in map (a name or a FeatureMap) and a float32/float64 dtype
-    (compiled once), else None; ``sourced``: the kernel that reads the old state from other arrays."""
-    if dtype not in (np.float32, np.float64) or not shape or not shape[-1]:
+    (compiled once), else None; ``sourced``: the kernel that reads the old state from other arrays;
+    ``positions``: the one that takes q's (..., N, D) N positions a head (see cpu/step._step_nd)."""
+    if dtype not in (np.float32, np.float64) or len(shape) <= positions or not shape[-1]:
         return None
     found = _map_entry(feature_map, dtype, shape[-1])
     if found is None:
         return None
     code, fp, addr, mapped = found
-    variant = (len(shape) - 1, gate_kind, has_decay, mapped, sourced)
+    variant = (len(shape) - 1 - positions, gate_kind, has_decay, mapped, sourced, positions)
     if len(_FAST) > 256:
         _FAST.clear()
-    entry = _FAST[feature_map, dtype, shape, gate_kind, has_decay, sourced] = (
+    entry = _FAST[feature_map, dtype, shape, gate_kind, has_decay, sourced, positions] = (
         code, fp, addr, step_kernels.step_nd_serial.get(dtype, variant), variant)
     return entry
 
@@ -186,7 +187,7 @@ def step(q, k, v, state, *, feature_map="elu", eps=1e-6, normalize=True, decay=N
     return _step_checked(q, k, v, state, feature_map, eps, normalize, decay, gate, scale, out, device)
 
 
-def step_fast(q, k, v, state, feature_map, eps, normalize, decay, gate, scale, out, source=None):
+def step_fast(q, k, v, state, feature_map, eps, normalize, decay, gate, scale, out, source=None, positions=False):
     """step's fast path, for the common call (float32/float64 NumPy arrays with rows of adjacent elements,
     a built-in feature map, by name or as a map object): the compiled kernel checks dtypes and layouts
     by its signature and shapes and values itself, so a decoding step costs little more than the
@@ -194,17 +195,24 @@ def step_fast(q, k, v, state, feature_map, eps, normalize, decay, gate, scale, o
 
     ``source`` (a State of NumPy arrays shaped like ``state``'s, apart from them): the state before the
     step, only read; the new one is written into ``state`` (the sequence function's few positions from a
-    State, which it leaves as it is). None: ``state`` is updated in place. Not for float16."""
+    State, which it leaves as it is). None: ``state`` is updated in place. Not for float16.
+
+    ``positions``: q and k (..., N, D), v (..., N, Dv), a gate (..., N[, D]) and the result (..., N, Dv) hold
+    N steps of each sequence, taken one after the other with the sequence's state in the cache (the
+    sequence function's few positions: the state read and written once, not N times)."""
     if not (type(state) is State and type(q) is _ndarray and type(v) is _ndarray and type(eps) is float):
         return None
     dt = q.dtype
     if dt is _F16:
-        return None if source is not None else _step_half(q, k, v, state, feature_map, eps, normalize, decay,
-                                                          gate, scale, out)
+        if source is not None or positions:
+            return None
+        return _step_half(q, k, v, state, feature_map, eps, normalize, decay, gate, scale, out)
     kind = 0 if gate is None else (1 if gate.ndim == q.ndim - 1 else 2) if type(gate) is _ndarray else -1
-    decay_arr = None if decay is None else _decay_view(decay, q.shape[:-1])
+    decay_arr = None if decay is None else _decay_view(decay, q.shape[:-1 - positions])
+    if positions and decay_arr is not None:  # (one factor a sequence, the same at each of its positions)
+        decay_arr = np.broadcast_to(decay_arr[..., None], q.shape[:-1])
     sourced = source is not None
-    key = (feature_map, dt, q.shape, kind, decay is not None, sourced)
+    key = (feature_map, dt, q.shape, kind, decay is not None, sourced, positions)
     try:
         fast = _FAST.get(key)
     except TypeError:  # an unhashable callable
@@ -222,7 +230,7 @@ def step_fast(q, k, v, state, feature_map, eps, normalize, decay, gate, scale, o
     # the kernel checks out's shape and layout (rows of adjacent elements, writable) like the others'
     res = _empty(v.shape, dt) if out is None else out
     try:
-        if type(S) is not _ndarray or S.size < _PARALLEL_MIN or num_threads() == 1:
+        if type(S) is not _ndarray or S.size * (q.shape[-2] if positions else 1) < _PARALLEL_MIN or num_threads() == 1:
             status = fast[3](q, k, v, fast[0], fast[1], fast[2], eps, normalize, S, Z, res, gate, decay_arr, qscale,
                              S0, Z0)
         else:

@@ -52,13 +52,19 @@ def _jobs(dtype, functions, gates, gradients, feature_map):
     gate_pos = -np.full(lead + (n,), 0.1, dtype)
     gate_dim = -np.full(lead + (n, dk), 0.1, dtype)
     jobs = []
+    batch = -(-_PARALLEL_STEP // (_HEADS * dk * _DV))  # (sequences whose states take step's parallel kernels)
     if "causal" in functions:
         jobs.append(("causal_linear_attention", lambda: causal_linear_attention(q, k, v, **fm)))
         jobs.append(("causal_linear_attention, strided views",
                      lambda: causal_linear_attention(*_fused_heads(_SEQ + (d,), dtype), **fm)))
-        one, start = tuple(x[..., :1, :] for x in (q, k, v)), State.zeros(lead, dk, v.shape[-1], dtype)
-        jobs.append(("causal_linear_attention, a few positions from a State",  # (step's kernel, into a new state)
-                     lambda: causal_linear_attention(*one, initial_state=start, return_state=True, **fm)))
+        wide = _inputs((batch, _HEADS, 2, d), dtype, 2) + _inputs((batch, _HEADS, 2, _DV), dtype, 1)
+        starts = [(tuple(x[..., :2, :] for x in (q, k, v)), State.zeros(lead, dk, v.shape[-1], dtype)),
+                  (wide, State.zeros((batch, _HEADS), dk, _DV, dtype))]
+        jobs.append(("causal_linear_attention, a few positions from a State",  # (step's kernels, serial and
+                     # parallel, into a new state: one position, and several in one call)
+                     lambda: [causal_linear_attention(*(x[..., :m, :] for x in xs), initial_state=start,
+                                                      return_state=True, **fm)
+                              for xs, start in starts for m in (1, 2)]))
         if dtype == np.float32:  # float16 inputs: computed in float32 after a compiled conversion (of
             # arrays of cpu/half.py's MIN_VALUES or more), the output converted back
             q16, k16, v16 = _inputs((2, 2, 256, d), np.float16)
@@ -85,7 +91,6 @@ def _jobs(dtype, functions, gates, gradients, feature_map):
                 jobs.append(("the map and its vjp (linear_attention_vjp's on many values)",
                              lambda: fmap.vjp(q, fmap(q))))
     if "step" in functions:
-        batch = -(-_PARALLEL_STEP // (_HEADS * dk * _DV))
         qs, ks = _inputs((batch, _HEADS, d), dtype, 2)
         vs, = _inputs((batch, _HEADS, _DV), dtype, 1)
         small = tuple(x[:1] for x in (qs, ks, vs))

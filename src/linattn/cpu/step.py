@@ -218,6 +218,12 @@ def _step_nd(q, k, v, fm, fp, fa, eps, normalize, S, Z, out, gates, decay, qscal
     and Z and only read, and the new state is written to S and Z (a sequence call from a State, which
     it leaves as it is: no copy of the state first).
 
+    With q of S's ndim (the positions variant: q, k (..., N, D), v and out (..., N, Dv), a gate (..., N)
+    or (..., N, D'), a decay (..., N), S (..., D', Dv)) it takes the N positions of each head one after
+    the other while the head's state is in the core's cache (the first reading S0 and Z0 when given):
+    the state is read and written once for all N (N calls of one step: N times, from memory once it
+    outgrows the caches).
+
     With k, v (and gates, decay) None it only reads the state: out = phi(q)^T S / (phi(q)^T Z + eps),
     S and Z unchanged (a decoder's query over its encoder's keys' state).
 
@@ -226,12 +232,14 @@ def _step_nd(q, k, v, fm, fp, fa, eps, normalize, S, Z, out, gates, decay, qscal
     ``_written_apart``) or 2 (a bad value), touching nothing, when they do not fit (the caller then
     takes the validating path, which raises the error or copies); 0 on success.
     """
-    lead = q.shape[:-1]
+    lead = q.shape[:-1]  # (the rows': with positions, the heads' leading dims and N)
+    heads_lead = _heads_lead(q, S)
     d_in = q.shape[-1]
     d_ = _features_dim(fm, fp, d_in)  # D'
     isz = S.itemsize
-    if (not _pair_fits(k, v, q, out, isz) or S.shape[:-2] != lead or S.shape[-2] != d_ or S.shape[-1] != out.shape[-1]
-            or Z.shape[:-1] != lead or Z.shape[-1] != d_ or out.shape[:-1] != lead):
+    if (not _pair_fits(k, v, q, out, isz) or S.shape[:-2] != heads_lead or S.shape[-2] != d_
+            or S.shape[-1] != out.shape[-1] or Z.shape[:-1] != heads_lead or Z.shape[-1] != d_
+            or out.shape[:-1] != lead):
         return 1
     if not _gates_fit(gates, lead, d_) or not _decay_fits(decay, lead):
         return 1
@@ -239,7 +247,11 @@ def _step_nd(q, k, v, fm, fp, fa, eps, normalize, S, Z, out, gates, decay, qscal
         return 1
     if out.strides[-1] != isz or Z.strides[-1] != isz or not _pair_fits(S0, Z0, S, Z, isz):
         return 1
-    bh = q.size // d_in
+    n = _positions(q, S)
+    if n == 0:  # (no position: nothing would write the new state)
+        return 1
+    bh = q.size // d_in  # rows: heads times positions
+    heads = bh // n
     # views without reference counting (see cpu/views.unowned): the caller owns the arguments, the
     # buffers' owners are kept to the end
     q, k, v, S, Z, out = unowned((q, k, v, S, Z, out))
@@ -247,22 +259,120 @@ def _step_nd(q, k, v, fm, fp, fa, eps, normalize, S, Z, out, gates, decay, qscal
     # (the spans after unowned: each owned array passed costs two atomics)
     if not _written_apart(S, Z, out, v, gates, decay, S0, Z0):
         return 1
-    owners = (empty((bh, d_), out.dtype), empty(2 * bh * d_, out.dtype))
+    # the factors of each row (a column, or D' for a gate per key dimension); phi(q) and phi(k) of every row, or
+    # none for the positions variant, which maps each head's rows as it takes the head (a small buffer, hot in
+    # the cache: B8 H8 N24 D64's 786 KB for all rows came from mmap at each call, half the call in page faults)
+    per_head = _positions_variant(q, S)
+    owners = (empty((bh, _factors_width(gates, q, d_)), out.dtype), empty(0 if per_head else 2 * bh * d_, out.dtype))
     decs, feats = unowned(owners)
-    qf, kf = feats[:bh * d_], feats[bh * d_:]
     if not head_factors(gates, decay, q, bh, decs):
         return 2
-    _map_heads(q, k, fm, fp, fa, bh, d_, feats)
-    for h in prange(bh):
-        fill_decay(gates, decay, h, decs[h], q)
-        Sh = head_matrix(S, h)
-        kh = _if_keys(k, kf[h * d_:(h + 1) * d_], None)  # (None: the state only read)
+    if not per_head:
+        _map_heads(q, k, fm, fp, fa, 0, bh, d_, feats)
+    for j in prange(heads):
+        h, i = _head_and_row(j, n)  # the head and its first row (see _head_and_row)
+        fill_decay(gates, decay, i, decs[i], q)
+        Sh, Zh = head_matrix(S, h), head_row(Z, h)
+        hf = _head_features(q, k, fm, fp, fa, i, n, d_, out.dtype) if per_head else feats
+        base = 0 if per_head else i  # (the first row's place in hf, whose first half is phi(q), second phi(k))
+        rows = hf.shape[0] // (2 * d_)
+        qf, kf = hf[:rows * d_], hf[rows * d_:]
+        kh = _if_keys(k, kf[base * d_:(base + 1) * d_], None)  # (None: the state only read)
         S0h, Z0h, src_stride = _head_source(S0, Z0, h, isz)
-        state_pass(Sh, head_row(Z, h), head_row(v, h), qf[h * d_:(h + 1) * d_], kh, head_row(out, h),
-                   Sh.strides[0] // isz, eps, normalize, head_decay(gates, decay, decs, h, q), qscale,
+        state_pass(Sh, Zh, head_row(v, i), qf[base * d_:(base + 1) * d_], kh, head_row(out, i),
+                   Sh.strides[0] // isz, eps, normalize, head_decay(gates, decay, decs, i, q), qscale,
                    S0h, Z0h, src_stride)
+        _later_positions(S, Sh, Zh, v, qf, kf, out, eps, normalize, gates, decay, decs, qscale, q, i, n, d_)
     keep_alive(owners)
     return 0
+
+
+def _positions_variant(q, S):
+    """Whether q has S's ndim (the positions variant), at compile time. Only callable from Numba code."""
+    raise NotImplementedError("runs inside Numba kernels only")
+
+
+@overload(_positions_variant, jit_options=OVERLOAD_OPTIONS)
+def _ol_positions_variant(q, S):
+    positions = q.ndim == S.ndim
+    return lambda q, S: positions
+
+
+def _factors_width(gates, q, d_):
+    """Columns of the rows' factors table: D' for a gate per key dimension (q's ndim), else 1. Numba code only."""
+    raise NotImplementedError("runs inside Numba kernels only")
+
+
+@overload(_factors_width, jit_options=OVERLOAD_OPTIONS)
+def _ol_factors_width(gates, q, d_):
+    if not isinstance(gates, types.NoneType) and gates.ndim == q.ndim:
+        return lambda gates, q, d_: d_
+    return lambda gates, q, d_: 1
+
+
+@njit(helper=True)
+def _head_features(q, k, fm, fp, fa, i, n, d_, dtype):
+    """A new array of 2 n D': phi(q) of rows i to i + n - 1, then phi(k) of the same rows."""
+    hf = empty(2 * n * d_, dtype)
+    _map_heads(q, k, fm, fp, fa, i, n, d_, hf)
+    return hf
+
+
+@njit(helper=True)
+def _head_and_row(j, n):
+    """(j, j n): head j and its first row, of n a head. (From a call, not copies of the prange index: views'
+    head_row and head_matrix, inlined in Numba's IR, take heads and rows under one argument name, and the
+    parfor pass stops at a copy of the loop index whose name is later given another value.)"""
+    return j, j * n
+
+
+def _heads_lead(q, S):
+    """S's leading dims as q's shape says them: q.shape[:-1], or q.shape[:-2] for the positions variant (q
+    of S's ndim). Only callable from Numba code."""
+    raise NotImplementedError("runs inside Numba kernels only")
+
+
+@overload(_heads_lead, jit_options=OVERLOAD_OPTIONS)
+def _ol_heads_lead(q, S):
+    if q.ndim == S.ndim:
+        return lambda q, S: q.shape[:-2]
+    return lambda q, S: q.shape[:-1]
+
+
+def _positions(q, S):
+    """The positions a head takes: q.shape[-2] for the positions variant (q of S's ndim), else 1. Only
+    callable from Numba code."""
+    raise NotImplementedError("runs inside Numba kernels only")
+
+
+@overload(_positions, jit_options=OVERLOAD_OPTIONS)
+def _ol_positions(q, S):
+    if q.ndim == S.ndim:
+        return lambda q, S: q.shape[-2]
+    return lambda q, S: 1
+
+
+def _later_positions(S, Sh, Zh, v, qf, kf, out, eps, normalize, gates, decay, decs, qscale, q, i, n, d_):
+    """The positions variant's (q of S's ndim) rows i + 1 to i + n - 1 of one head (after its first, which read the old
+    state), in place in Sh and Zh while they are in the cache, their features at qf's and kf's rows 1 to n - 1;
+    nothing in the other variants (compiled out). Only callable from Numba code."""
+    raise NotImplementedError("runs inside Numba kernels only")
+
+
+@overload(_later_positions, jit_options=OVERLOAD_OPTIONS)
+def _ol_later_positions(S, Sh, Zh, v, qf, kf, out, eps, normalize, gates, decay, decs, qscale, q, i, n, d_):
+    if isinstance(v, types.NoneType) or q.ndim != S.ndim:
+        return lambda S, Sh, Zh, v, qf, kf, out, eps, normalize, gates, decay, decs, qscale, q, i, n, d_: None
+
+    def impl(S, Sh, Zh, v, qf, kf, out, eps, normalize, gates, decay, decs, qscale, q, i, n, d_):
+        stride = Sh.strides[0] // Sh.itemsize
+        for t in range(1, n):
+            r = i + t
+            fill_decay(gates, decay, r, decs[r], q)
+            state_pass(Sh, Zh, head_row(v, r), qf[t * d_:(t + 1) * d_], kf[t * d_:(t + 1) * d_], head_row(out, r),
+                       stride, eps, normalize, head_decay(gates, decay, decs, r, q), qscale, None, None, 0)
+
+    return impl
 
 
 def _source(S0, Z0):
@@ -357,29 +467,31 @@ def _ol_features_dim(fm, fp, d):
     return lambda fm, fp, d: mapped_dim(fm, fp, d)
 
 
-def _map_heads(q, k, fm, fp, fa, bh, d_, feats):
-    """feats[:bh D'] = phi(q) and feats[bh D':] = phi(k), head after head: the inline maps (fp None)
-    row by row, the others (cpu/mapfns.py) gathered as rows and mapped by one call. Numba code only."""
+def _map_heads(q, k, fm, fp, fa, first, bh, d_, feats):
+    """feats[:bh D'] = phi(q) and feats[bh D':] = phi(k) of the bh rows from row ``first``, row after row: the
+    inline maps (fp None) row by row, the others (cpu/mapfns.py) gathered as rows and mapped by one call.
+    Numba code only."""
     raise NotImplementedError("runs inside Numba kernels only")
 
 
 @overload(_map_heads, jit_options=OVERLOAD_OPTIONS)
-def _ol_map_heads(q, k, fm, fp, fa, bh, d_, feats):
+def _ol_map_heads(q, k, fm, fp, fa, first, bh, d_, feats):
     sources = 1 if isinstance(k, types.NoneType) else 2  # (k None: q alone, into the first half)
     if isinstance(fp, types.NoneType):
-        def inline(q, k, fm, fp, fa, bh, d_, feats):
+        def inline(q, k, fm, fp, fa, first, bh, d_, feats):
             for h in range(bh):
-                map_row(as_contiguous(head_row(q, h)), fm, feats[h * d_:(h + 1) * d_])
+                map_row(as_contiguous(head_row(q, first + h)), fm, feats[h * d_:(h + 1) * d_])
                 if sources == 2:
-                    map_row(as_contiguous(head_row(_if_keys(k, k, q), h)), fm, feats[(bh + h) * d_:(bh + h + 1) * d_])
+                    map_row(as_contiguous(head_row(_if_keys(k, k, q), first + h)), fm,
+                            feats[(bh + h) * d_:(bh + h + 1) * d_])
         return inline
 
-    def mapped(q, k, fm, fp, fa, bh, d_, feats):
+    def mapped(q, k, fm, fp, fa, first, bh, d_, feats):
         d_in = q.shape[-1]
         owner = empty(sources * bh * d_in, feats.dtype)
         rows = unowned(owner)
         for h in range(bh):
-            qh, kh = as_contiguous(head_row(q, h)), as_contiguous(head_row(_if_keys(k, k, q), h))
+            qh, kh = as_contiguous(head_row(q, first + h)), as_contiguous(head_row(_if_keys(k, k, q), first + h))
             for a in range(d_in):
                 rows[h * d_in + a] = qh[a]
                 if sources == 2:
@@ -431,16 +543,16 @@ def _strided_signature(dt, variant):
 
 
 def _nd_signature(dt, variant):
-    lead_ndim, gate_kind, has_decay, mapped, sourced = variant
-    vec, i64 = array(dt, lead_ndim + 1, "A", readonly=True), types.int64
-    gates = {0: None, 1: array(dt, lead_ndim, "A", readonly=True),
-             2: array(dt, lead_ndim + 1, "A", readonly=True)}[gate_kind]
-    decay = array(types.float64, lead_ndim, "A", readonly=True) if has_decay else None
+    lead_ndim, gate_kind, has_decay, mapped, sourced, positions = variant
+    rows = lead_ndim + positions  # (the leading dims of q, k, v, out, a gate and the decay: with N for positions)
+    vec, i64 = array(dt, rows + 1, "A", readonly=True), types.int64
+    gates = {0: None, 1: array(dt, rows, "A", readonly=True), 2: array(dt, rows + 1, "A", readonly=True)}[gate_kind]
+    decay = array(types.float64, rows, "A", readonly=True) if has_decay else None
     fp = array(dt, 1, readonly=True) if mapped else types.none
     S0, Z0 = ((array(dt, lead_ndim + 2, "A", readonly=True), array(dt, lead_ndim + 1, "A", readonly=True)) if sourced
               else (types.none, types.none))
     return types.int64(vec, vec, vec, i64, fp, i64, types.float64, types.boolean,
-                       array(dt, lead_ndim + 2, "A"), array(dt, lead_ndim + 1, "A"), array(dt, lead_ndim + 1, "A"),
+                       array(dt, lead_ndim + 2, "A"), array(dt, lead_ndim + 1, "A"), array(dt, rows + 1, "A"),
                        _optional(gates), _optional(decay), types.float64, S0, Z0)
 
 
@@ -453,9 +565,10 @@ def _read_signature(dt, variant):
                        array(dt, lead_ndim + 1, "A"), none, none, types.float64, none, none)
 
 
-#: variant: (number of leading dims, gate kind, has decay, whether the map is one of cpu/mapfns.py's (its
-#: parameters an array; None for the maps applied inline), whether the old state comes from S0 and Z0 (else
-#: None: in place)); any strides along the leading dims
+#: variant: (number of the state's leading dims, gate kind, has decay, whether the map is one of cpu/mapfns.py's
+#: (its parameters an array; None for the maps applied inline), whether the old state comes from S0 and Z0
+#: (else None: in place), whether q, k, v, out, a gate and the decay have N positions before their last
+#: dim (else one step)); any strides along the leading dims
 step_nd_serial = Kernel(_step_nd, _nd_signature, parallel=False)
 step_nd_parallel = Kernel(_step_nd, _nd_signature, parallel=True)
 #: a query over the state (k, v, gates and decay None: S and Z only read); variant: (number of leading
