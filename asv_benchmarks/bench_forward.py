@@ -49,8 +49,9 @@ class StateHandoff:
 class FromState:
     """A causal call continuing from a State (return_state=True), next to the same call from nothing: a decode
     loop written with the sequence function (1 position), a check of a few drafted tokens (4), a streamed
-    prompt's chunk (64); B1 and B8, H8 D64. Also with float16 q, k and v (the state float32)."""
-    params = ([1, 8], [1, 4, 64])
+    prompt's chunk (64); B1, B8 and B64 (an 8 MB state), H8 D64. Also with float16 q, k and v (the state
+    float32)."""
+    params = ([1, 8, 64], [1, 4, 64])
     param_names = ["batch", "positions"]
 
     def setup(self, batch, positions):
