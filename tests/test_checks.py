@@ -126,6 +126,13 @@ def test_state():
 def test_state_zeros():
     st = linattn.State.zeros(3, 4, 5, np.float64)
     assert st.S.shape == (3, 4, 5) and st.Z.shape == (3, 4) and st.S.dtype == np.float64
+    for st in (st, linattn.State.zeros((2, 8), 64, 64), linattn.State.zeros((), 3, 1, np.float32),
+               linattn.State.zeros((0, 2), 3, 4)):
+        # zeros, C-contiguous and writable, S and Z apart, each at a multiple of 64 bytes (step's vectors then
+        # never straddle two cache lines)
+        assert not st.S.any() and not st.Z.any() and st.S.flags.c_contiguous and st.Z.flags.c_contiguous
+        assert st.S.flags.writeable and st.Z.flags.writeable and not np.shares_memory(st.S, st.Z)
+        assert st.S.ctypes.data % 64 == 0 and st.Z.ctypes.data % 64 == 0
     assert linattn.State.zeros((), 2, 2).S.shape == (2, 2)
     with pytest.raises(TypeError, match="batch_shape: expected a tuple of ints"):
         linattn.State.zeros((2.5,), 4, 5)

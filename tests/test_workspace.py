@@ -257,3 +257,27 @@ def test_a_free_block_serves_requests_from_two_thirds_of_its_size(monkeypatch):
     (near,) = workspace.take_views([(220_000,)], np.uint8)  # within 2/3: the free block
     assert _address(near) == address and near.shape == (220_000,)
     workspace.clear()
+
+
+@pytest.mark.parametrize("call", ["causal", "noncausal"])
+def test_final_states_from_a_size_on_start_at_multiples_of_64_bytes(call):
+    """A returned state of attention.ALIGNED_STATE_BYTES or more starts at a multiple of 64 bytes, S and Z
+    apart (in a block of their own up to POOL_MIN_BYTES, from the pool past it); a smaller one is malloc's,
+wherever that falls.
+    The values are the same either way."""
+    import linattn
+    from linattn import attention
+
+    fn = linattn.causal_linear_attention if call == "causal" else linattn.linear_attention
+    rng = np.random.default_rng(0)
+    for heads in (1, 8, 32):  # (D 64: 16 KB, 130 KB, 520 KB)
+        q, k, v = (rng.standard_normal((1, heads, 10, 64)).astype(np.float32) for _ in range(3))
+        _, st = fn(q, k, v, return_state=True)
+        if st.S.nbytes + st.Z.nbytes >= attention.ALIGNED_STATE_BYTES:
+            assert heads > 1 and st.S.ctypes.data % 64 == 0 and st.Z.ctypes.data % 64 == 0
+            assert not np.shares_memory(st.S, st.Z) and st.S.flags.writeable and st.S.flags.c_contiguous
+        else:
+            assert heads == 1  # (malloc's, where it falls)
+        _, want = fn(q, k, v, return_state=True, device="cpu")  # (the checked path: its own arrays)
+        np.testing.assert_allclose(st.S, want.S, rtol=1e-5, atol=1e-6)
+        np.testing.assert_allclose(st.Z, want.Z, rtol=1e-5, atol=1e-6)

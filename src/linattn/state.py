@@ -4,6 +4,8 @@ from typing import NamedTuple
 
 import numpy as np
 
+from .workspace import aligned_views
+
 
 class State(NamedTuple):
     """State of causal linear attention after some positions (or of non-causal attention's keys).
@@ -31,4 +33,9 @@ class State(NamedTuple):
         from .checks import check_state_zeros_args
 
         batch_shape, d_k, d_v, dtype = check_state_zeros_args(batch_shape, d_k, d_v, dtype)
-        return cls(np.zeros(batch_shape + (d_k, d_v), dtype), np.zeros(batch_shape + (d_k,), dtype))
+        # 64-byte aligned (workspace.aligned_views): step's vector loads and stores then never straddle two cache
+        # lines (B1 H8 D64: 4.45 us a step against 4.7-4.8, B4 12.1 against 13.3-13.5; docs/performance.md)
+        S, Z = aligned_views([batch_shape + (d_k, d_v), batch_shape + (d_k,)], dtype)
+        S.fill(0)
+        Z.fill(0)
+        return cls(S, Z)

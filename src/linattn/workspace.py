@@ -72,6 +72,26 @@ def aligned_empty(shape, dtype, align=64):
     return raw[start:start + nbytes].view(dtype).reshape(shape)
 
 
+def _offsets(sizes, align):
+    """Where arrays of ``sizes`` bytes start in one block, each at a multiple of ``align``; and its size."""
+    offsets, total = [], 0
+    for size in sizes:
+        offsets.append(total)
+        total += -(-size // align) * align
+    return offsets, max(total, 1)
+
+
+def aligned_views(shapes, dtype, align=64):
+    """New arrays of ``shapes`` and ``dtype`` (undefined contents) in one block of bytes, each starting at a
+    multiple of ``align`` bytes (not pooled: the block lives as long as any of them). A state that ``step``
+    updates in place: its loads and stores of whole vectors then never straddle two cache lines."""
+    dtype = np.dtype(dtype)
+    sizes = [math.prod(s) * dtype.itemsize for s in shapes]
+    offsets, total = _offsets(sizes, align)
+    raw = aligned_empty((total,), np.uint8, align)
+    return tuple(raw[o:o + size].view(dtype).reshape(s) for o, size, s in zip(offsets, sizes, shapes))
+
+
 def _release(arr):
     global _free_bytes
     if arr.nbytes > MAX_FREE_BYTES:
@@ -135,11 +155,8 @@ def take_views(shapes, dtype, align=64):
     sizes = [math.prod(s) * dtype.itemsize for s in shapes]
     if sum(sizes) < POOL_MIN_BYTES:
         return tuple(np.empty(s, dtype) for s in shapes)
-    offsets, total = [], 0
-    for size in sizes:
-        offsets.append(total)
-        total += -(-size // align) * align
-    raw = _take_bytes(max(total, 1), align)
+    offsets, total = _offsets(sizes, align)
+    raw = _take_bytes(total, align)
     owner = raw.view(_Owner)
     ref = _Ref(owner, _returned)
     ref.raw = raw  # (what goes back to the pool, under the key it was taken with)
