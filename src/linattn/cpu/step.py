@@ -233,7 +233,7 @@ def _step_nd(q, k, v, fm, fp, fa, eps, normalize, S, Z, out, gates, decay, qscal
     takes the validating path, which raises the error or copies); 0 on success.
     """
     lead = q.shape[:-1]  # (the rows': with positions, the heads' leading dims and N)
-    heads_lead = _heads_lead(q, S)
+    heads_lead, n, per_head = _positions(q, S)
     d_in = q.shape[-1]
     d_ = _features_dim(fm, fp, d_in)  # D'
     isz = S.itemsize
@@ -247,7 +247,6 @@ def _step_nd(q, k, v, fm, fp, fa, eps, normalize, S, Z, out, gates, decay, qscal
         return 1
     if out.strides[-1] != isz or Z.strides[-1] != isz or not _pair_fits(S0, Z0, S, Z, isz):
         return 1
-    n = _positions(q, S)
     if n == 0:  # (no position: nothing would write the new state)
         return 1
     bh = q.size // d_in  # rows: heads times positions
@@ -262,7 +261,6 @@ def _step_nd(q, k, v, fm, fp, fa, eps, normalize, S, Z, out, gates, decay, qscal
     # the factors of each row (a column, or D' for a gate per key dimension); phi(q) and phi(k) of every row, or
     # none for the positions variant, which maps each head's rows as it takes the head (a small buffer, hot in
     # the cache: B8 H8 N24 D64's 786 KB for all rows came from mmap at each call, half the call in page faults)
-    per_head = _positions_variant(q, S)
     owners = (empty((bh, _factors_width(gates, q, d_)), out.dtype), empty(0 if per_head else 2 * bh * d_, out.dtype))
     decs, feats = unowned(owners)
     if not head_factors(gates, decay, q, bh, decs):
@@ -274,8 +272,7 @@ def _step_nd(q, k, v, fm, fp, fa, eps, normalize, S, Z, out, gates, decay, qscal
         fill_decay(gates, decay, i, decs[i], q)
         Sh, Zh = head_matrix(S, h), head_row(Z, h)
         hf = _head_features(q, k, fm, fp, fa, i, n, d_, out.dtype) if per_head else feats
-        base = 0 if per_head else i  # (the first row's place in hf, whose first half is phi(q), second phi(k))
-        rows = hf.shape[0] // (2 * d_)
+        base, rows = (0, n) if per_head else (i, bh)  # (the first row's place in hf and its rows: phi(q), then phi(k))
         qf, kf = hf[:rows * d_], hf[rows * d_:]
         kh = _if_keys(k, kf[base * d_:(base + 1) * d_], None)  # (None: the state only read)
         S0h, Z0h, src_stride = _head_source(S0, Z0, h, isz)
@@ -285,17 +282,6 @@ def _step_nd(q, k, v, fm, fp, fa, eps, normalize, S, Z, out, gates, decay, qscal
         _later_positions(S, Sh, Zh, v, qf, kf, out, eps, normalize, gates, decay, decs, qscale, q, i, n, d_)
     keep_alive(owners)
     return 0
-
-
-def _positions_variant(q, S):
-    """Whether q has S's ndim (the positions variant), at compile time. Only callable from Numba code."""
-    raise NotImplementedError("runs inside Numba kernels only")
-
-
-@overload(_positions_variant, jit_options=OVERLOAD_OPTIONS)
-def _ol_positions_variant(q, S):
-    positions = q.ndim == S.ndim
-    return lambda q, S: positions
 
 
 def _factors_width(gates, q, d_):
@@ -326,30 +312,18 @@ def _head_and_row(j, n):
     return j, j * n
 
 
-def _heads_lead(q, S):
-    """S's leading dims as q's shape says them: q.shape[:-1], or q.shape[:-2] for the positions variant (q
-    of S's ndim). Only callable from Numba code."""
-    raise NotImplementedError("runs inside Numba kernels only")
-
-
-@overload(_heads_lead, jit_options=OVERLOAD_OPTIONS)
-def _ol_heads_lead(q, S):
-    if q.ndim == S.ndim:
-        return lambda q, S: q.shape[:-2]
-    return lambda q, S: q.shape[:-1]
-
-
 def _positions(q, S):
-    """The positions a head takes: q.shape[-2] for the positions variant (q of S's ndim), else 1. Only
-    callable from Numba code."""
+    """(S's leading dims as q's shape says them, the positions a head takes, whether q has S's ndim): for the
+    positions variant (q (..., N, D), S (..., D', Dv)) (q.shape[:-2], N, True), else (q.shape[:-1], 1, False).
+    Only callable from Numba code."""
     raise NotImplementedError("runs inside Numba kernels only")
 
 
 @overload(_positions, jit_options=OVERLOAD_OPTIONS)
 def _ol_positions(q, S):
     if q.ndim == S.ndim:
-        return lambda q, S: q.shape[-2]
-    return lambda q, S: 1
+        return lambda q, S: (q.shape[:-2], q.shape[-2], True)
+    return lambda q, S: (q.shape[:-1], 1, False)
 
 
 def _later_positions(S, Sh, Zh, v, qf, kf, out, eps, normalize, gates, decay, decs, qscale, q, i, n, d_):
