@@ -423,8 +423,8 @@ def _few_positions(q, k, v, state, feature_map, eps, normalize, return_state, de
     given state and writing a new one, which the call leaves as it is (a copy first: B8 H8 D64, one position,
     took 83-104 us on one thread against 58-74, 89 on two against 32); the result (..., N, Dv) (copied into
     ``out``, checked, when given: the same values with or without it), with the new state when
-    ``return_state``. None when step's fast path does not take the arguments, at any position (the general
-    path then runs from the given state, or says why)."""
+    ``return_state``. None when step's fast path does not take the arguments (the general path then runs from
+    the given state, or says why)."""
     halves = q.dtype == _F16  # (float16 q, k and v: computed in float32 from a float32 state, as elsewhere)
     if (type(state) is not State or type(k) is not _ndarray or type(v) is not _ndarray
             or not (q.dtype in _FLOATS or halves and k.dtype == _F16 and v.dtype == _F16)

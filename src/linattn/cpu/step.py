@@ -271,8 +271,7 @@ def _step_nd(q, k, v, fm, fp, fa, eps, normalize, S, Z, out, gates, decay, qscal
         h, i = _head_and_row(j, n)  # the head and its first row (see _head_and_row)
         fill_decay(gates, decay, i, decs[i], q)
         Sh, Zh = head_matrix(S, h), head_row(Z, h)
-        hf = _head_features(q, k, fm, fp, fa, i, n, d_, out.dtype) if per_head else feats
-        base, rows = (0, n) if per_head else (i, bh)  # (the first row's place in hf and its rows: phi(q), then phi(k))
+        hf, base, rows = _head_features(q, S, k, fm, fp, fa, i, n, bh, d_, feats)
         qf, kf = hf[:rows * d_], hf[rows * d_:]
         kh = _if_keys(k, kf[base * d_:(base + 1) * d_], None)  # (None: the state only read)
         S0h, Z0h, src_stride = _head_source(S0, Z0, h, isz)
@@ -296,12 +295,24 @@ def _ol_factors_width(gates, q, d_):
     return lambda gates, q, d_: 1
 
 
-@njit(helper=True)
-def _head_features(q, k, fm, fp, fa, i, n, d_, dtype):
-    """A new array of 2 n D': phi(q) of rows i to i + n - 1, then phi(k) of the same rows."""
-    hf = empty(2 * n * d_, dtype)
-    _map_heads(q, k, fm, fp, fa, i, n, d_, hf)
-    return hf
+def _head_features(q, S, k, fm, fp, fa, i, n, bh, d_, feats):
+    """(features, the place of row i in them, their rows), the first half of the features phi(q) and the second
+    phi(k): for the positions variant (q of S's ndim) a new array of head rows i to i + n - 1, mapped here;
+    else ``feats``, every row's, mapped before. Chosen at compile time. Only callable from Numba code."""
+    raise NotImplementedError("runs inside Numba kernels only")
+
+
+@overload(_head_features, jit_options=OVERLOAD_OPTIONS)
+def _ol_head_features(q, S, k, fm, fp, fa, i, n, bh, d_, feats):
+    if q.ndim != S.ndim:
+        return lambda q, S, k, fm, fp, fa, i, n, bh, d_, feats: (feats, i, bh)
+
+    def impl(q, S, k, fm, fp, fa, i, n, bh, d_, feats):
+        hf = empty(2 * n * d_, feats.dtype)
+        _map_heads(q, k, fm, fp, fa, i, n, d_, hf)
+        return hf, 0, n
+
+    return impl
 
 
 @njit(helper=True)
