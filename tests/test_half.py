@@ -1,5 +1,6 @@
 """cpu/half.py: float16 <-> float32 conversions, bit for bit NumPy's."""
 import numpy as np
+import pytest
 
 from linattn.cpu import half
 
@@ -64,3 +65,45 @@ def test_float16_inputs_compute_in_float32(rng):
     for a, b in zip(vjp(g), vjp32(g.astype(np.float32))):
         assert a.dtype == np.float16
         np.testing.assert_array_equal(a, b.astype(np.float16))
+
+
+def test_float16_calls_take_the_short_path(rng, monkeypatch):
+    """float16 q, k and v with the sequence functions' options take their short path (the checked path, patched
+    to fail, is not reached): the same bits as the checked path (reached with ``device="cpu"``), a float32 state
+    in and out, a float16 result (written into ``out=``, a strided view included)."""
+    import linattn
+    from linattn import attention
+
+    def calls(n):
+        q, k, v = (rng.standard_normal((2, 3, n, 8)).astype(np.float16) for _ in range(3))
+        st = linattn.causal_linear_attention(*(x.astype(np.float32) for x in (q, k, v)), return_state=True)[1]
+        gate = -np.abs(rng.standard_normal((2, 3, n))).astype(np.float16)
+        lens = np.array([n, n // 2])
+        causal, noncausal = linattn.causal_linear_attention, linattn.linear_attention
+        return [(causal, (q, k, v), {}), (causal, (q, k, v), dict(return_state=True)),
+                (causal, (q, k, v), dict(initial_state=st, return_state=True, scale=0.5)),
+                (causal, (q, k, v), dict(gate=gate, decay=0.9, lengths=lens)),
+                (causal, (q, k, v), dict(feature_map="relu", normalize=False)),
+                (noncausal, (q, k, v), dict(return_state=True)),
+                (noncausal, (q, k, v), dict(lengths=lens, query_lengths=lens, initial_state=st))]
+
+    for n in (20, 300):  # (300: the compiled conversions, from 1024 values)
+        cases = calls(n)
+        want = [fn(*args, device="cpu", **kw) for fn, args, kw in cases]
+        with monkeypatch.context() as m:
+            m.setattr(attention, "_prepare", lambda *a, **k: pytest.fail("the checked path"))
+            for (fn, args, kw), w in zip(cases, want):
+                got = fn(*args, **kw)
+                out, w_out = (got[0], w[0]) if kw.get("return_state") else (got, w)
+                assert out.dtype == np.float16
+                np.testing.assert_array_equal(out, w_out)
+                if kw.get("return_state"):
+                    assert got[1].S.dtype == np.float32
+                    np.testing.assert_array_equal(got[1].S, w[1].S)
+                    np.testing.assert_array_equal(got[1].Z, w[1].Z)
+                buf = np.zeros((2, n, 3, 8), np.float16)
+                res = fn(*args, out=buf.transpose(0, 2, 1, 3), **kw)
+                assert (res[0] if kw.get("return_state") else res).base is buf
+                np.testing.assert_array_equal(buf.transpose(0, 2, 1, 3), w_out)
+        with pytest.raises(ValueError, match="out"):  # (a float32 out for a float16 result)
+            cases[0][0](*cases[0][1], out=np.zeros((2, 3, n, 8), np.float32))
