@@ -341,6 +341,70 @@ def test_causal_call_of_few_positions_from_a_state(rng, lead, n, dtype, monkeypa
         linattn.causal_linear_attention(q, np.concatenate([k, k], -2), v, initial_state=state)
 
 
+@pytest.mark.parametrize("dtype", [np.float16, np.float32, np.float64])
+@pytest.mark.parametrize("n", list(range(1, attention.FRESH_POSITIONS + 2)))
+@pytest.mark.parametrize("lead", [(), (3,), (2, 3), (8, 8)])  # (8, 8) at D = Dv = 64: the parallel step
+def test_causal_call_of_few_positions_with_no_state(rng, lead, n, dtype, monkeypatch):
+    """A causal call of at most FRESH_POSITIONS positions and no initial state (a short prompt) runs step's kernel
+    from a zero state (a broadcast row of zeros), in one call for all positions: the reference's result and
+    state (reference.loop, float64), bit for bit what ``step`` gives position after position from
+    ``State.zeros``, the same result with the state returned or not and into ``out=`` (a strided view); with
+    maps, decay, gates per position and per key dimension, scale and normalize. One position more takes the
+    chunkwise kernel; a callable map and ``lengths`` the general path."""
+    steps = []
+    monkeypatch.setattr(attention, "step_fast", lambda *a: steps.append(1) or decoding.step_fast(*a))
+    d, dv = (64, 64) if lead == (8, 8) else (5, 3)
+    comp = np.float32 if dtype == np.float16 else dtype
+    T2R = linattn.feature_maps.T2R(rng.standard_normal((d, 4)), rng.standard_normal(4))
+    for kw in (dict(), dict(feature_map="relu", normalize=False), dict(feature_map=T2R, scale=0.5),
+               dict(decay=0.9), dict(gate="position"), dict(gate="dimension", feature_map="identity", eps=0.5)):
+        dk = linattn.feature_maps.as_map(kw.get("feature_map", "elu")).out_dim(d)
+        if "gate" in kw:
+            kw["gate"] = np.log(rng.uniform(0.5, 1.0, lead + ((n,) if kw["gate"] == "position" else (n, dk)))).astype(
+                dtype)
+        q, k = (rng.standard_normal(lead + (n, d)).astype(dtype) for _ in range(2))
+        if kw.get("feature_map") == "identity":  # (positive features: denominators away from 0, well conditioned)
+            q, k = np.abs(q), np.abs(k)
+        v = rng.standard_normal(lead + (n, dv)).astype(dtype)
+        steps.clear()
+        out, new = linattn.causal_linear_attention(q, k, v, return_state=True, **kw)
+        assert len(steps) == (n <= attention.FRESH_POSITIONS)  # (the short path, every position in one call)
+        assert out.shape == lead + (n, dv) and out.dtype == dtype and new.S.dtype == comp
+        assert new.S.flags.writeable and new.Z.flags.writeable  # (a state of its own, for the steps to come)
+        ref, (S_ref, Z_ref) = linattn.reference.loop(q, k, v, return_state=True, **kw)
+        assert_close(out, ref, dtype)
+        assert_close(new.S, S_ref, comp)
+        assert_close(new.Z, Z_ref, comp)
+        np.testing.assert_array_equal(linattn.causal_linear_attention(q, k, v, **kw), out)
+        buf = np.full(lead + (dv, n + 1), np.nan, dtype)  # out= a strided view: the same values
+        res = linattn.causal_linear_attention(q, k, v, out=np.swapaxes(buf, -1, -2)[..., :n, :], **kw)
+        assert np.shares_memory(res, buf)
+        np.testing.assert_array_equal(res, out)
+        if n > attention.FRESH_POSITIONS:
+            continue
+        stepped = linattn.State.zeros(lead, dk, dv, comp)
+        one = {x: kw[x] for x in kw if x != "gate"}
+        by_step = [linattn.step(q[..., t, :], k[..., t, :], v[..., t, :], stepped, **one, **(
+            {} if "gate" not in kw else {"gate": kw["gate"][..., t, :] if kw["gate"].ndim > len(lead) + 1
+                                         else kw["gate"][..., t]})) for t in range(n)]
+        np.testing.assert_array_equal(out, np.stack(by_step, axis=-2))
+        np.testing.assert_array_equal(new.S, stepped.S)
+        np.testing.assert_array_equal(new.Z, stepped.Z)
+    steps.clear()  # (a callable map, lengths: the general path, the same result)
+    q, k, v = make_qkv(rng, lead, n, d, dv, dtype)
+
+    def shifted(x):
+        return np.maximum(x, 0) + 1
+
+    assert_close(linattn.causal_linear_attention(q, k, v, feature_map=shifted),
+                 linattn.reference.masked(q, k, v, feature_map=shifted), dtype)
+    lens = np.full(lead[:1], n) if lead else None
+    if lens is not None:
+        np.testing.assert_array_equal(linattn.causal_linear_attention(q, k, v, lengths=lens),
+                                      linattn.causal_linear_attention(q, k, v, device="cpu"))
+    assert not steps
+
+
 @pytest.mark.parametrize("layout", ["rows apart", "read-only", "broadcast", "columns apart"])
 @pytest.mark.parametrize("n", [1, 3])
 def test_few_positions_read_the_state_in_place(rng, n, layout, monkeypatch):

@@ -20,7 +20,7 @@ from .state import State
 _ndarray, _INF = np.ndarray, math.inf
 _CODES = {name: code for name, (_, code) in NAMED.items()}
 _FLOATS = (np.dtype(np.float32), np.dtype(np.float64))
-_F16 = np.dtype(np.float16)
+_F16, _SINGLE = np.dtype(np.float16), np.dtype(np.float32)
 _NO_GATES = {dt: np.zeros(0, dt) for dt in _FLOATS}  # the kernels' "no gates" (and "no map parameters")
 _CONSTANT_ONLY = {dt: np.zeros((0, 0), dt) for dt in _FLOATS}  # their "a constant decay alone"
 _ZERO_DECAY = np.zeros(0)
@@ -442,6 +442,41 @@ def _new_state(S0, Z0):
     return State(*workspace.take_views([S0.shape, Z0.shape], S0.dtype))
 
 
+#: A causal call with no initial state and at most this many positions a sequence runs like one from a zero
+#: State (_few_positions, from a broadcast row of zeros: nothing the size of the state is read), where the
+#: chunkwise kernel's fixed cost per head is the larger: with the state returned it writes the state through a
+#: product and a copy. Stop 72's Xeon, two threads, D64, one / two positions (us, steps against chunkwise;
+#: state returned, then not): B1 H8 9/24, 12/27, then 9/11, 12/13; B8 H8 33/111, 39/107, then 32/38, 39/43.
+#: From three positions the chunkwise kernel wins without the state (B1 H8 N4 16 against 12; D128 N1 already:
+#: 25 against 23), and a call must take the same path with or without it (the results are identical).
+FRESH_POSITIONS = 2
+
+
+def _zero_state(q, dv, feature_map):
+    """A State of zeros for a causal call on q (..., N, D) with values of ``dv`` and no initial state, in the dtype
+    it computes in (float32 for float16): read-only broadcast views of a zero row of Dv and one of D' (D' from
+    the map), for _few_positions to start from; None for a callable map or one that does not fit D (the general
+    path then runs, or says why). Kept for the next call of the same shapes and map name."""
+    dt = _SINGLE if q.dtype is _F16 else q.dtype
+    key = ("zero state", dt, q.shape, dv, feature_map) if type(feature_map) is str else None
+    found = None if key is None else _constants.get(key)
+    if found is None:
+        if dt not in _FLOATS:
+            return None
+        row = np.zeros(1, dt)  # (only D' is wanted: the strides _fast_map checks are row's)
+        mapped = _fast_map(feature_map, dt, q.shape[-1], row, row)
+        if mapped is None:
+            return None
+        lead, dk = q.shape[:-2], mapped[3]
+        found = State(np.broadcast_to(np.zeros(dv, dt), lead + (dk, dv)),
+                      np.broadcast_to(np.zeros(dk, dt), lead + (dk,)))
+        if key is not None:
+            if len(_constants) > 256:
+                _constants.clear()
+            _constants[key] = found
+    return found
+
+
 def _few_positions(q, k, v, state, feature_map, eps, normalize, return_state, decay, gate, scale, out):
     """causal_linear_attention's short path for a few positions a sequence (1 to FEW_POSITIONS) from a State of
     NumPy arrays: step's kernel (decoding.step_fast), each head's positions in one call, the first reading the
@@ -738,9 +773,15 @@ def causal_linear_attention(q, k, v, *, feature_map="elu", eps=1e-6, normalize=T
     """
     if type(q) is _ndarray and device is None:
         res = None
-        if initial_state is not None and lengths is None and q.ndim >= 2 and 0 < q.shape[-2] <= FEW_POSITIONS:
-            res = _few_positions(q, k, v, initial_state, feature_map, eps, normalize, return_state, decay, gate,
-                                 scale, out)
+        if lengths is None and q.ndim >= 2 and 0 < q.shape[-2] <= FEW_POSITIONS:
+            if initial_state is not None:
+                res = _few_positions(q, k, v, initial_state, feature_map, eps, normalize, return_state, decay, gate,
+                                     scale, out)
+            elif q.shape[-2] <= FRESH_POSITIONS and type(v) is _ndarray and v.ndim == q.ndim:
+                zero = _zero_state(q, v.shape[-1], feature_map)
+                if zero is not None:
+                    res = _few_positions(q, k, v, zero, feature_map, eps, normalize, return_state, decay, gate,
+                                         scale, out)
         if res is None and (return_state is False or return_state is True):
             if q.dtype is _F16:
                 res = _fast_half(True, q, k, v, feature_map, eps, normalize, return_state, initial_state, out, scale,
