@@ -345,12 +345,13 @@ def test_causal_call_of_few_positions_from_a_state(rng, lead, n, dtype, monkeypa
 @pytest.mark.parametrize("n", list(range(1, attention.FRESH_POSITIONS + 2)))
 @pytest.mark.parametrize("lead", [(), (3,), (2, 3), (8, 8)])  # (8, 8) at D = Dv = 64: the parallel step
 def test_causal_call_of_few_positions_with_no_state(rng, lead, n, dtype, monkeypatch):
-    """A causal call of at most FRESH_POSITIONS positions and no initial state (a short prompt) runs step's kernel
-    from a zero state (a broadcast row of zeros), in one call for all positions: the reference's result and
-    state (reference.loop, float64), bit for bit what ``step`` gives position after position from
-    ``State.zeros``, the same result with the state returned or not and into ``out=`` (a strided view); with
-    maps, decay, gates per position and per key dimension, scale and normalize. One position more takes the
-    chunkwise kernel; a callable map and ``lengths`` the general path."""
+    """A causal call of at most FRESH_POSITIONS positions, no initial state (a short prompt) and a state of at most
+    FRESH_STATE_BYTES runs step's kernel from a zero state (a broadcast row of zeros), in one call for all
+    positions, else the chunkwise kernel: the reference's result and state (reference.loop, float64), bit for
+    bit what ``step`` gives position after position from ``State.zeros``, the same result with the state
+    returned or not and into ``out=`` (a strided view); with maps, decay, gates per position and per key
+    dimension, scale and normalize. One position more takes the chunkwise kernel; a callable map and ``lengths``
+    the general path."""
     steps = []
     monkeypatch.setattr(attention, "step_fast", lambda *a: steps.append(1) or decoding.step_fast(*a))
     d, dv = (64, 64) if lead == (8, 8) else (5, 3)
@@ -368,7 +369,9 @@ def test_causal_call_of_few_positions_with_no_state(rng, lead, n, dtype, monkeyp
         v = rng.standard_normal(lead + (n, dv)).astype(dtype)
         steps.clear()
         out, new = linattn.causal_linear_attention(q, k, v, return_state=True, **kw)
-        assert len(steps) == (n <= attention.FRESH_POSITIONS)  # (the short path, every position in one call)
+        fresh = n <= attention.FRESH_POSITIONS and np.prod(lead) * dk * dv * np.dtype(comp).itemsize <= (
+            attention.FRESH_STATE_BYTES)  # ((8, 8) in float64, 2 MB: the chunkwise kernel)
+        assert len(steps) == fresh  # (the short path, every position in one call)
         assert out.shape == lead + (n, dv) and out.dtype == dtype and new.S.dtype == comp
         assert new.S.flags.writeable and new.Z.flags.writeable  # (a state of its own, for the steps to come)
         ref, (S_ref, Z_ref) = linattn.reference.loop(q, k, v, return_state=True, **kw)
@@ -380,7 +383,7 @@ def test_causal_call_of_few_positions_with_no_state(rng, lead, n, dtype, monkeyp
         res = linattn.causal_linear_attention(q, k, v, out=np.swapaxes(buf, -1, -2)[..., :n, :], **kw)
         assert np.shares_memory(res, buf)
         np.testing.assert_array_equal(res, out)
-        if n > attention.FRESH_POSITIONS:
+        if not fresh:
             continue
         stepped = linattn.State.zeros(lead, dk, dv, comp)
         one = {x: kw[x] for x in kw if x != "gate"}

@@ -442,39 +442,44 @@ def _new_state(S0, Z0):
     return State(*workspace.take_views([S0.shape, Z0.shape], S0.dtype))
 
 
-#: A causal call with no initial state and at most this many positions a sequence runs like one from a zero
-#: State (_few_positions, from a broadcast row of zeros: nothing the size of the state is read), where the
-#: chunkwise kernel's fixed cost per head is the larger: with the state returned it writes the state through a
-#: product and a copy. Stop 72's Xeon, two threads, D64, one / two positions (us, steps against chunkwise;
-#: state returned, then not): B1 H8 9/24, 12/27, then 9/11, 12/13; B8 H8 33/111, 39/107, then 32/38, 39/43.
-#: From three positions the chunkwise kernel wins without the state (B1 H8 N4 16 against 12; D128 N1 already:
-#: 25 against 23), and a call must take the same path with or without it (the results are identical).
+#: A causal call with no initial state, at most this many positions a sequence and a state of at most
+#: FRESH_STATE_BYTES runs like one from a zero State (_few_positions, from a broadcast row of zeros: nothing the
+#: size of the state is read), where the chunkwise kernel's fixed cost per head is the larger: with the state
+#: returned it writes it through a product and a copy. Stop 72's Xeon, two threads, one / two positions (us,
+#: steps against chunkwise; state returned, then not): B1 H8 D64 11/31, 14/32, then 12/13, 14/14; B8 H8 D64
+#: 29/115, 38/124, then 29/44, 37/52; B1 H8 D128 19/69, 29/67, then 19/27, 29/27. From three positions the
+#: chunkwise kernel wins without the state (B8 H8 D64 N4 53 against 72), and a call must take the same path with
+#: or without it (the results are identical).
 FRESH_POSITIONS = 2
+#: ... and larger states (S's bytes) take the chunkwise kernel: the steps write the new state whether it is
+#: returned or not (without it, B32 H8 D64, 4 MB: 171 against 129 us; B8 H8 D128, 2 MB: 136 against 92).
+FRESH_STATE_BYTES = 1 << 20
 
 
 def _zero_state(q, dv, feature_map):
     """A State of zeros for a causal call on q (..., N, D) with values of ``dv`` and no initial state, in the dtype
     it computes in (float32 for float16): read-only broadcast views of a zero row of Dv and one of D' (D' from
-    the map), for _few_positions to start from; None for a callable map or one that does not fit D (the general
-    path then runs, or says why). Kept for the next call of the same shapes and map name."""
+    the map), for _few_positions to start from; None for a callable map, one that does not fit D, or a state of
+    more than FRESH_STATE_BYTES (the general path then runs, or says why). Kept for the next call of the same
+    shapes and map name."""
     dt = _SINGLE if q.dtype is _F16 else q.dtype
     key = ("zero state", dt, q.shape, dv, feature_map) if type(feature_map) is str else None
     found = None if key is None else _constants.get(key)
     if found is None:
-        if dt not in _FLOATS:
-            return None
-        row = np.zeros(1, dt)  # (only D' is wanted: the strides _fast_map checks are row's)
-        mapped = _fast_map(feature_map, dt, q.shape[-1], row, row)
-        if mapped is None:
-            return None
-        lead, dk = q.shape[:-2], mapped[3]
-        found = State(np.broadcast_to(np.zeros(dv, dt), lead + (dk, dv)),
-                      np.broadcast_to(np.zeros(dk, dt), lead + (dk,)))
+        found = False
+        if dt in _FLOATS:
+            row = np.zeros(1, dt)  # (only D' is wanted: the strides _fast_map checks are row's)
+            mapped = _fast_map(feature_map, dt, q.shape[-1], row, row)
+            lead = q.shape[:-2]
+            if mapped is not None and math.prod(lead) * mapped[3] * dv * dt.itemsize <= FRESH_STATE_BYTES:
+                dk = mapped[3]
+                found = State(np.broadcast_to(np.zeros(dv, dt), lead + (dk, dv)),
+                              np.broadcast_to(np.zeros(dk, dt), lead + (dk,)))
         if key is not None:
             if len(_constants) > 256:
                 _constants.clear()
             _constants[key] = found
-    return found
+    return found or None
 
 
 def _few_positions(q, k, v, state, feature_map, eps, normalize, return_state, decay, gate, scale, out):
