@@ -47,10 +47,10 @@ class StateHandoff:
 
 
 class FromState:
-    """A causal call continuing from a State (return_state=True), next to the same call from nothing: a decode
-    loop written with the sequence function (1 position), a check of a few drafted tokens (4), a streamed
-    prompt's chunk (64); B1, B8 and B64 (an 8 MB state), H8 D64. Also with float16 q, k and v (the state
-    float32)."""
+    """A causal call continuing from a State (return_state=True), next to the same call from nothing (with and
+    without its state returned: a short prompt's prefill): a decode loop written with the sequence function (1
+    position), a check of a few drafted tokens (4), a streamed prompt's chunk (64); B1, B8 and B64 (an 8 MB
+    state), H8 D64. Also with float16 q, k and v (the state float32)."""
     params = ([1, 8, 64], [1, 4, 64])
     param_names = ["batch", "positions"]
 
@@ -64,6 +64,8 @@ class FromState:
         self.time_from_state(batch, positions)
         self.time_from_nothing(batch, positions)
         self.time_from_state_float16(batch, positions)
+        self.time_from_nothing_with_state(batch, positions)
+        self.time_from_nothing_float16(batch, positions)
 
     def time_from_state(self, batch, positions):
         linattn.causal_linear_attention(self.q, self.k, self.v, initial_state=self.state, return_state=True)
@@ -73,6 +75,12 @@ class FromState:
 
     def time_from_nothing(self, batch, positions):
         linattn.causal_linear_attention(self.q, self.k, self.v)
+
+    def time_from_nothing_with_state(self, batch, positions):
+        linattn.causal_linear_attention(self.q, self.k, self.v, return_state=True)
+
+    def time_from_nothing_float16(self, batch, positions):
+        linattn.causal_linear_attention(*self.halves)
 
 
 class ManySmallHeads:
