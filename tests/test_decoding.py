@@ -281,6 +281,33 @@ def test_attention_weights_errors(rng):
         linattn.attention_weights(q, k, feature_map="x")
 
 
+def _position_options(rng, lead, n, d, dv, dtype):
+    """The few-position tests' draws: (options, D', q, k, v) for maps, normalize, scale, decay, and gates per
+    position and per key dimension (q and k positive with the identity map: denominators away from 0)."""
+    T2R = linattn.feature_maps.T2R(rng.standard_normal((d, 4)), rng.standard_normal(4))
+    for kw in (dict(), dict(feature_map="relu", normalize=False), dict(feature_map=T2R, scale=0.5),
+               dict(decay=0.9), dict(gate="position"), dict(gate="dimension", feature_map="identity", eps=0.5)):
+        dk = linattn.feature_maps.as_map(kw.get("feature_map", "elu")).out_dim(d)
+        if "gate" in kw:
+            kw["gate"] = np.log(rng.uniform(0.5, 1.0, lead + ((n,) if kw["gate"] == "position" else (n, dk)))).astype(
+                dtype)
+        q, k = (rng.standard_normal(lead + (n, d)).astype(dtype) for _ in range(2))
+        if kw.get("feature_map") == "identity":
+            q, k = np.abs(q), np.abs(k)
+        yield kw, dk, q, k, rng.standard_normal(lead + (n, dv)).astype(dtype)
+
+
+def _stepped(q, k, v, state, kw):
+    """``step`` position after position (..., N, D) on ``state`` (updated in place), with the options ``kw`` (a
+    gate's position taken at each step): the outputs, (..., N, Dv)."""
+    one = {x: kw[x] for x in kw if x != "gate"}
+    gate = kw.get("gate")
+    per_dim = gate is not None and gate.ndim == q.ndim
+    return np.stack([linattn.step(q[..., t, :], k[..., t, :], v[..., t, :], state, **one, **(
+        {} if gate is None else {"gate": gate[..., t, :] if per_dim else gate[..., t]})) for t in range(q.shape[-2])],
+        axis=-2)
+
+
 @pytest.mark.parametrize("dtype", [np.float32, np.float64])
 @pytest.mark.parametrize("n", [1, 2, attention.FEW_POSITIONS])
 @pytest.mark.parametrize("lead", [(), (3,), (2, 3), (8, 8)])  # (8, 8) at D = Dv = 64: the parallel step
@@ -294,17 +321,7 @@ def test_causal_call_of_few_positions_from_a_state(rng, lead, n, dtype, monkeypa
     steps = []
     monkeypatch.setattr(attention, "step_fast", lambda *a: steps.append(1) or decoding.step_fast(*a))
     d, dv = (64, 64) if lead == (8, 8) else (5, 3)
-    T2R = linattn.feature_maps.T2R(rng.standard_normal((d, 4)), rng.standard_normal(4))
-    for kw in (dict(), dict(feature_map="relu", normalize=False), dict(feature_map=T2R, scale=0.5),
-               dict(decay=0.9), dict(gate="position"), dict(gate="dimension", feature_map="identity", eps=0.5)):
-        dk = linattn.feature_maps.as_map(kw.get("feature_map", "elu")).out_dim(d)
-        if "gate" in kw:
-            kw["gate"] = np.log(rng.uniform(0.5, 1.0, lead + ((n,) if kw["gate"] == "position" else (n, dk)))).astype(
-                dtype)
-        q, k = (rng.standard_normal(lead + (n, d)).astype(dtype) for _ in range(2))
-        if kw.get("feature_map") == "identity":  # (positive features: denominators away from 0, well conditioned)
-            q, k = np.abs(q), np.abs(k)
-        v = rng.standard_normal(lead + (n, dv)).astype(dtype)
+    for kw, dk, q, k, v in _position_options(rng, lead, n, d, dv, dtype):
         S, Z = (rng.random(lead + (dk, dv)) * 0.5).astype(dtype), (rng.random(lead + (dk,)) + 0.5).astype(dtype)
         state = linattn.State(S.copy(), Z.copy())
         steps.clear()
@@ -317,11 +334,7 @@ def test_causal_call_of_few_positions_from_a_state(rng, lead, n, dtype, monkeypa
         assert_close(new.S, want_state.S, dtype)
         assert_close(new.Z, want_state.Z, dtype)
         stepped = linattn.State(S.copy(), Z.copy())
-        one = {x: kw[x] for x in kw if x != "gate"}
-        by_step = [linattn.step(q[..., t, :], k[..., t, :], v[..., t, :], stepped, **one, **(
-            {} if "gate" not in kw else {"gate": kw["gate"][..., t, :] if kw["gate"].ndim > len(lead) + 1
-                                         else kw["gate"][..., t]})) for t in range(n)]
-        np.testing.assert_array_equal(out, np.stack(by_step, axis=-2))
+        np.testing.assert_array_equal(out, _stepped(q, k, v, stepped, kw))
         np.testing.assert_array_equal(new.S, stepped.S)
         np.testing.assert_array_equal(new.Z, stepped.Z)
         np.testing.assert_array_equal(state.S, S)  # (the initial state as it was)
@@ -356,17 +369,7 @@ def test_causal_call_of_few_positions_with_no_state(rng, lead, n, dtype, monkeyp
     monkeypatch.setattr(attention, "step_fast", lambda *a: steps.append(1) or decoding.step_fast(*a))
     d, dv = (64, 64) if lead == (8, 8) else (5, 3)
     comp = np.float32 if dtype == np.float16 else dtype
-    T2R = linattn.feature_maps.T2R(rng.standard_normal((d, 4)), rng.standard_normal(4))
-    for kw in (dict(), dict(feature_map="relu", normalize=False), dict(feature_map=T2R, scale=0.5),
-               dict(decay=0.9), dict(gate="position"), dict(gate="dimension", feature_map="identity", eps=0.5)):
-        dk = linattn.feature_maps.as_map(kw.get("feature_map", "elu")).out_dim(d)
-        if "gate" in kw:
-            kw["gate"] = np.log(rng.uniform(0.5, 1.0, lead + ((n,) if kw["gate"] == "position" else (n, dk)))).astype(
-                dtype)
-        q, k = (rng.standard_normal(lead + (n, d)).astype(dtype) for _ in range(2))
-        if kw.get("feature_map") == "identity":  # (positive features: denominators away from 0, well conditioned)
-            q, k = np.abs(q), np.abs(k)
-        v = rng.standard_normal(lead + (n, dv)).astype(dtype)
+    for kw, dk, q, k, v in _position_options(rng, lead, n, d, dv, dtype):
         steps.clear()
         out, new = linattn.causal_linear_attention(q, k, v, return_state=True, **kw)
         fresh = n <= attention.FRESH_POSITIONS and np.prod(lead) * dk * dv * np.dtype(comp).itemsize <= (
@@ -386,11 +389,7 @@ def test_causal_call_of_few_positions_with_no_state(rng, lead, n, dtype, monkeyp
         if not fresh:
             continue
         stepped = linattn.State.zeros(lead, dk, dv, comp)
-        one = {x: kw[x] for x in kw if x != "gate"}
-        by_step = [linattn.step(q[..., t, :], k[..., t, :], v[..., t, :], stepped, **one, **(
-            {} if "gate" not in kw else {"gate": kw["gate"][..., t, :] if kw["gate"].ndim > len(lead) + 1
-                                         else kw["gate"][..., t]})) for t in range(n)]
-        np.testing.assert_array_equal(out, np.stack(by_step, axis=-2))
+        np.testing.assert_array_equal(out, _stepped(q, k, v, stepped, kw))
         np.testing.assert_array_equal(new.S, stepped.S)
         np.testing.assert_array_equal(new.Z, stepped.Z)
     steps.clear()  # (a callable map, lengths: the general path, the same result)

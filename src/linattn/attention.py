@@ -381,27 +381,41 @@ def _fast(causal, q, k, v, feature_map, eps, normalize, keep=False, return_state
 
 def _fast_half(causal, q, k, v, feature_map, eps, normalize, return_state, initial_state, into, scale, decay=None,
                gate=None, lengths=None, query_lengths=None):
-    """_fast for float16 q, k and v (and a float16 gate): computed in float32 as the checked path computes them
-    (cpu/half.py's conversions), the result rounded to float16 once and copied into ``into`` (checked) when
-    given; a returned state stays float32, as an initial one must be. None where _fast does not take the
-    converted arguments: the checked path then runs, or says why. (B1 H1 N16 D16: 30 us through the checked
-    path.)"""
+    """_fast for float16 q, k and v (and a float16 gate): computed in float32 as the checked path computes them,
+    the result rounded to float16 once and copied into ``into`` (checked) when given; a returned state stays
+    float32, as an initial one must be. None where _fast does not take the converted arguments: the checked path
+    then runs, or says why. (B1 H1 N16 D16: 30 us through the checked path.)"""
     if type(k) is not _ndarray or type(v) is not _ndarray or k.dtype is not _F16 or v.dtype is not _F16:
         return None
-    single = np.float32
-    if type(gate) is _ndarray and gate.dtype is _F16:
-        gate = gate.astype(single)
-    res = _fast(causal, half.astype(q, single), half.astype(k, single), half.astype(v, single), feature_map, eps,
-                normalize, False, return_state, initial_state, None, scale, decay, gate, lengths, query_lengths)
+    q, k, v, gate = _in_single(q, k, v, gate)
+    res = _fast(causal, q, k, v, feature_map, eps, normalize, False, return_state, initial_state, None, scale, decay,
+                gate, lengths, query_lengths)
     if res is None:
         return None
     out, state = res if return_state else (res, None)
-    out = half.astype(out, _F16)
-    if into is not None:
-        into = _check_out(into, out.shape, out.dtype, "cpu")
-        into[...] = out
-        out = into
+    out = _finished(out, True, into)
     return (out, state) if return_state else out
+
+
+def _in_single(q, k, v, gate):
+    """float16 q, k and v (and a float16 gate) in float32, as the checked path computes them (cpu/half.py's
+    conversions)."""
+    single = np.float32
+    if type(gate) is _ndarray and gate.dtype is _F16:
+        gate = gate.astype(single)
+    return half.astype(q, single), half.astype(k, single), half.astype(v, single), gate
+
+
+def _finished(res, halves, out):
+    """A short path's result: rounded to float16 once where the inputs were (``halves``), and copied into ``out``
+    (checked) when given."""
+    if halves:
+        res = half.astype(res, _F16)
+    if out is None:
+        return res
+    out = _check_out(out, res.shape, res.dtype, "cpu")
+    out[...] = res
+    return out
 
 
 def _launch(kernel, nthreads, args, parts):
@@ -507,9 +521,7 @@ def _few_positions(q, k, v, state, feature_map, eps, normalize, return_state, de
         return None
     n = q.shape[-2]
     if halves:  # (H8 D64, one position: B1 60 us through the general path against 16, B8 188 against 43)
-        q, k, v = (half.astype(x, np.float32) for x in (q, k, v))
-        if gate is not None and gate.dtype == _F16:
-            gate = gate.astype(np.float32)
+        q, k, v, gate = _in_single(q, k, v, gate)
     new = _new_state(S0, Z0)
     if n == 1:  # (the step's own result: no views of one, ~0.3 us of a 6 us call)
         g = None if gate is None else gate[..., 0, :] if per_dim else gate[..., 0]
@@ -522,12 +534,7 @@ def _few_positions(q, k, v, state, feature_map, eps, normalize, return_state, de
         res = step_fast(q, k, v, new, feature_map, eps, normalize, decay, gate, scale, None, state, True)
         if res is None:
             return None
-    if halves:
-        res = half.astype(res, _F16)
-    if out is not None:
-        out = _check_out(out, res.shape, res.dtype, "cpu")
-        out[...] = res
-        res = out
+    res = _finished(res, halves, out)
     return (res, new) if return_state else res
 
 
