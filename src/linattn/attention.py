@@ -379,13 +379,13 @@ def _fast(causal, q, k, v, feature_map, eps, normalize, keep=False, return_state
     return (out, state) if return_state else out
 
 
-def _fast_half(causal, q, k, v, feature_map, eps, normalize, return_state, initial_state, into, scale, decay=None,
-               gate=None, lengths=None, query_lengths=None):
-    """_fast for float16 q, k and v (and a float16 gate): computed in float32 as the checked path computes them,
-    the result rounded to float16 once and copied into ``into`` (checked) when given; a returned state stays
-    float32, as an initial one must be. None where _fast does not take the converted arguments: the checked path
-    then runs, or says why. (B1 H1 N16 D16: 30 us through the checked path.)"""
-    if type(k) is not _ndarray or type(v) is not _ndarray or k.dtype is not _F16 or v.dtype is not _F16:
+def _fast_half(causal, q, k, v, feature_map, eps, normalize, keep=False, return_state=False, initial_state=None,
+               into=None, scale=None, decay=None, gate=None, lengths=None, query_lengths=None):
+    """_fast (its arguments; ``keep`` False) for float16 q, k and v (and a float16 gate): computed in float32 as the
+    checked path computes them, the result rounded to float16 once and copied into ``into`` (checked) when given;
+    a returned state stays float32, as an initial one must be. None where _fast does not take the converted
+    arguments: the checked path then runs, or says why. (B1 H1 N16 D16: 30 us through the checked path.)"""
+    if keep or type(k) is not _ndarray or type(v) is not _ndarray or k.dtype is not _F16 or v.dtype is not _F16:
         return None
     q, k, v, gate = _in_single(q, k, v, gate)
     res = _fast(causal, q, k, v, feature_map, eps, normalize, False, return_state, initial_state, None, scale, decay,
@@ -400,10 +400,9 @@ def _fast_half(causal, q, k, v, feature_map, eps, normalize, return_state, initi
 def _in_single(q, k, v, gate):
     """float16 q, k and v (and a float16 gate) in float32, as the checked path computes them (cpu/half.py's
     conversions)."""
-    single = np.float32
     if type(gate) is _ndarray and gate.dtype is _F16:
-        gate = gate.astype(single)
-    return half.astype(q, single), half.astype(k, single), half.astype(v, single), gate
+        gate = gate.astype(_SINGLE)
+    return half.astype(q, _SINGLE), half.astype(k, _SINGLE), half.astype(v, _SINGLE), gate
 
 
 def _finished(res, halves, out):
@@ -795,12 +794,9 @@ def causal_linear_attention(q, k, v, *, feature_map="elu", eps=1e-6, normalize=T
                     res = _few_positions(q, k, v, zero, feature_map, eps, normalize, return_state, decay, gate,
                                          scale, out)
         if res is None and (return_state is False or return_state is True):
-            if q.dtype is _F16:
-                res = _fast_half(True, q, k, v, feature_map, eps, normalize, return_state, initial_state, out, scale,
-                                 decay, gate, lengths)
-            else:
-                res = _fast(True, q, k, v, feature_map, eps, normalize, False, return_state, initial_state, out,
-                            scale, decay, gate, lengths)
+            res = (_fast_half if q.dtype is _F16 else _fast)(True, q, k, v, feature_map, eps, normalize, False,
+                                                             return_state, initial_state, out, scale, decay, gate,
+                                                             lengths)
         if res is not None:
             return res
     S_in, Z_in = checks.state_parts(initial_state)
@@ -985,12 +981,9 @@ def linear_attention(q, k=None, v=None, *, feature_map="elu", eps=1e-6, normaliz
         raise TypeError(f"linear_attention() got an unexpected keyword argument {name!r}{why}")
     if type(q) is _ndarray and device is None and (return_state is False or return_state is True):
         if k is not None or v is not None:
-            if q.dtype is _F16:
-                res = _fast_half(False, q, k, v, feature_map, eps, normalize, return_state, initial_state, out,
-                                 scale, lengths=lengths, query_lengths=query_lengths)
-            else:
-                res = _fast(False, q, k, v, feature_map, eps, normalize, False, return_state, initial_state, out,
-                            scale, lengths=lengths, query_lengths=query_lengths)
+            res = (_fast_half if q.dtype is _F16 else _fast)(False, q, k, v, feature_map, eps, normalize, False,
+                                                             return_state, initial_state, out, scale,
+                                                             lengths=lengths, query_lengths=query_lengths)
         elif (return_state is False and out is None and scale is None and lengths is None
               and query_lengths is None):
             res = _fast_over_state(q, initial_state, feature_map, eps, normalize)
